@@ -1,0 +1,299 @@
+"""
+The output file format: a msgpack header, the msgpack value, then raw buffers.
+
+A stored output is a stream of msgpack objects, so any msgpack reader can open it::
+
+    {header}            format, slot, fingerprint, created_at, encoding, checksum, size,
+                        buffers, hsum (a digest of the header itself), mac (with a secret)
+    value               the value; large NumPy buffers replaced by references
+    nil* bin32 ...      each large buffer: nil padding so its bytes start 64-byte aligned, then
+                        a bin object holding the raw bytes (read back without copying)
+
+``checksum`` is the SHA-256 of everything after the header and doubles as the value's
+digest when the value is passed to another step. With a secret, ``mac`` is an
+HMAC-SHA256 of the header (which holds the checksum), so the whole file is authenticated
+before anything in it is decoded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import struct
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import msgpack
+
+from ._codec_types import Decoder, Encoder, Undecodable, Unstorable, find_path, qualified_name
+from .exceptions import SerializationError, StateFormatError
+
+FORMAT = 1
+_ALIGN = 64
+_BIN32 = 5  # bytes of a bin32 object's prefix
+_CHECKSUM_PREFIX = "sha256:"
+_MAC_PREFIX = "hmac-sha256:"
+_HEAD_GUESS = 4096
+
+Buffer = bytes | bytearray | memoryview
+
+
+class DamagedFileError(Exception):
+    """A stored file is unreadable, truncated, tampered with or refused; carries the reason."""
+
+
+def utcnow() -> str:
+    """The current UTC time as ISO 8601 with a ``Z`` suffix (millisecond precision)."""
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class Encoded:
+    """A value packed and ready to be framed: the body and its out-of-band buffers."""
+
+    __slots__ = ("body", "buffers", "pickled")
+
+    def __init__(self, body: bytes, buffers: list[memoryview], *, pickled: bool) -> None:
+        self.body = body
+        self.buffers = buffers
+        self.pickled = pickled
+
+
+def encode(value: object, *, allow_pickle: bool, what: str = "the output") -> Encoded:
+    """
+    Pack *value* for storage.
+
+    Raises:
+        SerializationError: *value* (or something inside it) cannot be stored; the message
+            names *what* and where the offending object sits.
+    """
+    encoder = Encoder(allow_pickle=allow_pickle)
+    try:
+        body = encoder.pack(value)
+    except Unstorable as exc:
+        where = find_path(value, exc.obj)
+        type_name = qualified_name(type(exc.obj))
+        msg = f"cannot store {what}: {where} is a {type_name}, and {exc.reason}."
+        raise SerializationError(msg, where=where, type_name=type_name) from None
+    except (ValueError, OverflowError, TypeError) as exc:
+        msg = f"cannot store {what}: {exc} (self-referencing or too deeply nested?)"
+        raise SerializationError(msg) from None
+    return Encoded(body, encoder.buffers, pickled=encoder.pickled)
+
+
+def _header_sum(header: Mapping[str, Any]) -> str:
+    """A digest of the header itself, so a damaged header is caught like a damaged value."""
+    rest = {k: v for k, v in header.items() if k not in {"hsum", "mac"}}
+    return hashlib.sha256(msgpack.packb(rest)).hexdigest()[:32]
+
+
+def _sign(header: Mapping[str, Any], secret: bytes) -> str:
+    unsigned = {k: v for k, v in header.items() if k != "mac"}
+    mac = hmac.new(secret, msgpack.packb(unsigned), hashlib.sha256).hexdigest()
+    return _MAC_PREFIX + mac
+
+
+def frame(
+    encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = None
+) -> tuple[list[Buffer], dict[str, Any]]:
+    """Return the chunks of the file holding *encoded*, and its header."""
+    sizes = [b.nbytes for b in encoded.buffers]
+    header: dict[str, Any] = {
+        "format": FORMAT,
+        **meta,
+        "created_at": utcnow(),
+        "encoding": "msgpack+pickle" if encoded.pickled else "msgpack",
+        "checksum": _CHECKSUM_PREFIX + "0" * 64,
+        "size": 0,
+        "buffers": [[0, n] for n in sizes],
+        "hsum": "0" * 32,
+    }
+    if secret is not None:
+        header["mac"] = _MAC_PREFIX + "0" * 64
+    # Padding depends on the header's length, and "size" on the padding: iterate to a fixed
+    # point (pads are < 64, always one msgpack byte, so this settles at once in practice).
+    head_len = -1
+    while True:
+        packed = len(msgpack.packb(header))
+        if packed == head_len:
+            break
+        head_len = packed
+        position = head_len + len(encoded.body)
+        for entry in header["buffers"]:
+            entry[0] = -(position + _BIN32) % _ALIGN
+            position += entry[0] + _BIN32 + entry[1]
+        header["size"] = position - head_len
+    chunks: list[Buffer] = [b"", encoded.body]
+    digest = hashlib.sha256(encoded.body)
+    for (pad, size), buf in zip(header["buffers"], encoded.buffers, strict=True):
+        prefix = b"\xc0" * pad + struct.pack(">BI", 0xC6, size)
+        digest.update(prefix)
+        digest.update(buf)
+        chunks += [prefix, buf]
+    header["checksum"] = _CHECKSUM_PREFIX + digest.hexdigest()
+    header["hsum"] = _header_sum(header)
+    if secret is not None:
+        header["mac"] = _sign(header, secret)
+    chunks[0] = msgpack.packb(header)
+    return chunks, header
+
+
+def parse_header(data: Buffer) -> tuple[dict[str, Any], int]:
+    """
+    Read the header at the start of *data* (the whole file, or at least its head).
+
+    Raises:
+        DamagedFileError: it is not a resumable output file.
+        StateFormatError: it was written by a newer version.
+    """
+    view = memoryview(data)
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(view) or 1)
+    unpacker.feed(view)
+    try:
+        header = unpacker.unpack()
+    except msgpack.OutOfData:
+        msg = "truncated header"
+        raise DamagedFileError(msg) from None
+    except Exception as exc:  # noqa: BLE001 - any msgpack error means "not our file"
+        msg = f"unreadable header ({type(exc).__name__})"
+        raise DamagedFileError(msg) from None
+    if not _valid_header(header):
+        msg = "not a resumable output file (bad header)"
+        raise DamagedFileError(msg)
+    if header["format"] > FORMAT:
+        raise StateFormatError(str(header.get("slot", "?")), header["format"], FORMAT)
+    return header, unpacker.tell()
+
+
+def _valid_header(header: object) -> bool:
+    if not isinstance(header, dict):
+        return False
+    types = {"format": int, "slot": str, "checksum": str, "size": int, "buffers": list}
+    if not all(isinstance(header.get(k), t) for k, t in types.items()):
+        return False
+    return all(
+        isinstance(e, list) and len(e) == 2 and all(type(x) is int and x >= 0 for x in e)  # noqa: PLR2004
+        for e in header["buffers"]
+    )
+
+
+def verify(data: Buffer, header: Mapping[str, Any], head_len: int, secret: bytes | None) -> None:
+    """
+    Check that *data* is complete, authentic (with a secret) and matches its checksum.
+
+    Raises:
+        DamagedFileError: it is not.
+    """
+    if secret is not None:
+        mac = header.get("mac")
+        if not isinstance(mac, str) or not hmac.compare_digest(mac, _sign(header, secret)):
+            msg = "authentication failed (written without the secret, or tampered with)"
+            raise DamagedFileError(msg)
+    hsum = header.get("hsum")
+    if not isinstance(hsum, str) or not hmac.compare_digest(hsum, _header_sum(header)):
+        msg = "header checksum mismatch (the file was damaged after it was written)"
+        raise DamagedFileError(msg)
+    size = len(data) - head_len
+    if size != header["size"]:
+        msg = f"{'truncated' if size < header['size'] else 'trailing bytes'}: "
+        msg += f"{size} value bytes instead of {header['size']}"
+        raise DamagedFileError(msg)
+    actual = _CHECKSUM_PREFIX + hashlib.sha256(memoryview(data)[head_len:]).hexdigest()
+    if not hmac.compare_digest(actual, header["checksum"]):
+        msg = "checksum mismatch (the file was damaged after it was written)"
+        raise DamagedFileError(msg)
+
+
+def decode(data: Buffer, header: Mapping[str, Any], head_len: int, *, allow_pickle: bool) -> Any:
+    """
+    Turn a verified file back into its value.
+
+    Raises:
+        DamagedFileError: the value is malformed, refers to a class that is not imported, or
+            holds a pickle while pickles are not allowed.
+    """
+    if not allow_pickle and header.get("encoding") != "msgpack":
+        msg = "it holds a pickled value and pickles are not allowed (allow_pickle=False)"
+        raise DamagedFileError(msg)
+    position = head_len + header["size"]
+    spans: list[tuple[int, int]] = []
+    for pad, size in reversed(header["buffers"]):
+        position -= size
+        spans.append((position, size))
+        position -= pad + _BIN32
+    spans.reverse()
+    decoder = Decoder(data, spans, allow_pickle=allow_pickle)
+    try:
+        return decoder.unpack(memoryview(data)[head_len:position])
+    except Undecodable as exc:
+        raise DamagedFileError(str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - a checksummed file that will not decode is damaged
+        msg = f"the value does not decode ({type(exc).__name__}: {exc})"
+        raise DamagedFileError(msg) from None
+
+
+def value_digest(header: Mapping[str, Any]) -> str:
+    """The digest another step's fingerprint uses for this stored value."""
+    checksum: str = header["checksum"]
+    return checksum.removeprefix(_CHECKSUM_PREFIX)
+
+
+def secret_bytes(secret: str | bytes | None) -> bytes | None:
+    """Normalise a secret given as str or bytes; fall back to ``$RESUMABLE_SECRET``."""
+    if secret is None:
+        secret = os.environ.get("RESUMABLE_SECRET") or None
+    if isinstance(secret, str):
+        return secret.encode()
+    return secret
+
+
+def read_file(path: str | os.PathLike[str]) -> bytearray:
+    """Read a whole file into a fresh writable buffer (arrays decoded from it are writable)."""
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        buf = bytearray(size)
+        view = memoryview(buf)
+        done = 0
+        while done < size:
+            n = f.readinto(view[done:])
+            if not n:
+                break
+            done += n
+        del view
+    if done < size:
+        del buf[done:]
+    return buf
+
+
+def load(
+    path: str | os.PathLike[str],
+    *,
+    allow_pickle: bool = True,
+    secret: str | bytes | None = None,
+) -> Any:
+    """
+    Return the value stored in a step output file such as ``state/parse.msgpack``.
+
+    The checksum is verified first; with *secret* (default ``$RESUMABLE_SECRET``) the file
+    must also be authenticated. Modules named in the file are never imported, so classes
+    of attrs, dataclass, pydantic or Enum values must be imported before loading.
+
+    Raises:
+        SerializationError: the file is damaged, tampered with, or cannot be decoded here.
+        StateFormatError: the file was written by a newer version of resumable.
+        FileNotFoundError: there is no such file.
+    """
+    data = read_file(path)
+    try:
+        header, head_len = parse_header(data)
+        verify(data, header, head_len, secret_bytes(secret))
+        return decode(data, header, head_len, allow_pickle=allow_pickle)
+    except DamagedFileError as exc:
+        msg = f"cannot load {os.fspath(path)}: {exc}"
+        raise SerializationError(msg) from None
+
+
+def file_chunks_size(chunks: Sequence[Buffer]) -> int:
+    """Total size in bytes of a list of chunks."""
+    return sum(memoryview(c).nbytes for c in chunks)

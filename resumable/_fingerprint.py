@@ -1,0 +1,330 @@
+"""
+Argument digests: equal arguments give equal digests in every process.
+
+A value is fed into SHA-256 as a tagged, length-prefixed byte string. Dicts and sets
+are order-free (their encoded items are sorted), floats are hashed by their bits, and
+NumPy arrays by dtype, shape and raw bytes. Objects returned by an earlier step are
+not rehashed: the provenance registry maps them to the checksum of the stored output.
+Anything without a stable meaning raises :class:`FingerprintError` rather than being
+hashed by identity or by pickled bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import decimal
+import enum
+import hashlib
+import pathlib
+import struct
+import sys
+import threading
+import uuid
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import attrs
+
+from ._codec_types import qualified_name
+from .exceptions import FingerprintError
+
+_PACK_LEN = struct.Struct("<Q").pack
+_PACK_FLOAT = struct.Struct("<d").pack
+_PACK_COMPLEX = struct.Struct("<dd").pack
+_PATH_TAGS = {
+    pathlib.PosixPath: b"pp",
+    pathlib.PurePosixPath: b"pp",
+    pathlib.WindowsPath: b"pw",
+    pathlib.PureWindowsPath: b"pw",
+}
+
+
+class _Unhashable(Exception):  # noqa: N818 - internal signal turned into FingerprintError
+    def __init__(self, where: str, obj: object, detail: str = "") -> None:
+        self.where = where
+        self.obj = obj
+        self.detail = detail
+        super().__init__(where)
+
+
+class StoredOutput:
+    """
+    A skipped step's output that has not been loaded (the pipeline runner's lazy value).
+
+    Its digest is the stored output's checksum, so a step taking it as an argument gets
+    the same fingerprint as with the loaded value, without loading or rehashing it.
+    """
+
+    __slots__ = ("_load", "_loaded", "_value", "digest", "slot")
+
+    def __init__(self, slot: str, digest: str, load: Callable[[], Any]) -> None:
+        self.slot = slot
+        self.digest = digest
+        self._load = load
+        self._loaded = False
+        self._value: Any = None
+
+    def __repr__(self) -> str:
+        return f"<stored output of {self.slot!r}>"
+
+    def get(self) -> Any:
+        """Load (once) and return the value."""
+        if not self._loaded:
+            self._value = self._load()
+            self._loaded = True
+        return self._value
+
+
+class _Provenance:
+    """Maps live objects returned by steps to the digest of their stored output."""
+
+    _MAX_STRONG = 256  # outputs that cannot be weakly referenced are held, at most this many
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[Any, str, int, bool]] = {}
+        self._strong: OrderedDict[int, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def remember(self, obj: object, digest: str) -> None:
+        if type(obj) in _SCALARS or isinstance(obj, (str, bytes, tuple, frozenset)):
+            return  # immutable values may be shared singletons: always hash them
+        key = id(obj)
+        with self._lock:
+            try:
+                ref = weakref.ref(obj, lambda r, k=key: self._forget(k, r))
+            except TypeError:
+                # lists and dicts cannot be weakly referenced; remember their length so the
+                # most common in-place change (append/pop) falls back to hashing
+                size = len(obj) if hasattr(obj, "__len__") else -1  # type: ignore[arg-type]
+                self._entries[key] = (obj, digest, size, False)
+                self._strong[key] = None
+                self._strong.move_to_end(key)
+                while len(self._strong) > self._MAX_STRONG:
+                    old, _ = self._strong.popitem(last=False)
+                    self._entries.pop(old, None)
+            else:
+                self._entries[key] = (ref, digest, -1, True)
+                self._strong.pop(key, None)
+
+    def _forget(self, key: int, ref: object) -> None:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] is ref:
+                del self._entries[key]
+
+    def lookup(self, obj: object) -> str | None:
+        entry = self._entries.get(id(obj))
+        if entry is None:
+            return None
+        held, digest, size, weak = entry
+        if (held() if weak else held) is not obj:
+            return None
+        if size >= 0 and len(obj) != size:  # type: ignore[arg-type]
+            return None
+        return digest
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._strong.clear()
+
+
+provenance = _Provenance()
+_SCALARS: frozenset[type] = frozenset({type(None), bool, int, float, complex})
+
+
+class _Feeder:
+    """Turns a value into the canonical byte string that is hashed."""
+
+    __slots__ = ("active",)
+
+    def __init__(self) -> None:
+        self.active: set[int] = set()
+
+    def feed(self, out: bytearray, obj: Any, where: str) -> None:  # noqa: C901, PLR0912
+        tp = type(obj)
+        simple = _SIMPLE.get(tp)
+        if simple is not None:
+            out += simple(obj)
+            return
+        if tp is StoredOutput:
+            out += b"@" + obj.digest.encode()
+            return
+        origin = provenance.lookup(obj)
+        if origin is not None:
+            out += b"@" + origin.encode()
+            return
+        if tp is list or tp is tuple:
+            out += (b"l" if tp is list else b"t") + _PACK_LEN(len(obj))
+            self._enter(obj, where)
+            for i, item in enumerate(obj):
+                self.feed(out, item, f"{where}[{i}]")
+            self.active.discard(id(obj))
+        elif tp is dict:
+            self._enter(obj, where)
+            items = []
+            for k, v in obj.items():
+                item = bytearray()
+                self.feed(item, k, f"{where} key {k!r}")
+                self.feed(item, v, f"{where}[{k!r}]")
+                items.append(bytes(item))
+            self.active.discard(id(obj))
+            self._sorted(out, b"d", items)
+        elif tp is set or tp is frozenset:
+            items = []
+            for v in obj:
+                item = bytearray()
+                self.feed(item, v, f"{where} element {v!r}")
+                items.append(bytes(item))
+            self._sorted(out, b"S", items)
+        elif isinstance(obj, enum.Enum):
+            out += b"E" + _text(qualified_name(tp))
+            self.feed(out, obj.value, f"{where}.value")
+        elif hasattr(obj, "__resumable_fingerprint__"):
+            out += b"R" + _text(qualified_name(tp))
+            self.feed(out, obj.__resumable_fingerprint__(), f"{where}.__resumable_fingerprint__()")
+        else:
+            fields = _fields_of(obj)
+            if fields is None:
+                self._special(out, obj, where)
+                return
+            out += b"O" + _text(qualified_name(tp))
+            self._enter(obj, where)
+            for name, value in fields:
+                out += _text(name)
+                self.feed(out, value, f"{where}.{name}")
+            self.active.discard(id(obj))
+
+    def _enter(self, obj: object, where: str) -> None:
+        if id(obj) in self.active:
+            raise _Unhashable(where, obj, "it contains itself")
+        self.active.add(id(obj))
+
+    @staticmethod
+    def _sorted(out: bytearray, tag: bytes, items: list[bytes]) -> None:
+        items.sort()
+        out += tag + _PACK_LEN(len(items))
+        for item in items:
+            out += _PACK_LEN(len(item)) + item
+
+    def _special(self, out: bytearray, obj: Any, where: str) -> None:
+        np = sys.modules.get("numpy")
+        if np is not None and isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:
+                out += b"a" + _text(str(obj.shape))
+                self.feed(out, obj.tolist(), where)
+                return
+            data = np.ascontiguousarray(obj)
+            body = hashlib.sha256(memoryview(data.reshape(-1).view("uint8"))).digest()
+            out += b"A" + _text(data.dtype.str) + _text(str(data.shape)) + body
+            return
+        if np is not None and isinstance(obj, np.generic):
+            out += b"n" + _text(obj.dtype.str) + obj.tobytes()
+            return
+        pd = sys.modules.get("pandas")
+        if pd is not None and isinstance(obj, (pd.DataFrame, pd.Series, pd.Index)):
+            self._pandas(out, pd, obj, where)
+            return
+        if isinstance(obj, (str, bytes, int, float, dt.date, dt.time, dt.timedelta, pathlib.PurePath)):
+            # subclasses of supported scalars (e.g. a str subclass): hash as the base type
+            base = next(b for b in type(obj).__mro__ if b in _SIMPLE)
+            out += b"~" + _SIMPLE[base](obj)
+            return
+        raise _Unhashable(where, obj)
+
+    def _pandas(self, out: bytearray, pd: Any, obj: Any, where: str) -> None:
+        try:
+            hashed = pd.util.hash_pandas_object(obj, index=True).to_numpy()
+        except TypeError as exc:
+            raise _Unhashable(where, obj, str(exc)) from None
+        out += b"P" + _text(type(obj).__name__) + hashlib.sha256(hashed.tobytes()).digest()
+        if isinstance(obj, pd.DataFrame):
+            self.feed(out, [str(c) for c in obj.columns], f"{where}.columns")
+            self.feed(out, [str(d) for d in obj.dtypes], f"{where}.dtypes")
+        else:
+            self.feed(out, str(obj.dtype), f"{where}.dtype")
+            self.feed(out, str(obj.name), f"{where}.name")
+
+
+def _fields_of(obj: object) -> Iterable[tuple[str, Any]] | None:
+    tp = type(obj)
+    if attrs.has(tp):
+        return [(a.name, getattr(obj, a.name)) for a in attrs.fields(tp)]
+    if dataclasses.is_dataclass(tp):
+        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]  # type: ignore[arg-type]
+    pydantic = sys.modules.get("pydantic")
+    if pydantic is not None and isinstance(obj, pydantic.BaseModel):
+        return list(obj)
+    return None
+
+
+def _text(s: str) -> bytes:
+    b = s.encode("utf-8", "surrogatepass")
+    return _PACK_LEN(len(b)) + b
+
+
+def _tz(value: dt.datetime | dt.time) -> bytes:
+    key = getattr(value.tzinfo, "key", None)
+    return _text(key if isinstance(key, str) else "")
+
+
+_SIMPLE: dict[type, Callable[[Any], bytes]] = {
+    type(None): lambda _o: b"N",
+    bool: lambda o: b"T" if o else b"F",
+    int: lambda o: b"i" + _text(str(o)),
+    float: lambda o: b"f" + _PACK_FLOAT(o),
+    complex: lambda o: b"c" + _PACK_COMPLEX(o.real, o.imag),
+    str: lambda o: b"s" + _text(o),
+    bytes: lambda o: b"b" + _PACK_LEN(len(o)) + o,
+    bytearray: lambda o: b"b" + _PACK_LEN(len(o)) + bytes(o),
+    memoryview: lambda o: b"b" + _PACK_LEN(o.nbytes) + o.tobytes(),
+    dt.datetime: lambda o: b"D" + _text(o.isoformat()) + _tz(o) + bytes([o.fold]),
+    dt.date: lambda o: b"a" + _text(o.isoformat()),
+    dt.time: lambda o: b"h" + _text(o.isoformat()) + _tz(o) + bytes([o.fold]),
+    dt.timedelta: lambda o: b"e" + _text(f"{o.days},{o.seconds},{o.microseconds}"),
+    decimal.Decimal: lambda o: b"m" + _text(str(o)),
+    uuid.UUID: lambda o: b"u" + o.bytes,
+    **{cls: (lambda tag: lambda o: tag + _text(str(o)))(tag) for cls, tag in _PATH_TAGS.items()},
+}
+
+
+def digest_value(value: object) -> str:
+    """Digest of one value (raises ``_Unhashable`` for unsupported values)."""
+    out = bytearray()
+    _Feeder().feed(out, value, "value")
+    return hashlib.sha256(out).hexdigest()
+
+
+def is_fingerprintable(value: object) -> bool:
+    """True if :func:`digest_value` accepts *value*."""
+    try:
+        digest_value(value)
+    except (_Unhashable, RecursionError):
+        return False
+    return True
+
+
+def digest_arguments(step: str, arguments: Mapping[str, Any], ignore: frozenset[str]) -> str:
+    """
+    Digest of a step's bound arguments, minus those in *ignore*.
+
+    Raises:
+        FingerprintError: an argument has no stable digest.
+    """
+    out = bytearray()
+    feeder = _Feeder()
+    for name, value in arguments.items():
+        if name in ignore:
+            continue
+        out += _text(name)
+        try:
+            feeder.feed(out, value, name)
+        except _Unhashable as exc:
+            tp = qualified_name(type(exc.obj))
+            raise FingerprintError(step, name, exc.where, tp, exc.detail) from None
+        except RecursionError:
+            raise FingerprintError(step, name, name, qualified_name(type(value)), "nested too deeply") from None
+    return hashlib.sha256(out).hexdigest()[:32]

@@ -1,0 +1,281 @@
+"""
+The event log and the manifest it folds into.
+
+Every state change is one line appended to ``events.jsonl`` (a single ``write``; no
+rename, no fsync unless the change must survive a power loss before the step runs).
+``manifest.json`` is rewritten atomically by a background thread at most every
+:data:`FLUSH_INTERVAL` seconds, and synchronously (and durably) when a run closes. A
+reader loads the manifest and replays the events written after it, so a killed process
+loses nothing the log holds, and a lost or damaged manifest is rebuilt from the log and
+the step files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import threading
+import uuid
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from ._codec import DamagedFileError, parse_header, utcnow
+from ._manifest import FORMAT, Fold, Manifest, StepRecord
+from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
+from ._stores import Store
+from .exceptions import ResumableWarning, StateFormatError
+
+FLUSH_INTERVAL = 0.2
+_HEAD = 4096
+
+
+def _mac(secret: bytes, payload: bytes) -> str:
+    return hmac.new(secret, payload, hashlib.sha256).hexdigest()
+
+
+def _dumps(data: Mapping[str, Any]) -> str:
+    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+
+
+def _signed(data: Mapping[str, Any], secret: bytes | None) -> dict[str, Any]:
+    out = dict(data)
+    out.pop("mac", None)
+    if secret is not None:
+        out["mac"] = _mac(secret, _dumps(out).encode())
+    return out
+
+
+def _authentic(data: dict[str, Any], secret: bytes | None) -> bool:
+    if secret is None:
+        return True
+    mac = data.pop("mac", None)
+    return isinstance(mac, str) and hmac.compare_digest(mac, _mac(secret, _dumps(data).encode()))
+
+
+def read_header(store: Store, key: str) -> tuple[dict[str, Any], int]:
+    """Read just the header of a stored output (a few KB at most)."""
+    size = _HEAD
+    while True:
+        head = store.read_range(key, 0, size)
+        try:
+            return parse_header(head)
+        except DamagedFileError:
+            if len(head) < size:
+                raise
+            size *= 4
+
+
+class Journal:
+    """Owns the manifest of an open run: applies events, logs them, writes the manifest."""
+
+    def __init__(
+        self, store: Store, *, pipeline: str, secret: bytes | None, readonly: bool = False
+    ) -> None:
+        self.store = store
+        self.readonly = readonly
+        self.pipeline = pipeline
+        self.secret = secret
+        self.lock = threading.RLock()
+        self.fold = Fold(Manifest(workflow_id=uuid.uuid4().hex, pipeline=pipeline))
+        self._offset = 0
+        self._pending: list[bytes] = []
+        self._flush_lock = threading.Lock()
+        self._wake = threading.Condition()
+        self._dirty = False
+        self._stopping = False
+        self._writer: threading.Thread | None = None
+
+    @property
+    def manifest(self) -> Manifest:
+        return self.fold.manifest
+
+    # loading -----------------------------------------------------------------------------
+
+    def load(self) -> Manifest:
+        """Load the manifest, replay the log after it, rebuild it if it is lost or damaged."""
+        manifest, problem = self._read_manifest()
+        start = 0 if manifest is None else manifest.events_offset
+        if manifest is None:
+            manifest = Manifest(workflow_id=uuid.uuid4().hex, pipeline=self.pipeline)
+        self.fold = Fold(manifest)
+        self._offset = self._replay(start)
+        manifest.events_offset = self._offset
+        if problem is not None:
+            restored = self._reconcile()
+            if problem != "missing" or restored:
+                warnings.warn(
+                    ResumableWarning(
+                        f"{self.store.location}/{MANIFEST} was {problem}; rebuilt it from the "
+                        f"event log and {restored} step file(s)."
+                    ),
+                    stacklevel=2,
+                )
+        return manifest
+
+    def _read_manifest(self) -> tuple[Manifest | None, str | None]:
+        try:
+            raw = self.store.read(MANIFEST)
+        except FileNotFoundError:
+            return None, "missing"
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            return None, "damaged"
+        if not isinstance(data, dict):
+            return None, "damaged"
+        found = data.get("format")
+        if isinstance(found, int) and found > FORMAT:
+            raise StateFormatError(f"{self.store.location}/{MANIFEST}", found, FORMAT)
+        if not _authentic(data, self.secret):
+            return None, "not authentic (written without the secret, or tampered with)"
+        try:
+            return Manifest.from_dict(data), None
+        except (ValueError, TypeError, KeyError):
+            return None, "damaged"
+
+    def _replay(self, start: int) -> int:
+        try:
+            tail = self.store.read_range(EVENTS, start)
+        except FileNotFoundError:
+            return 0
+        bad = 0
+        for line in tail.splitlines():
+            try:
+                event = json.loads(line)
+                if not isinstance(event, dict) or not _authentic(event, self.secret):
+                    raise ValueError  # noqa: TRY301 - same handling as malformed JSON
+            except ValueError:
+                bad += 1
+                continue
+            self.fold.apply(event)
+        if self.readonly:
+            return start + len(tail)
+        if bad:
+            warnings.warn(
+                ResumableWarning(
+                    f"{self.store.location}/{EVENTS}: skipped {bad} damaged line(s) "
+                    "(e.g. cut short by a power loss)."
+                ),
+                stacklevel=3,
+            )
+        if tail and not tail.endswith(b"\n"):
+            # a line cut short: end it, so the next event starts on a line of its own
+            self.store.append(EVENTS, b"\n", durable=False)
+            return start + len(tail) + 1
+        return start + len(tail)
+
+    def _reconcile(self) -> int:
+        """Add completed slots found in step files; drop completed slots whose file is gone."""
+        m = self.manifest
+        files = {k[: -len(OUTPUT_SUFFIX)]: k for k in self.store.list() if is_output_file(k)}
+        restored: list[tuple[str, str]] = []
+        for slot, key in files.items():
+            rec = m.steps.get(slot)
+            if rec is not None and rec.status == "completed":
+                continue
+            try:
+                header, _ = read_header(self.store, key)
+            except (DamagedFileError, OSError):
+                continue  # a damaged file is recomputed when its step is called
+            if header.get("slot") != slot:
+                continue
+            created = str(header.get("created_at", ""))
+            m.steps[slot] = StepRecord(
+                status="completed",
+                fingerprint=header.get("fingerprint"),
+                finished_at=created,
+                bytes=header.get("size"),
+            )
+            restored.append((created, slot))
+        gone = [s for s in m.completed_steps if s not in files]
+        for slot in gone:
+            m.steps.pop(slot, None)
+        known = [s for s in m.completed_steps if s in files]
+        m.completed_steps[:] = known + [slot for _, slot in sorted(restored)]
+        self.fold = Fold(m)
+        return len(restored)
+
+    # recording ---------------------------------------------------------------------------
+
+    def record(self, event: str, *, lazy: bool = False, sync: bool = False, **fields: Any) -> None:
+        """
+        Apply an event to the manifest and append it to the log.
+
+        *lazy* events (skips) are appended with the next regular one; *sync* events are
+        fsynced before this returns (they must survive a power loss).
+        """
+        data = {"t": utcnow(), "event": event, **fields}
+        line = (_dumps(_signed(data, self.secret)) + "\n").encode()
+        with self.lock:
+            self.fold.apply(data)
+            self._pending.append(line)
+            if not lazy:
+                self._write_pending(durable=sync)
+        self._mark_dirty()
+
+    def _write_pending(self, *, durable: bool) -> None:
+        if self._pending:
+            chunk = b"".join(self._pending)
+            self._pending.clear()
+            self.store.append(EVENTS, chunk, durable=durable)
+            self._offset += len(chunk)
+            self.manifest.events_offset = self._offset
+
+    def _mark_dirty(self) -> None:
+        if self._writer is not None:
+            with self._wake:
+                self._dirty = True
+                self._wake.notify()
+
+    # writing the manifest ----------------------------------------------------------------
+
+    def flush(self, *, durable: bool) -> None:
+        """Write ``manifest.json`` now (and the pending log lines before it)."""
+        with self._flush_lock:
+            with self.lock:
+                self._write_pending(durable=durable)
+                data = _signed(self.manifest.to_dict(), self.secret)
+                text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+            self.store.write(MANIFEST, [text.encode()], durable=durable)
+
+    def start_writer(self) -> None:
+        """Start the thread that keeps ``manifest.json`` at most a moment behind."""
+        self._stopping = False
+        self._writer = threading.Thread(target=self._write_loop, name="resumable-manifest", daemon=True)
+        self._writer.start()
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._dirty and not self._stopping:
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                # let a burst of events gather into one write
+                self._wake.wait(FLUSH_INTERVAL)
+                if self._stopping:
+                    return
+                self._dirty = False
+            try:
+                self.flush(durable=False)
+            except OSError:  # noqa: PERF203 - retried at the next change, reported at close
+                continue
+
+    def stop_writer(self) -> None:
+        """Stop the background writer (the caller flushes afterwards)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            with self._wake:
+                self._stopping = True
+                self._wake.notify()
+            writer.join()
+
+
+def read_state(store: Store, *, pipeline: str = "", secret: bytes | None = None) -> Manifest:
+    """The current manifest of a store, without locking it or writing anything."""
+    journal = Journal(store, pipeline=pipeline, secret=secret, readonly=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResumableWarning)
+        return journal.load()

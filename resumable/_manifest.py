@@ -1,0 +1,231 @@
+"""
+The progress manifest: what ``state/manifest.json`` holds, and how events update it.
+
+The manifest is a fold of the event log: every change is an event appended to
+``events.jsonl`` and applied here. ``manifest.json`` is that fold written out, with the
+log offset it covers, so a reader replays only the few events written after it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from .exceptions import StateFormatError
+
+FORMAT = 1
+RUN_STATUSES = ("running", "completed", "failed", "interrupted")
+
+
+@attrs.define
+class StepRecord:
+    """What the manifest knows of one slot."""
+
+    status: str
+    """``running``, ``completed``, ``failed``, ``interrupted`` or ``reset``."""
+    fingerprint: str | None = None
+    reason: str | None = None
+    """Why it last ran: ``new``, ``inputs changed``, ``code changed`` ..."""
+    started_at: str | None = None
+    finished_at: str | None = None
+    duration_s: float | None = None
+    attempts: int = 0
+    bytes: int | None = None
+
+
+@attrs.define
+class ErrorRecord:
+    """The last error that escaped a step (``step`` is None for an error outside steps)."""
+
+    step: str | None
+    type: str
+    message: str
+    traceback: str
+
+
+@attrs.define
+class BatchRecord:
+    """Progress of one batch of row checkpoints."""
+
+    done: int
+    every: int
+    total: int | None = None
+    failures: int = 0
+
+
+@attrs.define
+class Manifest:
+    """The state of a pipeline: returned by ``Pipeline.status()``."""
+
+    workflow_id: str
+    pipeline: str
+    format: int = FORMAT
+    status: str = "running"
+    current_step: str | None = None
+    completed_steps: list[str] = attrs.field(factory=list)
+    last_update: str | None = None
+    runs: int = 0
+    steps: dict[str, StepRecord] = attrs.field(factory=dict)
+    error: ErrorRecord | None = None
+    batches: dict[str, BatchRecord] = attrs.field(factory=dict)
+    code: dict[str, dict[str, str]] = attrs.field(factory=dict)
+    """Per step name, the digests of its code components when it last completed."""
+    events_offset: int = 0
+    """How many bytes of ``events.jsonl`` this manifest includes."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data, keys in the documented order."""
+        return attrs.asdict(self, recurse=True)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
+        """
+        Build a manifest from its JSON data, migrating older formats.
+
+        Raises:
+            StateFormatError: the data comes from a newer version.
+            ValueError, TypeError, KeyError: the data is malformed.
+        """
+        version = data.get("format")
+        if not isinstance(version, int):
+            msg = "no format number"
+            raise ValueError(msg)  # noqa: TRY004 - malformed data, reported as damage
+        if version > FORMAT:
+            raise StateFormatError("manifest.json", version, FORMAT)
+        data = migrate(dict(data))
+        steps = {k: StepRecord(**v) for k, v in data.pop("steps", {}).items()}
+        batches = {k: BatchRecord(**v) for k, v in data.pop("batches", {}).items()}
+        error = data.pop("error", None)
+        manifest = cls(
+            **data, steps=steps, batches=batches, error=None if error is None else ErrorRecord(**error)
+        )
+        if not isinstance(manifest.completed_steps, list) or manifest.status not in RUN_STATUSES:
+            msg = "bad completed_steps or status"
+            raise ValueError(msg)
+        return manifest
+
+
+# format -> function upgrading data of that format to the next one
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+def migrate(data: dict[str, Any]) -> dict[str, Any]:
+    """Upgrade manifest data of an older format, one version at a time."""
+    while data["format"] < FORMAT:
+        data = MIGRATIONS[data["format"]](data)
+    return data
+
+
+class Fold:
+    """Applies events to a manifest, keeping the transient state the fold needs."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self._running: list[str] = [
+            slot for slot, rec in manifest.steps.items() if rec.status == "running"
+        ]
+        # mirrors completed_steps so that completing a slot costs O(1), not O(slots)
+        self._completed: set[str] = set(manifest.completed_steps)
+
+    def _record(self, slot: str) -> StepRecord:
+        rec = self.manifest.steps.get(slot)
+        if rec is None:
+            rec = self.manifest.steps[slot] = StepRecord(status="new")
+        return rec
+
+    def _done_running(self, slot: str) -> None:
+        if slot in self._running:
+            self._running.remove(slot)
+        m = self.manifest
+        if m.current_step == slot or m.current_step is None:
+            m.current_step = self._running[-1] if self._running else None
+
+    def _complete(self, slot: str) -> None:
+        done = self.manifest.completed_steps
+        if slot in self._completed:
+            done.remove(slot)
+        self._completed.add(slot)
+        done.append(slot)
+
+    def apply(self, event: Mapping[str, Any]) -> None:  # noqa: C901, PLR0912 - one dispatch
+        """Apply one event (unknown events are ignored, for forward compatibility)."""
+        m = self.manifest
+        kind = event.get("event")
+        m.last_update = event.get("t", m.last_update)
+        slot = event.get("slot")
+        if kind == "run_started":
+            m.runs = event.get("run", m.runs + 1)
+            m.status = "running"
+            m.error = None
+            m.current_step = None
+            self._running.clear()
+        elif kind == "run_finished":
+            m.status = event["status"]
+            if "error" in event:
+                m.error = ErrorRecord(None, **event["error"])
+            for running in self._running:
+                m.steps[running].status = "interrupted"
+            self._running.clear()
+            if m.status != "failed":
+                m.current_step = None
+        elif kind == "step_started" and slot:
+            rec = self._record(slot)
+            rec.status = "running"
+            rec.reason = event.get("reason")
+            rec.fingerprint = event.get("fingerprint")
+            rec.started_at = event.get("t")
+            rec.finished_at = rec.duration_s = None
+            rec.attempts = event.get("attempt", 1)
+            if slot in self._running:
+                self._running.remove(slot)
+            self._running.append(slot)
+            m.current_step = slot
+        elif kind == "step_retry" and slot:
+            self._record(slot).attempts = event.get("attempt", 1)
+        elif kind == "step_completed" and slot:
+            rec = self._record(slot)
+            rec.status = "completed"
+            rec.fingerprint = event.get("fingerprint", rec.fingerprint)
+            rec.finished_at = event.get("t")
+            rec.duration_s = event.get("duration_s")
+            rec.bytes = event.get("bytes")
+            if "code" in event:
+                m.code[slot.split("/", 1)[0]] = event["code"]
+            self._complete(slot)
+            self._done_running(slot)
+        elif kind == "step_skipped" and slot:
+            rec = m.steps.get(slot)
+            if rec is None or rec.status != "completed":
+                # the manifest lagged behind the files: learn the slot from its skip
+                rec = self._record(slot)
+                rec.status = "completed"
+                rec.fingerprint = event.get("fingerprint")
+                rec.bytes = event.get("bytes")
+                rec.finished_at = event.get("created_at")
+                self._complete(slot)
+        elif kind in {"step_failed", "step_interrupted"} and slot:
+            rec = self._record(slot)
+            rec.status = "failed" if kind == "step_failed" else "interrupted"
+            rec.finished_at = event.get("t")
+            rec.duration_s = event.get("duration_s")
+            if kind == "step_failed":
+                m.error = ErrorRecord(slot, **event["error"])
+            if slot in self._running:
+                self._running.remove(slot)
+            m.current_step = slot if kind == "step_failed" else m.current_step
+            if m.current_step == slot and kind == "step_interrupted":
+                m.current_step = self._running[-1] if self._running else None
+        elif kind == "steps_reset":
+            reset = set(event.get("slots", ()))
+            for name in reset:
+                m.steps[name] = StepRecord(status="reset")
+            m.completed_steps[:] = [s for s in m.completed_steps if s not in reset]
+            self._completed -= reset
+            if m.current_step in reset:
+                m.current_step = None
+        elif kind == "batch" and event.get("batch"):
+            m.batches[event["batch"]] = BatchRecord(**event["progress"])
+        elif kind == "batch_done" and event.get("batch"):
+            m.batches.pop(event["batch"], None)

@@ -1,0 +1,520 @@
+"""
+Pipelines: where steps store their outputs, the run lifecycle and the runner.
+
+A pipeline's run opens at its first step call (script mode) or when a ``with`` block
+enters it, and closes at interpreter exit or at the end of the block. Steps decorated
+with the module-level ``step`` belong to no pipeline in particular: they run in the
+pipeline of the innermost ``with`` block, else in the default pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextvars
+import functools
+import os
+import signal
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from types import TracebackType
+from typing import Any, ParamSpec, TypeVar, overload
+
+from ._codec import DamagedFileError, parse_header, secret_bytes, verify
+from ._fingerprint import StoredOutput
+from ._journal import read_state
+from ._manifest import Manifest
+from ._run import Found, RunState
+from ._slots import is_output_file, slot_file, step_of
+from ._step import KeySpec, Plan, Step, StepSpec, step
+from ._stores import Store, open_store
+from .exceptions import ResumableError, ResumableWarning, SerializationError, StepDefinitionError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_unbound: dict[str, StepSpec[Any, Any]] = {}
+_registry_lock = threading.RLock()
+_current: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar("resumable_pipeline", default=None)
+# Pipelines entered by `with`, for threads started inside the block (threads do not
+# inherit context variables).
+_entered: list[Pipeline] = []
+_default: Pipeline | None = None
+
+
+def register(spec: StepSpec[Any, Any]) -> None:
+    """Add a step to its pipeline's registry, refusing a second function with its name."""
+    registry = spec.pipeline._steps if spec.pipeline is not None else _unbound  # noqa: SLF001
+    with _registry_lock:
+        existing = registry.get(spec.name)
+        if existing is not None and existing.qualname != spec.qualname:
+            msg = (
+                f"step name {spec.name!r} is already used by {existing.qualname}; "
+                f"{spec.qualname} needs another one: pass name='...' to @step."
+            )
+            raise StepDefinitionError(msg, step=spec.name)
+        for other in registry:
+            if other != spec.name and other.lower() == spec.name.lower():
+                msg = (
+                    f"step names {other!r} and {spec.name!r} differ only by case, so their files "
+                    "would collide on case-insensitive file systems; rename one with name=."
+                )
+                raise StepDefinitionError(msg, step=spec.name)
+        # re-running a definition (a notebook cell, a reload) replaces it in place
+        registry[spec.name] = spec
+
+
+def default_pipeline() -> Pipeline:
+    """The pipeline of script mode (state in ``$RESUMABLE_STATE_DIR`` or ``./state``)."""
+    global _default  # noqa: PLW0603 - created on first use, so importing stays cheap
+    with _registry_lock:
+        if _default is None:
+            _default = Pipeline()
+        return _default
+
+
+def current_pipeline() -> Pipeline:
+    """The pipeline unbound steps run in: the innermost ``with`` block's, else the default."""
+    pipe = _current.get()
+    if pipe is not None:
+        return pipe
+    if _entered:
+        return _entered[-1]
+    return default_pipeline()
+
+
+class Run:
+    """What :meth:`Pipeline.run` did: outputs (loaded on access), executed and skipped slots."""
+
+    def __init__(self, outputs: Mapping[str, Any], executed: list[str], skipped: list[str]) -> None:
+        self.outputs: Mapping[str, Any] = _LazyOutputs(outputs)
+        self.executed = executed
+        self.skipped = skipped
+
+    def __repr__(self) -> str:
+        return f"Run(executed={self.executed!r}, skipped={self.skipped!r})"
+
+
+class _LazyOutputs(Mapping[str, Any]):
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = data
+
+    def __getitem__(self, name: str) -> Any:
+        value = self._data[name]
+        return value.get() if isinstance(value, StoredOutput) else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"<outputs {list(self._data)}>"
+
+
+class Pipeline:
+    """
+    Where steps keep their state, and one run at a time over it.
+
+    Args:
+        name: shown in the manifest (default: the script's file name).
+        state_dir: a local directory (default ``$RESUMABLE_STATE_DIR``, else ``./state``).
+        store: a URL (``memory://name`` ...) or a :class:`Store`, instead of *state_dir*.
+        durable: fsync every file and directory it writes (``False`` is faster, and still
+            atomic: a crash of the process loses nothing, a power loss may).
+        allow_pickle: store outputs msgpack cannot encode with cloudpickle, and read them.
+        secret: authenticate every file with this key (default ``$RESUMABLE_SECRET``).
+        keep_checkpoints: how many checkpoints history keeps.
+    """
+
+    def __init__(  # noqa: PLR0913 - the documented options
+        self,
+        name: str | None = None,
+        *,
+        state_dir: str | os.PathLike[str] | None = None,
+        store: str | Store | None = None,
+        durable: bool = True,
+        allow_pickle: bool = True,
+        secret: str | bytes | None = None,
+        keep_checkpoints: int = 20,
+    ) -> None:
+        if state_dir is not None and store is not None:
+            msg = "pass either state_dir= or store= to Pipeline, not both"
+            raise ResumableError(msg)
+        if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 0:
+            msg = f"keep_checkpoints must be an int >= 0, got {keep_checkpoints!r}"
+            raise ResumableError(msg)
+        self._name = name
+        self._location: str | os.PathLike[str] | Store | None = store if store is not None else state_dir
+        self.durable = durable
+        self.allow_pickle = allow_pickle
+        self._secret_arg = secret
+        self.keep_checkpoints = keep_checkpoints
+        self._steps: dict[str, StepSpec[Any, Any]] = {}
+        self._store: Store | None = None
+        self._run: RunState | None = None
+        self._lock = threading.RLock()
+        self._depth = 0
+        self._tokens: list[contextvars.Token[Pipeline | None]] = []
+
+    def __repr__(self) -> str:
+        where = self._store.location if self._store is not None else self._location
+        return f"Pipeline(name={self.name!r}, store={where!r})"
+
+    @property
+    def name(self) -> str:
+        """The pipeline's name, as recorded in the manifest."""
+        if self._name is not None:
+            return self._name
+        script = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+        return os.path.splitext(script)[0] or "default"
+
+    @property
+    def store(self) -> Store:
+        """The store holding this pipeline's state (resolved on first use)."""
+        if self._store is None:
+            with self._lock:
+                if self._store is None:
+                    location = self._location
+                    if location is None:
+                        location = os.environ.get("RESUMABLE_STATE_DIR") or "state"
+                    self._store = open_store(location)
+        return self._store
+
+    @property
+    def secret(self) -> bytes | None:
+        return secret_bytes(self._secret_arg)
+
+    # decorating --------------------------------------------------------------------------
+
+    @overload
+    def step(self, fn: Callable[P, R], /) -> Step[P, R]: ...
+    @overload
+    def step(
+        self,
+        *,
+        name: str | None = None,
+        version: str | None = None,
+        key: KeySpec | None = None,
+        ignore: Iterable[str] = (),
+        retries: int = 0,
+        idempotent: bool = True,
+    ) -> Callable[[Callable[P, R]], Step[P, R]]: ...
+    def step(self, fn: Callable[P, R] | None = None, /, **options: Any) -> Any:
+        """The ``@step`` decorator, binding steps to this pipeline."""
+        if fn is None:
+            return step(pipeline=self, **options)
+        return step(pipeline=self, **options)(fn)
+
+    # the run -----------------------------------------------------------------------------
+
+    def _new_run(self, *, maintenance: bool) -> RunState:
+        run = RunState(
+            self.store,
+            pipeline=self.name,
+            durable=self.durable,
+            allow_pickle=self.allow_pickle,
+            secret=self.secret,
+        )
+        run.open(maintenance=maintenance)
+        return run
+
+    def open_run(self, spec: StepSpec[Any, Any] | None = None) -> RunState:
+        """The open run, opening one (script mode: closed at exit) if there is none."""
+        run = self._run
+        if run is None:
+            with self._lock:
+                run = self._run
+                if run is None:
+                    run = self._run = self._new_run(maintenance=False)
+                    if self._depth == 0:
+                        _exit_hooks.watch(self)
+        if spec is not None and spec.pipeline is None:
+            own = self._steps.get(spec.name)
+            if own is not None:
+                msg = (
+                    f"step {spec.name!r} ({spec.qualname}) cannot run in {self!r}: the pipeline "
+                    f"has its own step of that name ({own.qualname}); rename one with name=."
+                )
+                raise StepDefinitionError(msg, step=spec.name)
+        return run
+
+    def _close(self, status: str, error: BaseException | None) -> None:
+        with self._lock:
+            run, self._run = self._run, None
+            if run is not None:
+                run.close(status, error)
+
+    def __enter__(self) -> Pipeline:
+        with self._lock:
+            if self._run is None:
+                self._run = self._new_run(maintenance=False)
+            self._depth += 1
+        self._tokens.append(_current.set(self))
+        _entered.append(self)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        _current.reset(self._tokens.pop())
+        _entered.reverse()
+        _entered.remove(self)  # the innermost entry
+        _entered.reverse()
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                _exit_hooks.forget(self)
+                self._close(status_for(exc), exc)
+
+    @contextmanager
+    def _maintenance(self) -> Iterator[RunState]:
+        """The open run, or the lock and state for a moment (no run is counted)."""
+        with self._lock:
+            run = self._run
+            if run is not None:
+                yield run
+                return
+            run = self._new_run(maintenance=True)
+            try:
+                yield run
+            finally:
+                run.close("completed")
+
+    # the runner --------------------------------------------------------------------------
+
+    def _registry(self) -> dict[str, StepSpec[Any, Any]]:
+        # a pipeline without steps of its own runs the module-level ones (script mode)
+        return self._steps if self._steps else dict(_unbound)
+
+    def run(self, **inputs: Any) -> Run:
+        """
+        Run the pipeline's steps in the order they were defined.
+
+        A parameter named like an earlier step receives that step's output; the others
+        come from *inputs* or their defaults. Completed steps are skipped, and a skipped
+        step's output is loaded only if a step that runs needs it.
+
+        Raises:
+            StepDefinitionError: a parameter has no source, or an input is used by no step.
+        """
+        specs = list(self._registry().values())
+        wanted = {p for s in specs for p in s.signature.parameters} - {s.name for s in specs}
+        unused = sorted(set(inputs) - wanted)
+        if unused:
+            msg = f"{self!r}.run(): no step has a parameter named {', '.join(map(repr, unused))}"
+            raise StepDefinitionError(msg)
+        if self._run is not None:
+            return self._run_steps(self.open_run(), specs, inputs)
+        with self:
+            return self._run_steps(self.open_run(), specs, inputs)
+
+    def _run_steps(self, run: RunState, specs: list[StepSpec[Any, Any]], inputs: Mapping[str, Any]) -> Run:
+        outputs: dict[str, Any] = {}
+        executed: list[str] = []
+        skipped: list[str] = []
+        for spec in specs:
+            args, kwargs = _arguments(self, spec, outputs, inputs)
+            value, ran, slot = self._run_one(run, spec, args, kwargs)
+            outputs[spec.name] = value
+            (executed if ran else skipped).append(slot)
+        return Run(outputs, executed, skipped)
+
+    def _run_one(
+        self, run: RunState, spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]
+    ) -> tuple[Any, bool, str]:
+        if spec.key is not None:  # the key may need the values themselves
+            args, kwargs = _resolved(args), _resolved(kwargs)
+        plan = spec.plan(tuple(args), kwargs)
+        found = run.lookup(spec, plan, want_value=False)
+        if found.hit:
+            stored: StoredOutput = found.value
+            return StoredOutput(plan.slot, stored.digest, lambda: self._load_or_redo(run, spec, plan, args, kwargs)), False, plan.slot
+        return _execute(run, spec, plan, found, args, kwargs), True, plan.slot
+
+    def _load_or_redo(
+        self, run: RunState, spec: StepSpec[Any, Any], plan: Plan, args: list[Any], kwargs: dict[str, Any]
+    ) -> Any:
+        try:
+            return run.load(spec, plan)
+        except (SerializationError, FileNotFoundError) as exc:
+            warnings.warn(ResumableWarning(f"{exc}; recomputing it."), stacklevel=3)
+            return _execute(run, spec, plan, Found(hit=False, reason="corrupt"), args, kwargs)
+
+    # state -------------------------------------------------------------------------------
+
+    def status(self) -> Manifest:
+        """The manifest: where the pipeline stands (a copy; reading it takes no lock)."""
+        run = self._run
+        if run is not None:
+            with run.journal.lock:
+                return Manifest.from_dict(run.journal.manifest.to_dict())
+        return read_state(self.store, pipeline=self.name, secret=self.secret)
+
+    def reset(self, *steps: str, downstream: bool = True) -> list[str]:
+        """
+        Forget the outputs of *steps* (step names or slots such as ``fetch_page/3``), and by
+        default of every step completed after them; with no arguments, forget everything.
+        Returns the slots forgotten.
+
+        Raises:
+            ResumableError: a name matches no step or slot.
+            StateLockedError: another process is running the pipeline.
+        """
+        with self._maintenance() as run:
+            manifest = run.journal.manifest
+            on_disk = {k[: -len(".msgpack")] for k in self.store.list() if is_output_file(k)}
+            known = set(manifest.steps) | on_disk
+            if not steps:
+                slots = known
+            else:
+                slots = set()
+                names = {step_of(s) for s in known} | set(self._registry())
+                for target in steps:
+                    matched = {s for s in known if s == target or step_of(s) == target}
+                    if not matched and target not in names and "/" not in target:
+                        msg = (
+                            f"nothing to reset: no step or slot {target!r} in {self.store.location} "
+                            f"(steps: {', '.join(sorted(names)) or 'none'})"
+                        )
+                        raise ResumableError(msg)
+                    slots |= matched or ({target} if "/" in target else set())
+                if downstream:
+                    order = manifest.completed_steps
+                    positions = [i for i, s in enumerate(order) if s in slots]
+                    if positions:
+                        slots |= set(order[min(positions) :])
+            return self._forget(run, sorted(slots))
+
+    def _forget(self, run: RunState, slots: list[str]) -> list[str]:
+        for slot in slots:
+            self.store.delete(slot_file(slot), durable=self.durable)
+        if slots:
+            run.journal.record("steps_reset", slots=slots)
+        return slots
+
+    def has_output(self, spec: StepSpec[Any, Any], plan: Plan) -> bool:
+        """True if *plan*'s slot holds a valid output with its fingerprint."""
+        try:
+            data = self.store.read(slot_file(plan.slot))
+            header, head_len = parse_header(data)
+            if header.get("fingerprint") != plan.fingerprint or header["slot"] != plan.slot:
+                return False
+            verify(data, header, head_len, self.secret)
+        except (FileNotFoundError, DamagedFileError):
+            return False
+        return True
+
+
+def status_for(exc: BaseException | None) -> str:
+    """How a run ends, given the exception leaving it (if any)."""
+    if exc is None:
+        return "completed"
+    if isinstance(exc, SystemExit) and exc.code in {None, 0}:
+        return "completed"
+    if isinstance(exc, (KeyboardInterrupt, SystemExit, asyncio.CancelledError, GeneratorExit)):
+        return "interrupted"
+    return "failed"
+
+
+def _resolved(values: Any) -> Any:
+    if isinstance(values, dict):
+        return {k: v.get() if isinstance(v, StoredOutput) else v for k, v in values.items()}
+    return [v.get() if isinstance(v, StoredOutput) else v for v in values]
+
+
+def _arguments(
+    pipe: Pipeline, spec: StepSpec[Any, Any], outputs: Mapping[str, Any], inputs: Mapping[str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    for name, param in spec.signature.parameters.items():
+        if param.kind in {param.VAR_POSITIONAL, param.VAR_KEYWORD}:
+            continue
+        if name in outputs:
+            value = outputs[name]
+        elif name in inputs:
+            value = inputs[name]
+        elif param.default is not param.empty:
+            continue
+        else:
+            msg = (
+                f"{pipe!r}.run(): step {spec.name!r} needs {name!r}, but no earlier step is "
+                f"called {name!r} and no input {name}=... was given"
+            )
+            raise StepDefinitionError(msg, step=spec.name)
+        if param.kind is param.POSITIONAL_ONLY:
+            args.append(value)
+        else:
+            kwargs[name] = value
+    return args, kwargs
+
+
+def _execute(
+    run: RunState, spec: StepSpec[Any, Any], plan: Plan, found: Found, args: list[Any], kwargs: dict[str, Any]
+) -> Any:
+    call = functools.partial(spec.fn, *_resolved(args), **_resolved(kwargs))
+    if not spec.is_async:
+        return run.execute(spec, plan, found, call)
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run.execute_async(spec, plan, found, call))
+    msg = f"Pipeline.run() cannot run async step {spec.name!r} inside a running event loop; await the step directly"
+    raise ResumableError(msg)
+
+
+class _ExitHooks:
+    """Closes runs opened in script mode when the interpreter exits."""
+
+    def __init__(self) -> None:
+        self._pipelines: list[Pipeline] = []
+        self._installed = False
+        self._error: BaseException | None = None
+        self._terminated = False
+
+    def watch(self, pipe: Pipeline) -> None:
+        if pipe not in self._pipelines:
+            self._pipelines.append(pipe)
+        if not self._installed:
+            self._installed = True
+            atexit.register(self._at_exit)
+            previous = sys.excepthook
+
+            def excepthook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+                self._error = value
+                previous(tp, value, tb)
+
+            sys.excepthook = excepthook
+            if threading.current_thread() is threading.main_thread():
+                if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                    signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def forget(self, pipe: Pipeline) -> None:
+        if pipe in self._pipelines:
+            self._pipelines.remove(pipe)
+
+    def _on_sigterm(self, signum: int, _frame: object) -> None:
+        # Unwind like Ctrl-C does, so the run (and a running step) is recorded as interrupted.
+        self._terminated = True
+        raise SystemExit(128 + signum)
+
+    def _at_exit(self) -> None:
+        error = self._error
+        if self._terminated:
+            status = "interrupted"
+        else:
+            status = status_for(error)
+        for pipe in list(self._pipelines):
+            try:
+                pipe._close(status, error)  # noqa: SLF001
+            except Exception as exc:  # noqa: BLE001 - report, and close the other pipelines
+                print(f"resumable: could not close {pipe!r} cleanly: {exc}", file=sys.stderr)  # noqa: T201
+        self._pipelines.clear()
+
+
+_exit_hooks = _ExitHooks()

@@ -1,0 +1,410 @@
+"""
+An open run of a pipeline: the lock, the journal, and what happens to one step call.
+
+A call is looked up first (a *skip* if its slot holds an output with the same
+fingerprint); otherwise it is executed: ``step_started`` is logged (fsynced first for
+``idempotent=False`` steps), the function runs with retries, the output is encoded
+(before anything is overwritten), written atomically, and ``step_completed`` is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from . import _codehash
+from ._codec import (
+    DamagedFileError,
+    decode,
+    encode,
+    frame,
+    parse_header,
+    utcnow,
+    value_digest,
+    verify,
+)
+from ._codec_types import qualified_name
+from ._fingerprint import StoredOutput, provenance
+from ._journal import Journal, read_header
+from ._slots import slot_file
+from ._stores import Store
+from .exceptions import ResumableWarning, SerializationError, StepInterruptedError
+
+if TYPE_CHECKING:
+    from ._step import Plan, StepSpec
+
+log = logging.getLogger("resumable")
+
+LARGE_OUTPUT = 100 * 1024 * 1024
+RETRY_BASE_DELAY = 0.5  # seconds before the first retry; doubles each attempt
+RETRY_MAX_DELAY = 60.0
+_MAX_TRACEBACK = 20_000
+
+
+def human_size(n: float | None) -> str:
+    """``1.2 MB`` style sizes for messages."""
+    if n is None:
+        return "?"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":  # noqa: PLR2004
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"  # pragma: no cover - the loop always returns
+
+
+def _stacklevel() -> int:
+    """The stacklevel of the first frame outside resumable, for warnings."""
+    frame = sys._getframe(1)  # noqa: SLF001
+    level = 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("resumable."):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
+
+
+class Found:
+    """The result of looking a call up: a hit with its value, or a miss with a reason."""
+
+    __slots__ = ("detail", "hit", "reason", "value")
+
+    def __init__(self, *, hit: bool, value: Any = None, reason: str = "", detail: str = "") -> None:
+        self.hit = hit
+        self.value = value
+        self.reason = reason
+        self.detail = detail
+
+
+class RunState:
+    """One open run: holds the store's lock until it closes."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        pipeline: str,
+        durable: bool,
+        allow_pickle: bool,
+        secret: bytes | None,
+    ) -> None:
+        self.store = store
+        self.durable = durable
+        self.allow_pickle = allow_pickle
+        self.secret = secret
+        self.journal = Journal(store, pipeline=pipeline, secret=secret)
+        self._lock: Any = None
+        self._single_slot: dict[str, str] = {}
+        self._warned: set[str] = set()
+        self.maintenance = False
+        self.last_failure: BaseException | None = None
+
+    # lifecycle ---------------------------------------------------------------------------
+
+    def open(self, *, maintenance: bool = False) -> None:
+        """Take the lock and load the state; a normal open also counts a new run."""
+        self.maintenance = maintenance
+        holder = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": utcnow(),
+            "argv": sys.argv[:4],
+        }
+        self._lock = self.store.lock(holder)
+        try:
+            manifest = self.journal.load()
+            if manifest.status == "running":
+                # the lock was free, so the run that wrote "running" died without closing
+                self.journal.record("run_finished", status="interrupted", detected="next run")
+            if not maintenance:
+                self.journal.record(
+                    "run_started",
+                    run=manifest.runs + 1,
+                    workflow_id=manifest.workflow_id,
+                    pid=holder["pid"],
+                    host=holder["host"],
+                )
+                self.journal.flush(durable=False)
+                self.journal.start_writer()
+        except BaseException:
+            self._release()
+            raise
+
+    def close(self, status: str, error: BaseException | None = None) -> None:
+        """Record how the run ended, write the manifest durably and release the lock."""
+        try:
+            self.journal.stop_writer()
+            if not self.maintenance:
+                fields: dict[str, Any] = {"status": status}
+                if error is not None and status == "failed" and error is not self.last_failure:
+                    fields["error"] = _error_fields(error)
+                self.journal.record("run_finished", **fields)
+            self.journal.flush(durable=self.durable)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        closer = getattr(self.store, "close_appends", None)
+        if closer is not None:
+            closer()
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
+    # lookup ------------------------------------------------------------------------------
+
+    def lookup(self, spec: StepSpec[Any, Any], plan: Plan, *, want_value: bool = True) -> Found:
+        """Return the stored output of *plan* if it is there and valid, else why not."""
+        if plan.key is None:
+            self._check_single_slot(spec, plan)
+        key = slot_file(plan.slot)
+        try:
+            if want_value:
+                data = self.store.read(key)
+                header, head_len = parse_header(data)
+            else:
+                header, head_len = read_header(self.store, key)
+        except FileNotFoundError:
+            rec = self.journal.manifest.steps.get(plan.slot)
+            return Found(hit=False, reason="reset" if rec is not None and rec.status == "reset" else "new")
+        except DamagedFileError as exc:
+            return self._corrupt(plan, str(exc))
+        if header["slot"] != plan.slot:
+            return self._corrupt(plan, f"it holds slot {header['slot']!r}")
+        if header.get("fingerprint") != plan.fingerprint:
+            return self._mismatch(spec, header)
+        if want_value:
+            try:
+                verify(data, header, head_len, self.secret)
+                value = decode(data, header, head_len, allow_pickle=self.allow_pickle)
+            except DamagedFileError as exc:
+                return self._corrupt(plan, str(exc))
+            provenance.remember(value, value_digest(header))
+        else:
+            value = StoredOutput(plan.slot, value_digest(header), lambda: self.load(spec, plan))
+        self.journal.record(
+            "step_skipped",
+            lazy=True,
+            slot=plan.slot,
+            fingerprint=plan.fingerprint,
+            bytes=head_len + header["size"],
+            created_at=header.get("created_at"),
+        )
+        if log.isEnabledFor(logging.INFO):
+            log.info("step %r skipped: %s", plan.slot, self._skip_note(spec, header))
+        return Found(hit=True, value=value)
+
+    def load(self, spec: StepSpec[Any, Any], plan: Plan) -> Any:
+        """Load a stored output found earlier by a header-only lookup."""
+        key = slot_file(plan.slot)
+        data = self.store.read(key)
+        try:
+            header, head_len = parse_header(data)
+            verify(data, header, head_len, self.secret)
+            value = decode(data, header, head_len, allow_pickle=self.allow_pickle)
+        except DamagedFileError as exc:
+            where = f"{self.store.location}/{key}"
+            msg = f"cannot load the output of step {plan.slot!r} from {where}: {exc}"
+            raise SerializationError(msg, step=spec.name) from None
+        provenance.remember(value, value_digest(header))
+        return value
+
+    def _skip_note(self, spec: StepSpec[Any, Any], header: dict[str, Any]) -> str:
+        note = f"stored {header.get('created_at', '?')}"
+        ident = spec.identity()
+        if spec.version is not None and header.get("code") not in {None, ident.code}:
+            changed = _codehash.describe_change(self.journal.manifest.code.get(spec.name), ident.components)
+            note += f"; kept despite a code change ({changed or 'its code'}) because version {spec.version!r} is pinned"
+        return note
+
+    def _corrupt(self, plan: Plan, why: str) -> Found:
+        where = f"{self.store.location}/{slot_file(plan.slot)}"
+        warnings.warn(
+            ResumableWarning(f"{where} cannot be used ({why}); step {plan.slot!r} will be recomputed."),
+            stacklevel=_stacklevel(),
+        )
+        return Found(hit=False, reason="corrupt", detail=why)
+
+    def _mismatch(self, spec: StepSpec[Any, Any], header: dict[str, Any]) -> Found:
+        ident = spec.identity()
+        stored = header.get("identity")
+        if stored == ident.identity:
+            return Found(hit=False, reason="inputs changed")
+        if spec.version is not None or str(stored).startswith("version:"):
+            old = str(stored).removeprefix("version:").removeprefix("code:")[:12]
+            return Found(hit=False, reason="version changed", detail=f"{old} -> {spec.version}")
+        old_components = self.journal.manifest.code.get(spec.name)
+        return Found(hit=False, reason="code changed", detail=_codehash.describe_change(old_components, ident.components))
+
+    def _check_single_slot(self, spec: StepSpec[Any, Any], plan: Plan) -> None:
+        first = self._single_slot.setdefault(spec.name, plan.args)
+        if first != plan.args and spec.name not in self._warned:
+            self._warned.add(spec.name)
+            warnings.warn(
+                ResumableWarning(
+                    f"step {spec.name!r} was called twice in this run with different arguments, "
+                    "but it has a single slot: each call replaces the stored output, so a rerun "
+                    "recomputes all but the last. Give it one slot per call with key=, e.g. "
+                    f"@step(key='{{{next(iter(spec.signature.parameters), 'arg')}}}')."
+                ),
+                stacklevel=_stacklevel(),
+            )
+
+    # execution ---------------------------------------------------------------------------
+
+    def begin(self, spec: StepSpec[Any, Any], plan: Plan, found: Found) -> float:
+        """Record that a step starts running (durably for non-idempotent steps)."""
+        rec = self.journal.manifest.steps.get(plan.slot)
+        if not spec.idempotent and rec is not None and rec.status in {"interrupted", "running"}:
+            raise StepInterruptedError(plan.slot, rec.started_at, step=spec.name)
+        detail = f" ({found.detail})" if found.detail else ""
+        log.info("step %r running: %s%s", plan.slot, found.reason, detail)
+        self.journal.record(
+            "step_started",
+            sync=not spec.idempotent and self.durable,
+            slot=plan.slot,
+            step=spec.name,
+            reason=found.reason,
+            detail=found.detail or None,
+            fingerprint=plan.fingerprint,
+            attempt=1,
+        )
+        return time.perf_counter()
+
+    def _retry_delay(self, spec: StepSpec[Any, Any], plan: Plan, attempt: int, exc: Exception) -> float:
+        delay = min(RETRY_BASE_DELAY * 2 ** (attempt - 1), RETRY_MAX_DELAY)
+        log.warning(
+            "step %r attempt %d of %d failed (%s: %s); retrying in %.1fs",
+            plan.slot, attempt, spec.retries + 1, type(exc).__name__, exc, delay,
+        )  # fmt: skip
+        self.journal.record("step_retry", slot=plan.slot, attempt=attempt + 1, error=_error_fields(exc))
+        return delay
+
+    def complete(self, spec: StepSpec[Any, Any], plan: Plan, value: Any, started: float, attempts: int) -> None:
+        """Store the output atomically, then record the step as completed."""
+        try:
+            encoded = encode(value, allow_pickle=self.allow_pickle, what=f"the output of step {plan.slot!r}")
+        except SerializationError as exc:
+            exc.step = spec.name
+            self.failed(spec, plan, exc, started, attempts)
+            raise
+        ident = spec.identity()
+        meta = {
+            "slot": plan.slot,
+            "step": spec.name,
+            "key": plan.key,
+            "fingerprint": plan.fingerprint,
+            "identity": ident.identity,
+            "code": ident.code,
+            "args": plan.args,
+        }
+        chunks, header = frame(encoded, meta, secret=self.secret)
+        size = sum(memoryview(c).nbytes for c in chunks)
+        if size > LARGE_OUTPUT:
+            log.warning("step %r output is %s; large outputs slow every save and load", plan.slot, human_size(size))
+        try:
+            self.store.write(slot_file(plan.slot), chunks, durable=self.durable)
+        except BaseException as exc:
+            self.failed(spec, plan, exc, started, attempts)
+            raise
+        provenance.remember(value, value_digest(header))
+        fields: dict[str, Any] = {}
+        if self.journal.manifest.code.get(spec.name) != ident.components:
+            fields["code"] = ident.components
+        self.journal.record(
+            "step_completed",
+            slot=plan.slot,
+            fingerprint=plan.fingerprint,
+            bytes=size,
+            duration_s=round(time.perf_counter() - started, 6),
+            attempts=attempts,
+            **fields,
+        )
+        log.debug("step %r completed in %.3fs, %s", plan.slot, time.perf_counter() - started, human_size(size))
+
+    def failed(self, spec: StepSpec[Any, Any], plan: Plan, exc: BaseException, started: float, attempts: int) -> None:
+        """Record an exception that escapes a step (it is re-raised by the caller)."""
+        if not isinstance(exc, Exception):
+            self.journal.record("step_interrupted", slot=plan.slot, duration_s=round(time.perf_counter() - started, 6))
+            return
+        self.last_failure = exc
+        log.info("step %r failed after %d attempt(s): %s: %s", plan.slot, attempts, type(exc).__name__, exc)
+        self.journal.record(
+            "step_failed",
+            slot=plan.slot,
+            step=spec.name,
+            attempts=attempts,
+            duration_s=round(time.perf_counter() - started, 6),
+            error=_error_fields(exc),
+        )
+
+    def execute(self, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Callable[[], Any]) -> Any:
+        """Run a step that missed, with retries, and store its output."""
+        started = self.begin(spec, plan, found)
+        attempt = 1
+        while True:
+            try:
+                value = call()
+            except Exception as exc:
+                if attempt > spec.retries:
+                    self.failed(spec, plan, exc, started, attempt)
+                    raise
+                delay = self._retry_delay(spec, plan, attempt, exc)
+            except BaseException as exc:
+                self.failed(spec, plan, exc, started, attempt)
+                raise
+            else:
+                self.complete(spec, plan, value, started, attempt)
+                return value
+            try:
+                time.sleep(delay)
+            except BaseException as exc:
+                self.failed(spec, plan, exc, started, attempt)
+                raise
+            attempt += 1
+
+    async def execute_async(
+        self, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Callable[[], Coroutine[Any, Any, Any]]
+    ) -> Any:
+        """The async twin of :meth:`execute`; the output is written off the event loop."""
+        started = self.begin(spec, plan, found)
+        attempt = 1
+        while True:
+            try:
+                value = await call()
+            except Exception as exc:
+                if attempt > spec.retries:
+                    self.failed(spec, plan, exc, started, attempt)
+                    raise
+                delay = self._retry_delay(spec, plan, attempt, exc)
+            except BaseException as exc:
+                self.failed(spec, plan, exc, started, attempt)
+                raise
+            else:
+                if self.durable:
+                    # an fsync takes milliseconds: keep the event loop serving other steps
+                    await asyncio.to_thread(self.complete, spec, plan, value, started, attempt)
+                else:
+                    self.complete(spec, plan, value, started, attempt)
+                return value
+            try:
+                await asyncio.sleep(delay)
+            except BaseException as exc:
+                self.failed(spec, plan, exc, started, attempt)
+                raise
+            attempt += 1
+
+
+def _error_fields(exc: BaseException) -> dict[str, str]:
+    text = "".join(traceback.format_exception(exc))
+    return {
+        "type": qualified_name(type(exc)),
+        "message": str(exc)[:2000],
+        "traceback": text[-_MAX_TRACEBACK:],
+    }

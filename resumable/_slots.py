@@ -1,0 +1,110 @@
+"""Step names, slot ids and the file names they map to."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from .exceptions import StepDefinitionError
+
+OUTPUT_SUFFIX = ".msgpack"
+# Internal files live under this directory, which no step name can collide with.
+INTERNAL_DIR = ".resumable"
+MANIFEST = "manifest.json"
+EVENTS = "events.jsonl"
+
+_MAX_NAME = 100
+_FORBIDDEN_NAME = re.compile(r'[\x00-\x1f\x7f/\\<>:"|?*]')
+_RESERVED_SUFFIXES = (".msgpack", ".json", ".jsonl", ".tmp")
+# Key characters kept as they are in file names; everything else is %XX-escaped.
+# Upper case is escaped too, so keys differing only by case never share a file on a
+# case-insensitive file system (macOS, Windows).
+_KEY_SAFE = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-.")
+_MAX_KEY_FILE = 150
+
+
+def check_name(name: object) -> str:
+    """Return *name* if it can be a step name (and a file name); raise otherwise."""
+    if not isinstance(name, str):
+        msg = f"step name must be a str, got {type(name).__name__}: pass name='...' to @step"
+        raise StepDefinitionError(msg)
+    problem = None
+    if not name or name.strip() != name:
+        problem = "it is empty or has leading/trailing spaces"
+    elif len(name) > _MAX_NAME:
+        problem = f"it is longer than {_MAX_NAME} characters"
+    elif _FORBIDDEN_NAME.search(name):
+        problem = "it contains '/', '\\', '<', '>', ':', '\"', '|', '?', '*' or a control character"
+    elif name.startswith((".", "-")):
+        problem = "it starts with '.' or '-'"
+    elif name.endswith("."):
+        problem = "it ends with '.'"
+    elif name.lower().endswith(_RESERVED_SUFFIXES):
+        problem = "it ends with a suffix resumable uses for its own files"
+    if problem:
+        msg = (
+            f"{name!r} cannot be used as a step name because {problem}; step names are file "
+            "names in the state directory. Pass name='a_valid_name' to @step."
+        )
+        raise StepDefinitionError(msg, step=name)
+    return name
+
+
+def encode_key(key: str) -> str:
+    """Encode a slot key into one safe, unique file name component (without suffix)."""
+    out = []
+    for i, ch in enumerate(key):
+        if ch in _KEY_SAFE and not (i == 0 and ch == "."):
+            out.append(ch)
+        else:
+            out.extend(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
+    encoded = "".join(out)
+    if not encoded:
+        return "%"  # the empty key; '%' alone never results from escaping
+    if len(encoded) > _MAX_KEY_FILE:
+        # File names are limited to 255 bytes; '~' is always escaped above, so a shortened
+        # name can never equal the encoding of another key.
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+        encoded = f"{encoded[:100]}~{digest}"
+    return encoded
+
+
+def decode_key(encoded: str) -> str | None:
+    """Invert :func:`encode_key`; ``None`` for shortened (hashed) keys."""
+    if encoded == "%":
+        return ""
+    if "~" in encoded:
+        return None
+    raw = bytearray()
+    i = 0
+    while i < len(encoded):
+        if encoded[i] == "%":
+            raw.append(int(encoded[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw.extend(encoded[i].encode())
+            i += 1
+    return raw.decode("utf-8", "surrogatepass")
+
+
+def slot_id(step: str, key: str | None) -> str:
+    """The slot id: ``step`` or ``step/<encoded key>``; also the file path minus suffix."""
+    return step if key is None else f"{step}/{encode_key(key)}"
+
+
+def slot_file(slot: str) -> str:
+    """The store key (relative path) of a slot's output file."""
+    return slot + OUTPUT_SUFFIX
+
+
+def step_of(slot: str) -> str:
+    """The step name a slot belongs to."""
+    return slot.split("/", 1)[0]
+
+
+def is_output_file(path: str) -> bool:
+    """True for store keys that hold step outputs (not internal or temporary files)."""
+    if not path.endswith(OUTPUT_SUFFIX) or path.startswith(INTERNAL_DIR + "/"):
+        return False
+    parts = path.split("/")
+    return len(parts) <= 2 and not any(p.startswith(".") for p in parts)  # noqa: PLR2004

@@ -1,0 +1,366 @@
+"""
+The ``@step`` decorator: options validated at decoration time, sync and async wrappers.
+
+A decorated function stays a plain function (made with :func:`functools.wraps`), so it
+binds as a method, keeps its signature and docstring, and an ``async def`` step is
+still a coroutine function. Its metadata lives in one attribute, ``__resumable_step__``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import os
+import re
+import string
+import threading
+import types
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, overload
+
+from . import _codehash
+from ._fingerprint import digest_arguments
+from ._slots import check_name, slot_id
+from .exceptions import StepDefinitionError
+
+if TYPE_CHECKING:
+    from ._pipeline import Pipeline
+
+P = ParamSpec("P")
+R = TypeVar("R")
+R_co = TypeVar("R_co", covariant=True)
+
+KeySpec = str | Callable[..., str]
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+class Step(Protocol[P, R_co]):
+    """A function decorated with ``@step``: call it like the original."""
+
+    __resumable_step__: StepSpec
+    __wrapped__: Callable[P, R_co]
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+
+    def is_cached(self, *args: P.args, **kwargs: P.kwargs) -> bool:
+        """True if a call with these arguments would return a stored output."""
+        ...
+
+    def forget(self, *args: P.args, **kwargs: P.kwargs) -> None:
+        """Drop the stored output of the slot these arguments map to."""
+        ...
+
+
+class Identity:
+    """What a step's outputs are tied to: its version, or else its code."""
+
+    __slots__ = ("code", "components", "identity")
+
+    def __init__(self, identity: str, code: str, components: dict[str, str]) -> None:
+        self.identity = identity
+        self.code = code
+        self.components = components
+
+
+class Plan:
+    """One call of a step, resolved: its slot and fingerprint."""
+
+    __slots__ = ("args", "fingerprint", "key", "slot")
+
+    def __init__(self, slot: str, key: str | None, fingerprint: str, args: str) -> None:
+        self.slot = slot
+        self.key = key
+        self.fingerprint = fingerprint
+        self.args = args
+
+
+def _disabled() -> bool:
+    return os.environ.get("RESUMABLE_DISABLE", "") not in {"", "0"}
+
+
+class StepSpec(Generic[P, R]):
+    """Everything known about one step; shared by all its calls."""
+
+    def __init__(  # noqa: PLR0913 - mirrors the decorator's options
+        self,
+        fn: Callable[P, R],
+        *,
+        name: str | None,
+        version: str | None,
+        key: KeySpec | None,
+        ignore: Iterable[str],
+        retries: int,
+        idempotent: bool,
+        pipeline: Pipeline | None,
+    ) -> None:
+        if not callable(fn) or isinstance(fn, type):
+            msg = f"@step decorates functions, not {type(fn).__name__} objects"
+            raise StepDefinitionError(msg)
+        if isinstance(fn, (staticmethod, classmethod)):
+            msg = "put @step below @staticmethod/@classmethod, directly on the function"
+            raise StepDefinitionError(msg)
+        self.fn = fn
+        self.name = check_name(name if name is not None else getattr(fn, "__name__", None))
+        if version is not None and (not isinstance(version, str) or not version):
+            msg = f"step {self.name!r}: version must be a non-empty str, got {version!r}"
+            raise StepDefinitionError(msg, step=self.name)
+        self.version = version
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            msg = f"step {self.name!r}: retries must be an int >= 0, got {retries!r}"
+            raise StepDefinitionError(msg, step=self.name)
+        self.retries = retries
+        self.idempotent = bool(idempotent)
+        self.pipeline = pipeline
+        self.is_async = inspect.iscoroutinefunction(fn)
+        try:
+            self.signature = inspect.signature(fn)
+        except (TypeError, ValueError) as exc:
+            msg = f"step {self.name!r}: cannot read the signature of {fn!r} ({exc})"
+            raise StepDefinitionError(msg, step=self.name) from None
+        params = self.signature.parameters
+        if isinstance(ignore, str):
+            ignore = (ignore,)
+        self.ignore = frozenset(ignore)
+        unknown = sorted(self.ignore - set(params))
+        if unknown:
+            msg = f"step {self.name!r}: ignore= names {unknown}, which are not parameters of it"
+            raise StepDefinitionError(msg, step=self.name)
+        self.key = self._check_key(key, params)
+        kinds = {p.kind for p in params.values()}
+        self._fast = kinds <= {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD}
+        self._names = tuple(params)
+        self._defaults = tuple(p.default for p in params.values())
+        self._identity: Identity | None = None
+        self._identity_lock = threading.RLock()
+        self._computing = False
+        module, qualname = getattr(fn, "__module__", "?"), getattr(fn, "__qualname__", self.name)
+        self.qualname = f"{module}.{qualname}"
+
+    def _check_key(self, key: KeySpec | None, params: Any) -> KeySpec | None:
+        if key is None or callable(key):
+            return key
+        if not isinstance(key, str):
+            msg = f"step {self.name!r}: key must be a format string or a callable, got {key!r}"
+            raise StepDefinitionError(msg, step=self.name)
+        try:
+            fields = [f for _, f, _, _ in string.Formatter().parse(key) if f is not None]
+        except ValueError as exc:
+            msg = f"step {self.name!r}: key {key!r} is not a valid format string ({exc})"
+            raise StepDefinitionError(msg, step=self.name) from None
+        for field in fields:
+            root = re.split(r"[.\[]", field, maxsplit=1)[0]
+            if root not in params:
+                msg = (
+                    f"step {self.name!r}: key {key!r} refers to {{{field}}}, but the step has "
+                    f"no parameter {root!r}; name parameters, e.g. key='{{{next(iter(params), 'x')}}}'"
+                )
+                raise StepDefinitionError(msg, step=self.name)
+        return key
+
+    # identity ----------------------------------------------------------------------------
+
+    def identity(self) -> Identity:
+        """The step's identity, computed once per process (code digests need the source)."""
+        ident = self._identity
+        if ident is None:
+            with self._identity_lock:
+                if self._identity is None:
+                    self._computing = True
+                    try:
+                        fn = inspect.unwrap(self.fn)
+                        if isinstance(fn, types.FunctionType):
+                            components = _codehash.code_components(fn, _identity_of)
+                        else:  # a callable object: only a version can tie its code down
+                            components = {"code": hashlib.sha256(self.qualname.encode()).hexdigest()[:16]}
+                    finally:
+                        self._computing = False
+                    code = _codehash.combine(components)
+                    label = f"version:{self.version}" if self.version is not None else f"code:{code}"
+                    self._identity = Identity(label, code, components)
+                ident = self._identity
+        return ident
+
+    # binding -----------------------------------------------------------------------------
+
+    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The call's arguments by parameter name, defaults applied."""
+        if self._fast and not kwargs and len(args) <= len(self._names):
+            bound = dict(zip(self._names, args, strict=False))
+            for name, default in zip(self._names[len(args) :], self._defaults[len(args) :], strict=True):
+                if default is inspect.Parameter.empty:
+                    break
+                bound[name] = default
+            else:
+                return bound
+        try:
+            ba = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}(): {exc}") from None
+        ba.apply_defaults()
+        return ba.arguments
+
+    def key_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], bound: dict[str, Any]) -> str | None:
+        """The slot key of a call, or None for an unkeyed step."""
+        spec = self.key
+        if spec is None:
+            return None
+        if isinstance(spec, str):
+            try:
+                key = spec.format_map(bound)
+            except (AttributeError, LookupError, ValueError, TypeError) as exc:
+                msg = f"step {self.name!r}: cannot format key {spec!r}: {type(exc).__name__}: {exc}"
+                raise StepDefinitionError(msg, step=self.name) from None
+        else:
+            key = spec(*args, **kwargs)
+        if not isinstance(key, str):
+            msg = f"step {self.name!r}: the key function returned {type(key).__name__} {key!r}; return a str"
+            raise StepDefinitionError(msg, step=self.name)
+        if _ADDRESS.search(key):
+            msg = (
+                f"step {self.name!r}: key {key!r} contains a memory address, which changes "
+                "every run; build the key from a stable attribute instead"
+            )
+            raise StepDefinitionError(msg, step=self.name)
+        return key
+
+    def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+        """Resolve a call to its slot and fingerprint."""
+        bound = self.bind(args, kwargs)
+        key = self.key_for(args, kwargs, bound)
+        digest = digest_arguments(self.name, bound, self.ignore)
+        ident = self.identity()
+        fingerprint = hashlib.sha256(f"{ident.identity}|{digest}".encode()).hexdigest()[:32]
+        return Plan(slot_id(self.name, key), key, fingerprint, digest)
+
+    # calling -----------------------------------------------------------------------------
+
+    def pipeline_for_call(self) -> Pipeline:
+        from ._pipeline import current_pipeline  # noqa: PLC0415 - circular at import time
+
+        return self.pipeline if self.pipeline is not None else current_pipeline()
+
+    def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _disabled():
+            return self.fn(*args, **kwargs)
+        run = self.pipeline_for_call().open_run(self)
+        plan = self.plan(args, kwargs)
+        found = run.lookup(self, plan)
+        if found.hit:
+            return found.value
+        return run.execute(self, plan, found, functools.partial(self.fn, *args, **kwargs))
+
+    async def call_async(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if _disabled():
+            return await self.fn(*args, **kwargs)  # type: ignore[misc]
+        run = self.pipeline_for_call().open_run(self)
+        plan = self.plan(args, kwargs)
+        found = run.lookup(self, plan)
+        if found.hit:
+            return found.value
+        call: Any = functools.partial(self.fn, *args, **kwargs)
+        return await run.execute_async(self, plan, found, call)
+
+    def is_cached(self, *args: Any, **kwargs: Any) -> bool:
+        plan = self.plan(args, kwargs)
+        return self.pipeline_for_call().has_output(self, plan)
+
+    def forget(self, *args: Any, **kwargs: Any) -> None:
+        plan = self.plan(args, kwargs)
+        self.pipeline_for_call().reset(plan.slot, downstream=False)
+
+
+def _identity_of(value: object) -> str | None:
+    """The identity of *value* if it is a step (for code digests of steps calling steps)."""
+    spec = getattr(value, "__resumable_step__", None)
+    if not isinstance(spec, StepSpec):
+        return None
+    if spec._computing:  # noqa: SLF001 - a step referring to itself
+        return "self"
+    return spec.identity().identity
+
+
+def _make(fn: Callable[P, R], options: dict[str, Any]) -> Step[P, R]:
+    spec: StepSpec[P, R] = StepSpec(fn, **options)
+    wrapper: Any
+    if spec.is_async:
+
+        @functools.wraps(fn)
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return await spec.call_async(args, kwargs)
+
+    else:
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            return spec.call(args, kwargs)
+
+    wrapper.__resumable_step__ = spec
+    wrapper.is_cached = spec.is_cached
+    wrapper.forget = spec.forget
+    from ._pipeline import register  # noqa: PLC0415 - circular at import time
+
+    register(spec)
+    result: Step[P, R] = wrapper
+    return result
+
+
+@overload
+def step(fn: Callable[P, R], /) -> Step[P, R]: ...
+@overload
+def step(
+    *,
+    name: str | None = None,
+    version: str | None = None,
+    key: KeySpec | None = None,
+    ignore: Iterable[str] = (),
+    retries: int = 0,
+    idempotent: bool = True,
+    pipeline: Pipeline | None = None,
+) -> Callable[[Callable[P, R]], Step[P, R]]: ...
+def step(  # noqa: PLR0913 - the documented options
+    fn: Callable[P, R] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    version: str | None = None,
+    key: KeySpec | None = None,
+    ignore: Iterable[str] = (),
+    retries: int = 0,
+    idempotent: bool = True,
+    pipeline: Pipeline | None = None,
+) -> Step[P, R] | Callable[[Callable[P, R]], Step[P, R]]:
+    """
+    Make a function a step: its output is stored, and a later call with the same
+    arguments and code returns the stored output instead of running it again.
+
+    Use it bare (``@step``) or with options:
+
+    - *name*: the step's name (default: the function's ``__name__``); it names its files.
+    - *version*: pin the step's identity; code edits no longer invalidate its outputs,
+      changing the version does.
+    - *key*: one slot per distinct key: a format string over the parameters
+      (``"{page}"``) or a callable taking the step's arguments and returning a str.
+    - *ignore*: parameter names left out of the fingerprint (clients, loggers ...).
+    - *retries*: run again up to this many times, with exponential backoff, on an exception.
+    - *idempotent*: ``False`` for side effects that must not silently happen twice: if a
+      run dies while the step runs, the next call raises :class:`StepInterruptedError`.
+    - *pipeline*: bind the step to this pipeline (default: the current pipeline).
+
+    Raises:
+        StepDefinitionError: the name, key or an option is invalid, or another function
+            already uses the name.
+    """
+    options: dict[str, Any] = {
+        "name": name,
+        "version": version,
+        "key": key,
+        "ignore": ignore,
+        "retries": retries,
+        "idempotent": idempotent,
+        "pipeline": pipeline,
+    }
+    if fn is None:
+        return functools.partial(_make, options=options)  # type: ignore[return-value]
+    return _make(fn, options)
+

@@ -1,0 +1,96 @@
+"""
+Where state lives: the :class:`Store` protocol and the built-in stores.
+
+A store holds opaque objects under ``/``-separated keys such as ``parse.msgpack`` or
+``fetch_page/3.msgpack``. Everything resumable guarantees about durability rests on
+five operations, which is what a custom backend implements.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from ..exceptions import ResumableError
+
+Buffer = bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class StoreLock(Protocol):
+    """A held lock on a store; released explicitly or when its holder dies."""
+
+    def release(self) -> None:
+        """Give the lock up. Calling it twice is harmless."""
+
+
+@runtime_checkable
+class Store(Protocol):
+    """
+    The storage behind a pipeline.
+
+    Keys are relative, ``/``-separated paths. Implementations must guarantee:
+
+    - ``write`` is atomic: a reader sees the previous object or the new one, never a mix,
+      even if the writer is killed; with ``durable=True`` the new object survives a
+      power loss once ``write`` returns.
+    - ``read`` returns the whole object or raises ``FileNotFoundError``.
+    - ``lock`` lets one holder at a time in, raises :class:`StateLockedError` naming the
+      holder otherwise, and never stays held after its holder died.
+    """
+
+    location: str
+    """Where the store is, for messages: a directory path or a URL."""
+
+    def read(self, key: str) -> bytes | bytearray:
+        """Return the whole object; raise ``FileNotFoundError`` if there is none."""
+
+    def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
+        """Return bytes ``start`` to ``end`` (exclusive; ``None`` = to the end) of an object."""
+
+    def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
+        """Replace the object at *key* with the concatenation of *chunks*, atomically."""
+
+    def append(self, key: str, data: bytes, *, durable: bool) -> None:
+        """Append *data* to the object at *key* (creating it); used for the event log."""
+
+    def delete(self, key: str, *, durable: bool) -> None:
+        """Remove the object at *key*; no error if it does not exist."""
+
+    def list(self, prefix: str = "") -> list[str]:
+        """All keys starting with *prefix*, recursively, in no particular order."""
+
+    def lock(self, holder: Mapping[str, Any]) -> StoreLock:
+        """Take the store's run lock for *holder* (pid, host, since ...)."""
+
+
+def open_store(location: str | os.PathLike[str] | Store) -> Store:
+    """
+    Return the store for a directory, a URL or an existing :class:`Store`.
+
+    ``memory://name`` is an in-process store shared by every pipeline using the same name
+    (``memory://`` alone is a fresh private one); ``file://path`` and plain paths are local
+    directories.
+    """
+    if isinstance(location, Store):
+        return location
+    text = os.fspath(location)
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        from ._local import LocalStore  # noqa: PLC0415 - keep import light
+
+        return LocalStore(text)
+    if scheme == "file":
+        from ._local import LocalStore  # noqa: PLC0415 - keep import light
+
+        return LocalStore(rest)
+    if scheme == "memory":
+        from ._memory import MemoryStore  # noqa: PLC0415 - keep import light
+
+        return MemoryStore.named(rest)
+    msg = (
+        f"cannot open store {text!r}: resumable supports local directories, file:// and "
+        "memory:// URLs, or a Store object."
+    )
+    raise ResumableError(msg)

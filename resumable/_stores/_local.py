@@ -1,0 +1,215 @@
+"""The local directory store: temp file, fsync, rename, directory fsync."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .._codec import read_file
+from .._slots import INTERNAL_DIR
+from ..exceptions import StateLockedError
+from . import Buffer
+
+_LOCK_FILE = f"{INTERNAL_DIR}/lock"
+_WRITE_MAX = 1 << 30  # bytes per write() call; Linux caps a single write just below 2 GiB
+_counter = itertools.count()
+
+
+def _fsync_dir(path: str) -> None:
+    # fsync the directory too, or the rename can be lost on power failure.
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _with_path(exc: OSError, path: str) -> OSError:
+    """The same kind of error, naming *path* (os.write errors carry no file name)."""
+    if exc.filename is not None:
+        return exc
+    return type(exc)(exc.errno, exc.strerror, path)
+
+
+class _FileLock:
+    def __init__(self, fd: int) -> None:
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+
+class LocalStore:
+    """A directory on the local file system; files 0600, directories 0700."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.path.abspath(os.fspath(root))
+        self.location = self.root
+        self._append_fds: dict[str, int] = {}
+        self._fd_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"LocalStore({self.root!r})"
+
+    def path(self, key: str) -> str:
+        """The file path of *key*."""
+        return os.path.join(self.root, *key.split("/"))
+
+    def _makedirs(self, directory: str, *, durable: bool) -> None:
+        missing = []
+        while not os.path.isdir(directory):
+            missing.append(directory)
+            directory = os.path.dirname(directory)
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, 0o700)
+            except FileExistsError:
+                continue
+            if durable:
+                _fsync_dir(os.path.dirname(d))
+
+    def read(self, key: str) -> bytearray:
+        return read_file(self.path(key))
+
+    def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
+        with open(self.path(key), "rb") as f:
+            f.seek(start)
+            return f.read(-1 if end is None else max(0, end - start))
+
+    def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
+        target = self.path(key)
+        directory, name = os.path.split(target)
+        tmp = os.path.join(
+            directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp"
+        )
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            fd = os.open(tmp, flags, 0o600)
+        except FileNotFoundError:
+            self._makedirs(directory, durable=durable)
+            fd = os.open(tmp, flags, 0o600)
+        try:
+            try:
+                for chunk in chunks:
+                    view = memoryview(chunk).cast("B")
+                    while view:
+                        written = os.write(fd, view[:_WRITE_MAX])
+                        view = view[written:]
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, target)
+        except OSError as exc:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise _with_path(exc, target) from exc
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        if durable:
+            _fsync_dir(directory)
+
+    def append(self, key: str, data: bytes, *, durable: bool) -> None:
+        with self._fd_lock:
+            fd = self._append_fds.get(key)
+            if fd is None:
+                path = self.path(key)
+                flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+                try:
+                    fd = os.open(path, flags, 0o600)
+                except FileNotFoundError:
+                    self._makedirs(os.path.dirname(path), durable=durable)
+                    fd = os.open(path, flags, 0o600)
+                self._append_fds[key] = fd
+            # one write() per record: O_APPEND keeps concurrent appenders from interleaving
+            os.write(fd, data)
+            if durable:
+                os.fsync(fd)
+
+    def close_appends(self) -> None:
+        """Close the event-log descriptors kept open between appends."""
+        with self._fd_lock:
+            for fd in self._append_fds.values():
+                os.close(fd)
+            self._append_fds.clear()
+
+    def delete(self, key: str, *, durable: bool) -> None:
+        path = self.path(key)
+        with self._fd_lock:
+            fd = self._append_fds.pop(key, None)
+            if fd is not None:
+                os.close(fd)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            return
+        directory = os.path.dirname(path)
+        if directory != self.root:
+            try:
+                os.rmdir(directory)  # drop a keyed step's directory once it is empty
+            except OSError:
+                pass
+            else:
+                directory = os.path.dirname(directory)
+        if durable:
+            _fsync_dir(directory)
+
+    def list(self, prefix: str = "") -> list[str]:
+        base = prefix.rpartition("/")[0]
+        start = self.path(base) if base else self.root
+        keys: list[str] = []
+        stack = [(start, base)]
+        while stack:
+            directory, rel = stack.pop()
+            try:
+                entries = list(os.scandir(directory))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                key = f"{rel}/{entry.name}" if rel else entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append((entry.path, key))
+                elif not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
+                    if key.startswith(prefix):
+                        keys.append(key)
+        return keys
+
+    def lock(self, holder: Mapping[str, Any]) -> _FileLock:
+        path = self.path(_LOCK_FILE)
+        self._makedirs(os.path.dirname(path), durable=False)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in {errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES}:
+                raise
+            raise StateLockedError(self.location, self._holder(path)) from None
+        # The kernel drops a flock when its process dies, so a crash never blocks the next run.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(dict(holder)).encode(), 0)
+        return _FileLock(fd)
+
+    @staticmethod
+    def _holder(path: str) -> dict[str, Any] | None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                info = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return info if isinstance(info, dict) else None

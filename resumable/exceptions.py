@@ -1,0 +1,148 @@
+"""
+Errors raised by resumable.
+
+Every error names the step, slot or file involved and says what to do next.
+Each class also subclasses the built-in exception that fits it, so code that
+already catches ``TypeError`` or ``RuntimeError`` keeps working::
+
+    ResumableError(Exception)
+    ├── StepDefinitionError(ResumableError, TypeError)     bad @step use, raised when decorating
+    ├── FingerprintError(ResumableError, TypeError)        an argument with no stable digest
+    ├── SerializationError(ResumableError, TypeError)      an output that cannot be stored
+    ├── StateFormatError(ResumableError, ValueError)       state written by a newer version
+    ├── StateLockedError(ResumableError, RuntimeError)     another run holds the state directory
+    ├── InputChangedError(ResumableError, ValueError)      a batch's input changed under a resume
+    └── StepInterruptedError(ResumableError, RuntimeError) a non-idempotent step died mid-run
+    ResumableWarning(UserWarning)                           e.g. a damaged file was recomputed
+
+An exception raised inside a step is never wrapped: it propagates unchanged and
+the manifest records it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "FingerprintError",
+    "InputChangedError",
+    "ResumableError",
+    "ResumableWarning",
+    "SerializationError",
+    "StateFormatError",
+    "StateLockedError",
+    "StepDefinitionError",
+    "StepInterruptedError",
+]
+
+
+class ResumableError(Exception):
+    """Base class of every error raised by resumable itself."""
+
+
+class ResumableWarning(UserWarning):
+    """Something was recovered automatically, e.g. a damaged file was recomputed."""
+
+
+class StepDefinitionError(ResumableError, TypeError):
+    """A step is defined or used in a way that cannot work (bad name, key or option)."""
+
+    def __init__(self, message: str, *, step: str | None = None) -> None:
+        self.step = step
+        super().__init__(message)
+
+
+class FingerprintError(ResumableError, TypeError):
+    """An argument of a step has no stable digest, so its cached output cannot be matched."""
+
+    def __init__(self, step: str, param: str, where: str, type_name: str, detail: str = "") -> None:
+        self.step = step
+        self.param = param
+        self.where = where
+        self.type_name = type_name
+        extra = f" ({detail})" if detail else ""
+        super().__init__(
+            f"step {step!r}: cannot fingerprint argument {param!r}: {where} is a {type_name}{extra}. "
+            f"If it does not affect the output, pass ignore=({param!r},) to @step; otherwise give "
+            f"{type_name} a __resumable_fingerprint__() method returning a stable value, or pass a "
+            "supported value (str, bytes, numbers, containers, dataclasses, attrs, NumPy ...)."
+        )
+
+
+class SerializationError(ResumableError, TypeError):
+    """A value cannot be stored (or a stored value cannot be read back) as requested."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        step: str | None = None,
+        where: str | None = None,
+        type_name: str | None = None,
+    ) -> None:
+        self.step = step
+        self.where = where
+        self.type_name = type_name
+        super().__init__(message)
+
+
+class StateFormatError(ResumableError, ValueError):
+    """The state was written by a newer version of resumable than this one."""
+
+    def __init__(self, path: str, found: object, supported: int) -> None:
+        self.path = path
+        self.found = found
+        self.supported = supported
+        super().__init__(
+            f"{path} has format {found!r}, but this version of resumable understands format "
+            f"{supported} at most. Upgrade resumable (pip install -U resumable) to read it, or "
+            "point the pipeline at another state directory."
+        )
+
+
+class StateLockedError(ResumableError, RuntimeError):
+    """Another run holds the state directory."""
+
+    def __init__(self, location: str, holder: Mapping[str, Any] | None) -> None:
+        self.location = location
+        self.holder = dict(holder or {})
+        who = (
+            f"pid {self.holder.get('pid', '?')} on host {self.holder.get('host', '?')} "
+            f"since {self.holder.get('since', '?')}"
+            if self.holder
+            else "another process"
+        )
+        super().__init__(
+            f"{location} is in use by a run of {who}. Only one run at a time may use a state "
+            "directory: wait for it to finish, stop it, or use another state directory "
+            "(state_dir= or $RESUMABLE_STATE_DIR)."
+        )
+
+
+class InputChangedError(ResumableError, ValueError):
+    """A batch's input differs from the input of the run that is being resumed."""
+
+    def __init__(self, batch: str, detail: str, remedy: str = "") -> None:
+        self.batch = batch
+        self.detail = detail
+        super().__init__(
+            f"batch {batch!r}: the input changed since the interrupted run ({detail}), so the "
+            "committed rows cannot be reused. "
+            + (remedy or f"Reset it to start over: resumable reset {batch}.")
+        )
+
+
+class StepInterruptedError(ResumableError, RuntimeError):
+    """A step marked ``idempotent=False`` died while running and may have partly run."""
+
+    def __init__(self, slot: str, started_at: str | None, step: str | None = None) -> None:
+        self.slot = slot
+        self.step = step or slot.split("/", 1)[0]
+        self.started_at = started_at
+        since = f" (started {started_at})" if started_at else ""
+        super().__init__(
+            f"step {slot!r} is marked idempotent=False and a run died while it was running{since}: "
+            "its side effects may have partly happened. Check them, then confirm the rerun with "
+            f"`resumable reset {slot}` or pipe.reset({slot!r})."
+        )
