@@ -50,7 +50,7 @@ def _ago(stamp: str | None) -> str:
     if not stamp:
         return ""
     try:
-        then = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+        then = datetime.fromisoformat(stamp)
     except ValueError:
         return stamp
     seconds = (datetime.now(UTC) - then).total_seconds()
@@ -93,15 +93,17 @@ def render_status(manifest: Manifest, location: str) -> str:
             total = f"/{batch.total:,}" if batch.total is not None else ""
             progress = f"{batch.done:,}{total} rows"
             progress += f", {batch.failures} failed" if batch.failures else ""
-        rows.append([
-            slot,
-            rec.status,
-            rec.reason or "",
-            _ago(rec.finished_at),
-            _duration(rec.duration_s),
-            human_size(rec.bytes) if rec.bytes is not None else "",
-            progress,
-        ])
+        rows.append(
+            [
+                slot,
+                rec.status,
+                rec.reason or "",
+                _ago(rec.finished_at),
+                _duration(rec.duration_s),
+                human_size(rec.bytes) if rec.bytes is not None else "",
+                progress,
+            ]
+        )
     for name, batch in m.batches.items():
         if name not in m.steps:
             total = f"/{batch.total:,}" if batch.total is not None else ""

@@ -173,7 +173,7 @@ def _valid_header(header: object) -> bool:
     if not all(isinstance(header.get(k), t) for k, t in types.items()):
         return False
     return all(
-        isinstance(e, list) and len(e) == 2 and all(type(x) is int and x >= 0 for x in e)  # noqa: PLR2004
+        isinstance(e, list) and len(e) == 2 and all(type(x) is int and x >= 0 for x in e)
         for e in header["buffers"]
     )
 

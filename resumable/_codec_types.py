@@ -83,12 +83,13 @@ class Encoder:
 
     def pack(self, obj: object) -> bytes:
         packer = msgpack.Packer(default=self.default, strict_types=True, use_bin_type=True)
-        return packer.pack(obj)
+        packed: bytes = packer.pack(obj)
+        return packed
 
     def ext(self, code: int, payload: object) -> msgpack.ExtType:
         return msgpack.ExtType(code, self.pack(payload))
 
-    def default(self, obj: object) -> object:  # noqa: C901, PLR0911, PLR0912 - one dispatch
+    def default(self, obj: object) -> object:  # noqa: PLR0911 - one dispatch
         tp = type(obj)
         handler = _ENCODERS.get(tp)
         if handler is not None:
@@ -145,7 +146,7 @@ class Encoder:
             self.buffers.append(raw[start : start + _MAX_BIN])
         return self.ext(NDARRAY_REF, [_descr(arr.dtype), shape, order, indices])
 
-    def _pandas(self, pd: Any, obj: object) -> msgpack.ExtType | None:
+    def _pandas(self, pd: Any, obj: Any) -> msgpack.ExtType | None:  # noqa: PLR0911 - one dispatch
         if isinstance(obj, pd.DataFrame) and type(obj) is pd.DataFrame:
             columns = [_column_payload(pd, obj.iloc[:, i]) for i in range(obj.shape[1])]
             payload = [_index_payload(pd, obj.columns), _index_payload(pd, obj.index), columns]
@@ -221,7 +222,7 @@ def _index_payload(pd: Any, index: Any) -> list[Any]:
         return ["range", index.start, index.stop, index.step, index.name]
     if isinstance(index, pd.MultiIndex):
         levels = [_index_payload(pd, level) for level in index.levels]
-        return ["multi", levels, [c for c in index.codes], list(index.names)]
+        return ["multi", levels, list(index.codes), list(index.names)]
     freq = getattr(index, "freqstr", None)
     return ["index", _column_payload(pd, pd.Series(index, copy=False)), index.name, freq]
 
@@ -265,7 +266,7 @@ def _encode_set(code: int) -> Callable[[Encoder, Any], object]:
         # Sort the packed elements: the file (and its checksum) must not depend on hash order.
         items = sorted(enc.pack(item) for item in obj)
         count = len(items)
-        head = bytes([0x90 | count]) if count < 16 else struct.pack(">BI", 0xDD, count)  # noqa: PLR2004
+        head = bytes([0x90 | count]) if count < 16 else struct.pack(">BI", 0xDD, count)
         return msgpack.ExtType(code, head + b"".join(items))
 
     return encode
@@ -283,10 +284,7 @@ _ENCODERS: dict[type, Callable[[Encoder, Any], object]] = {
     decimal.Decimal: lambda _enc, o: msgpack.ExtType(DECIMAL, str(o).encode()),
     uuid.UUID: lambda _enc, o: msgpack.ExtType(UUID, o.bytes),
     complex: lambda _enc, o: msgpack.ExtType(COMPLEX, struct.pack("<dd", o.real, o.imag)),
-    **{
-        cls: (lambda kind: lambda enc, o: enc.ext(PATH, [kind, str(o)]))(kind)
-        for cls, kind in _PATH_KINDS.items()
-    },
+    **dict.fromkeys(_PATH_KINDS, lambda enc, o: enc.ext(PATH, [_PATH_KINDS[type(o)], str(o)])),
 }
 
 
@@ -306,9 +304,7 @@ class Decoder:
         self.readonly = memoryview(data).readonly
 
     def unpack(self, body: bytes | memoryview) -> Any:
-        return msgpack.unpackb(
-            body, ext_hook=self.ext_hook, raw=False, strict_map_key=False, timestamp=0
-        )
+        return msgpack.unpackb(body, ext_hook=self.ext_hook, raw=False, strict_map_key=False, timestamp=0)
 
     def ext_hook(self, code: int, payload: bytes) -> Any:
         decode = _DECODERS.get(code)
@@ -323,7 +319,7 @@ class Decoder:
         dtype = np.lib.format.descr_to_dtype(descr)
         count = _prod(shape)
         if len(indices) == 1:
-            offset, size = self.buffers[indices[0]]
+            offset, _ = self.buffers[indices[0]]
             flat = np.frombuffer(self.data, dtype=dtype, count=count, offset=offset)
             if self.readonly:
                 flat = flat.copy()
@@ -365,6 +361,11 @@ def _find_class(module: str, qualname: str, kind: str) -> Any:
         where = f"module {module!r} is not imported" if mod is None else "it no longer exists"
         _refuse(f"the stored value is a {module}.{qualname} ({kind}) but {where}")
     return obj
+
+
+def _decode_path(kind: str, text: str) -> pathlib.PurePath:
+    path: pathlib.PurePath = _PATH_CLASSES[kind](text)
+    return path
 
 
 def _decode_enum(dec: Decoder, payload: bytes) -> Any:
@@ -484,7 +485,7 @@ _DECODERS: dict[int, Callable[[Decoder, bytes], Any]] = {
     TIMEDELTA: lambda dec, p: dt.timedelta(*dec.unpack(p)),
     DECIMAL: lambda _dec, p: decimal.Decimal(p.decode()),
     UUID: lambda _dec, p: uuid.UUID(bytes=p),
-    PATH: lambda dec, p: (lambda kind, s: _PATH_CLASSES[kind](s))(*dec.unpack(p)),
+    PATH: lambda dec, p: _decode_path(*dec.unpack(p)),
     COMPLEX: lambda _dec, p: complex(*struct.unpack("<dd", p)),
     ENUM: _decode_enum,
     OBJECT: _decode_object,
@@ -509,7 +510,7 @@ def find_path(root: object, target: object, name: str = "output") -> str:
         obj, path = stack.pop()
         if obj is target:
             return path
-        if id(obj) in seen or len(seen) > 100_000:  # noqa: PLR2004 - bound the search
+        if id(obj) in seen or len(seen) > 100_000:
             continue
         seen.add(id(obj))
         stack.extend(_children(obj, path))

@@ -138,9 +138,7 @@ def _constant_digest(value: object) -> str | None:
         pass
     elif type(value) in {tuple, frozenset}:
         items: Any = value
-        if len(items) > _MAX_CONSTANT_ITEMS or not all(
-            type(v) in _CONSTANT_TYPES for v in items
-        ):
+        if len(items) > _MAX_CONSTANT_ITEMS or not all(type(v) in _CONSTANT_TYPES for v in items):
             return None
     else:
         return None
@@ -150,9 +148,7 @@ def _constant_digest(value: object) -> str | None:
         return None
 
 
-def code_components(
-    fn: types.FunctionType, step_identity: Callable[[object], str | None]
-) -> dict[str, str]:
+def code_components(fn: types.FunctionType, step_identity: Callable[[object], str | None]) -> dict[str, str]:
     """
     The digests that make up a step's code identity, by component name.
 
@@ -204,4 +200,4 @@ def describe_change(old: dict[str, str] | None, new: dict[str, str]) -> str:
         return ""
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     labels = ["its own code" if k == "code" else k for k in changed]
-    return ", ".join(labels[:5]) + (" ..." if len(labels) > 5 else "")  # noqa: PLR2004
+    return ", ".join(labels[:5]) + (" ..." if len(labels) > 5 else "")

@@ -15,6 +15,7 @@ import dataclasses
 import datetime as dt
 import decimal
 import enum
+import functools
 import hashlib
 import pathlib
 import struct
@@ -23,7 +24,7 @@ import threading
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sized
 from typing import Any
 
 import attrs
@@ -34,7 +35,7 @@ from .exceptions import FingerprintError
 _PACK_LEN = struct.Struct("<Q").pack
 _PACK_FLOAT = struct.Struct("<d").pack
 _PACK_COMPLEX = struct.Struct("<dd").pack
-_PATH_TAGS = {
+_PATH_TAGS: dict[type, bytes] = {
     pathlib.PosixPath: b"pp",
     pathlib.PurePosixPath: b"pp",
     pathlib.WindowsPath: b"pw",
@@ -94,11 +95,11 @@ class _Provenance:
         key = id(obj)
         with self._lock:
             try:
-                ref = weakref.ref(obj, lambda r, k=key: self._forget(k, r))
+                ref = weakref.ref(obj, functools.partial(self._forget, key))
             except TypeError:
                 # lists and dicts cannot be weakly referenced; remember their length so the
                 # most common in-place change (append/pop) falls back to hashing
-                size = len(obj) if hasattr(obj, "__len__") else -1  # type: ignore[arg-type]
+                size = len(obj) if isinstance(obj, Sized) else -1
                 self._entries[key] = (obj, digest, size, False)
                 self._strong[key] = None
                 self._strong.move_to_end(key)
@@ -122,7 +123,7 @@ class _Provenance:
         held, digest, size, weak = entry
         if (held() if weak else held) is not obj:
             return None
-        if size >= 0 and len(obj) != size:  # type: ignore[arg-type]
+        if size >= 0 and isinstance(obj, Sized) and len(obj) != size:
             return None
         return digest
 
@@ -287,7 +288,7 @@ _SIMPLE: dict[type, Callable[[Any], bytes]] = {
     dt.timedelta: lambda o: b"e" + _text(f"{o.days},{o.seconds},{o.microseconds}"),
     decimal.Decimal: lambda o: b"m" + _text(str(o)),
     uuid.UUID: lambda o: b"u" + o.bytes,
-    **{cls: (lambda tag: lambda o: tag + _text(str(o)))(tag) for cls, tag in _PATH_TAGS.items()},
+    **dict.fromkeys(_PATH_TAGS, lambda o: _PATH_TAGS[type(o)] + _text(str(o))),
 }
 
 
@@ -326,5 +327,7 @@ def digest_arguments(step: str, arguments: Mapping[str, Any], ignore: frozenset[
             tp = qualified_name(type(exc.obj))
             raise FingerprintError(step, name, exc.where, tp, exc.detail) from None
         except RecursionError:
-            raise FingerprintError(step, name, name, qualified_name(type(value)), "nested too deeply") from None
+            raise FingerprintError(
+                step, name, name, qualified_name(type(value)), "nested too deeply"
+            ) from None
     return hashlib.sha256(out).hexdigest()[:32]

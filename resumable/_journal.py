@@ -70,9 +70,7 @@ def read_header(store: Store, key: str) -> tuple[dict[str, Any], int]:
 class Journal:
     """Owns the manifest of an open run: applies events, logs them, writes the manifest."""
 
-    def __init__(
-        self, store: Store, *, pipeline: str, secret: bytes | None, readonly: bool = False
-    ) -> None:
+    def __init__(self, store: Store, *, pipeline: str, secret: bytes | None, readonly: bool = False) -> None:
         self.store = store
         self.readonly = readonly
         self.pipeline = pipeline
@@ -260,7 +258,7 @@ class Journal:
                 self._dirty = False
             try:
                 self.flush(durable=False)
-            except OSError:  # noqa: PERF203 - retried at the next change, reported at close
+            except OSError:
                 continue
 
     def stop_writer(self) -> None:

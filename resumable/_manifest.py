@@ -123,9 +123,7 @@ class Fold:
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
-        self._running: list[str] = [
-            slot for slot, rec in manifest.steps.items() if rec.status == "running"
-        ]
+        self._running: list[str] = [slot for slot, rec in manifest.steps.items() if rec.status == "running"]
         # mirrors completed_steps so that completing a slot costs O(1), not O(slots)
         self._completed: set[str] = set(manifest.completed_steps)
 
@@ -149,83 +147,117 @@ class Fold:
         self._completed.add(slot)
         done.append(slot)
 
-    def apply(self, event: Mapping[str, Any]) -> None:  # noqa: C901, PLR0912 - one dispatch
+    def apply(self, event: Mapping[str, Any]) -> None:
         """Apply one event (unknown events are ignored, for forward compatibility)."""
+        self.manifest.last_update = event.get("t", self.manifest.last_update)
+        handler = _HANDLERS.get(event.get("event", ""))
+        if handler is not None:
+            handler(self, event)
+
+    def _run_started(self, event: Mapping[str, Any]) -> None:
         m = self.manifest
-        kind = event.get("event")
-        m.last_update = event.get("t", m.last_update)
-        slot = event.get("slot")
-        if kind == "run_started":
-            m.runs = event.get("run", m.runs + 1)
-            m.status = "running"
-            m.error = None
+        m.runs = event.get("run", m.runs + 1)
+        m.status = "running"
+        m.error = None
+        m.current_step = None
+        self._running.clear()
+
+    def _run_finished(self, event: Mapping[str, Any]) -> None:
+        m = self.manifest
+        m.status = event["status"]
+        if "error" in event:
+            m.error = ErrorRecord(None, **event["error"])
+        for running in self._running:
+            m.steps[running].status = "interrupted"
+        self._running.clear()
+        if m.status != "failed":
             m.current_step = None
-            self._running.clear()
-        elif kind == "run_finished":
-            m.status = event["status"]
-            if "error" in event:
-                m.error = ErrorRecord(None, **event["error"])
-            for running in self._running:
-                m.steps[running].status = "interrupted"
-            self._running.clear()
-            if m.status != "failed":
-                m.current_step = None
-        elif kind == "step_started" and slot:
-            rec = self._record(slot)
-            rec.status = "running"
-            rec.reason = event.get("reason")
-            rec.fingerprint = event.get("fingerprint")
-            rec.started_at = event.get("t")
-            rec.finished_at = rec.duration_s = None
-            rec.attempts = event.get("attempt", 1)
-            if slot in self._running:
-                self._running.remove(slot)
-            self._running.append(slot)
-            m.current_step = slot
-        elif kind == "step_retry" and slot:
-            self._record(slot).attempts = event.get("attempt", 1)
-        elif kind == "step_completed" and slot:
+
+    def _step_started(self, event: Mapping[str, Any]) -> None:
+        slot = event["slot"]
+        rec = self._record(slot)
+        rec.status = "running"
+        rec.reason = event.get("reason")
+        rec.fingerprint = event.get("fingerprint")
+        rec.started_at = event.get("t")
+        rec.finished_at = rec.duration_s = None
+        rec.attempts = event.get("attempt", 1)
+        if slot in self._running:
+            self._running.remove(slot)
+        self._running.append(slot)
+        self.manifest.current_step = slot
+
+    def _step_retry(self, event: Mapping[str, Any]) -> None:
+        self._record(event["slot"]).attempts = event.get("attempt", 1)
+
+    def _step_completed(self, event: Mapping[str, Any]) -> None:
+        slot = event["slot"]
+        rec = self._record(slot)
+        rec.status = "completed"
+        rec.fingerprint = event.get("fingerprint", rec.fingerprint)
+        rec.finished_at = event.get("t")
+        rec.duration_s = event.get("duration_s")
+        rec.bytes = event.get("bytes")
+        rec.attempts = event.get("attempts", rec.attempts)
+        if "code" in event:
+            self.manifest.code[slot.split("/", 1)[0]] = event["code"]
+        self._complete(slot)
+        self._done_running(slot)
+
+    def _step_skipped(self, event: Mapping[str, Any]) -> None:
+        slot = event["slot"]
+        rec = self.manifest.steps.get(slot)
+        if rec is None or rec.status != "completed":
+            # the manifest lagged behind the files: learn the slot from its skip
             rec = self._record(slot)
             rec.status = "completed"
-            rec.fingerprint = event.get("fingerprint", rec.fingerprint)
-            rec.finished_at = event.get("t")
-            rec.duration_s = event.get("duration_s")
+            rec.fingerprint = event.get("fingerprint")
             rec.bytes = event.get("bytes")
-            if "code" in event:
-                m.code[slot.split("/", 1)[0]] = event["code"]
+            rec.finished_at = event.get("created_at")
             self._complete(slot)
-            self._done_running(slot)
-        elif kind == "step_skipped" and slot:
-            rec = m.steps.get(slot)
-            if rec is None or rec.status != "completed":
-                # the manifest lagged behind the files: learn the slot from its skip
-                rec = self._record(slot)
-                rec.status = "completed"
-                rec.fingerprint = event.get("fingerprint")
-                rec.bytes = event.get("bytes")
-                rec.finished_at = event.get("created_at")
-                self._complete(slot)
-        elif kind in {"step_failed", "step_interrupted"} and slot:
-            rec = self._record(slot)
-            rec.status = "failed" if kind == "step_failed" else "interrupted"
-            rec.finished_at = event.get("t")
-            rec.duration_s = event.get("duration_s")
-            if kind == "step_failed":
-                m.error = ErrorRecord(slot, **event["error"])
-            if slot in self._running:
-                self._running.remove(slot)
-            m.current_step = slot if kind == "step_failed" else m.current_step
-            if m.current_step == slot and kind == "step_interrupted":
-                m.current_step = self._running[-1] if self._running else None
-        elif kind == "steps_reset":
-            reset = set(event.get("slots", ()))
-            for name in reset:
-                m.steps[name] = StepRecord(status="reset")
-            m.completed_steps[:] = [s for s in m.completed_steps if s not in reset]
-            self._completed -= reset
-            if m.current_step in reset:
-                m.current_step = None
-        elif kind == "batch" and event.get("batch"):
-            m.batches[event["batch"]] = BatchRecord(**event["progress"])
-        elif kind == "batch_done" and event.get("batch"):
-            m.batches.pop(event["batch"], None)
+
+    def _step_ended(self, event: Mapping[str, Any]) -> None:
+        slot = event["slot"]
+        failed = event["event"] == "step_failed"
+        rec = self._record(slot)
+        rec.status = "failed" if failed else "interrupted"
+        rec.finished_at = event.get("t")
+        rec.duration_s = event.get("duration_s")
+        rec.attempts = event.get("attempts", rec.attempts)
+        if failed:
+            self.manifest.error = ErrorRecord(slot, **event["error"])
+        self._done_running(slot)
+        if failed:
+            self.manifest.current_step = slot
+
+    def _steps_reset(self, event: Mapping[str, Any]) -> None:
+        m = self.manifest
+        reset = set(event.get("slots", ()))
+        for name in reset:
+            m.steps[name] = StepRecord(status="reset")
+        m.completed_steps[:] = [s for s in m.completed_steps if s not in reset]
+        self._completed -= reset
+        self._running = [s for s in self._running if s not in reset]
+        if m.current_step in reset:
+            m.current_step = self._running[-1] if self._running else None
+
+    def _batch(self, event: Mapping[str, Any]) -> None:
+        self.manifest.batches[event["batch"]] = BatchRecord(**event["progress"])
+
+    def _batch_done(self, event: Mapping[str, Any]) -> None:
+        self.manifest.batches.pop(event["batch"], None)
+
+
+_HANDLERS: dict[str, Callable[[Fold, Mapping[str, Any]], None]] = {
+    "run_started": Fold._run_started,  # noqa: SLF001
+    "run_finished": Fold._run_finished,  # noqa: SLF001
+    "step_started": Fold._step_started,  # noqa: SLF001
+    "step_retry": Fold._step_retry,  # noqa: SLF001
+    "step_completed": Fold._step_completed,  # noqa: SLF001
+    "step_skipped": Fold._step_skipped,  # noqa: SLF001
+    "step_failed": Fold._step_ended,  # noqa: SLF001
+    "step_interrupted": Fold._step_ended,  # noqa: SLF001
+    "steps_reset": Fold._steps_reset,  # noqa: SLF001
+    "batch": Fold._batch,  # noqa: SLF001
+    "batch_done": Fold._batch_done,  # noqa: SLF001
+}

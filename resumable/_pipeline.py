@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import Any, ParamSpec, Self, TypeVar, overload
 
 from ._codec import DamagedFileError, parse_header, secret_bytes, verify
 from ._fingerprint import StoredOutput
@@ -145,7 +145,11 @@ class Pipeline:
         if state_dir is not None and store is not None:
             msg = "pass either state_dir= or store= to Pipeline, not both"
             raise ResumableError(msg)
-        if isinstance(keep_checkpoints, bool) or not isinstance(keep_checkpoints, int) or keep_checkpoints < 0:
+        if (
+            isinstance(keep_checkpoints, bool)
+            or not isinstance(keep_checkpoints, int)
+            or keep_checkpoints < 0
+        ):
             msg = f"keep_checkpoints must be an int >= 0, got {keep_checkpoints!r}"
             raise ResumableError(msg)
         self._name = name
@@ -196,6 +200,7 @@ class Pipeline:
     @overload
     def step(
         self,
+        /,
         *,
         name: str | None = None,
         version: str | None = None,
@@ -204,11 +209,29 @@ class Pipeline:
         retries: int = 0,
         idempotent: bool = True,
     ) -> Callable[[Callable[P, R]], Step[P, R]]: ...
-    def step(self, fn: Callable[P, R] | None = None, /, **options: Any) -> Any:
+    def step(  # noqa: PLR0913 - the decorator's options
+        self,
+        fn: Callable[P, R] | None = None,
+        /,
+        *,
+        name: str | None = None,
+        version: str | None = None,
+        key: KeySpec | None = None,
+        ignore: Iterable[str] = (),
+        retries: int = 0,
+        idempotent: bool = True,
+    ) -> Step[P, R] | Callable[[Callable[P, R]], Step[P, R]]:
         """The ``@step`` decorator, binding steps to this pipeline."""
-        if fn is None:
-            return step(pipeline=self, **options)
-        return step(pipeline=self, **options)(fn)
+        decorate: Callable[[Callable[P, R]], Step[P, R]] = step(
+            name=name,
+            version=version,
+            key=key,
+            ignore=ignore,
+            retries=retries,
+            idempotent=idempotent,
+            pipeline=self,
+        )
+        return decorate if fn is None else decorate(fn)
 
     # the run -----------------------------------------------------------------------------
 
@@ -249,7 +272,7 @@ class Pipeline:
             if run is not None:
                 run.close(status, error)
 
-    def __enter__(self) -> Pipeline:
+    def __enter__(self) -> Self:
         with self._lock:
             if self._run is None:
                 self._run = self._new_run(maintenance=False)
@@ -289,7 +312,7 @@ class Pipeline:
 
     def _registry(self) -> dict[str, StepSpec[Any, Any]]:
         # a pipeline without steps of its own runs the module-level ones (script mode)
-        return self._steps if self._steps else dict(_unbound)
+        return self._steps or dict(_unbound)
 
     def run(self, **inputs: Any) -> Run:
         """
@@ -333,8 +356,14 @@ class Pipeline:
         found = run.lookup(spec, plan, want_value=False)
         if found.hit:
             stored: StoredOutput = found.value
-            return StoredOutput(plan.slot, stored.digest, lambda: self._load_or_redo(run, spec, plan, args, kwargs)), False, plan.slot
-        return _execute(run, spec, plan, found, args, kwargs), True, plan.slot
+            return (
+                StoredOutput(
+                    plan.slot, stored.digest, lambda: self._load_or_redo(run, spec, plan, args, kwargs)
+                ),
+                False,
+                plan.slot,
+            )
+        return _execute(run, spec, plan, found, _call(spec, args, kwargs)), True, plan.slot
 
     def _load_or_redo(
         self, run: RunState, spec: StepSpec[Any, Any], plan: Plan, args: list[Any], kwargs: dict[str, Any]
@@ -343,7 +372,7 @@ class Pipeline:
             return run.load(spec, plan)
         except (SerializationError, FileNotFoundError) as exc:
             warnings.warn(ResumableWarning(f"{exc}; recomputing it."), stacklevel=3)
-            return _execute(run, spec, plan, Found(hit=False, reason="corrupt"), args, kwargs)
+            return _execute(run, spec, plan, Found(hit=False, reason="corrupt"), _call(spec, args, kwargs))
 
     # state -------------------------------------------------------------------------------
 
@@ -397,7 +426,7 @@ class Pipeline:
             run.journal.record("steps_reset", slots=slots)
         return slots
 
-    def has_output(self, spec: StepSpec[Any, Any], plan: Plan) -> bool:
+    def has_output(self, plan: Plan) -> bool:
         """True if *plan*'s slot holds a valid output with its fingerprint."""
         try:
             data = self.store.read(slot_file(plan.slot))
@@ -454,17 +483,21 @@ def _arguments(
     return args, kwargs
 
 
-def _execute(
-    run: RunState, spec: StepSpec[Any, Any], plan: Plan, found: Found, args: list[Any], kwargs: dict[str, Any]
-) -> Any:
-    call = functools.partial(spec.fn, *_resolved(args), **_resolved(kwargs))
+def _call(spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
+    return functools.partial(spec.fn, *_resolved(args), **_resolved(kwargs))
+
+
+def _execute(run: RunState, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Any) -> Any:
     if not spec.is_async:
         return run.execute(spec, plan, found, call)
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(run.execute_async(spec, plan, found, call))
-    msg = f"Pipeline.run() cannot run async step {spec.name!r} inside a running event loop; await the step directly"
+    msg = (
+        f"Pipeline.run() cannot run async step {spec.name!r} inside a running event loop; "
+        "call the step and await it instead"
+    )
     raise ResumableError(msg)
 
 
@@ -490,9 +523,9 @@ class _ExitHooks:
                 previous(tp, value, tb)
 
             sys.excepthook = excepthook
-            if threading.current_thread() is threading.main_thread():
-                if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                    signal.signal(signal.SIGTERM, self._on_sigterm)
+            main = threading.current_thread() is threading.main_thread()
+            if main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def forget(self, pipe: Pipeline) -> None:
         if pipe in self._pipelines:
@@ -505,10 +538,7 @@ class _ExitHooks:
 
     def _at_exit(self) -> None:
         error = self._error
-        if self._terminated:
-            status = "interrupted"
-        else:
-            status = status_for(error)
+        status = "interrupted" if self._terminated else status_for(error)
         for pipe in list(self._pipelines):
             try:
                 pipe._close(status, error)  # noqa: SLF001

@@ -54,7 +54,7 @@ def human_size(n: float | None) -> str:
     if n is None:
         return "?"
     for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":  # noqa: PLR2004
+        if n < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
     return f"{n:.1f} TB"  # pragma: no cover - the loop always returns
@@ -220,7 +220,10 @@ class RunState:
         ident = spec.identity()
         if spec.version is not None and header.get("code") not in {None, ident.code}:
             changed = _codehash.describe_change(self.journal.manifest.code.get(spec.name), ident.components)
-            note += f"; kept despite a code change ({changed or 'its code'}) because version {spec.version!r} is pinned"
+            note += (
+                f"; kept despite a code change ({changed or 'its code'}) "
+                f"because version {spec.version!r} is pinned"
+            )
         return note
 
     def _corrupt(self, plan: Plan, why: str) -> Found:
@@ -240,7 +243,11 @@ class RunState:
             old = str(stored).removeprefix("version:").removeprefix("code:")[:12]
             return Found(hit=False, reason="version changed", detail=f"{old} -> {spec.version}")
         old_components = self.journal.manifest.code.get(spec.name)
-        return Found(hit=False, reason="code changed", detail=_codehash.describe_change(old_components, ident.components))
+        return Found(
+            hit=False,
+            reason="code changed",
+            detail=_codehash.describe_change(old_components, ident.components),
+        )
 
     def _check_single_slot(self, spec: StepSpec[Any, Any], plan: Plan) -> None:
         first = self._single_slot.setdefault(spec.name, plan.args)
@@ -278,7 +285,7 @@ class RunState:
         return time.perf_counter()
 
     def _retry_delay(self, spec: StepSpec[Any, Any], plan: Plan, attempt: int, exc: Exception) -> float:
-        delay = min(RETRY_BASE_DELAY * 2 ** (attempt - 1), RETRY_MAX_DELAY)
+        delay = min(RETRY_BASE_DELAY * 2.0 ** (attempt - 1), RETRY_MAX_DELAY)
         log.warning(
             "step %r attempt %d of %d failed (%s: %s); retrying in %.1fs",
             plan.slot, attempt, spec.retries + 1, type(exc).__name__, exc, delay,
@@ -286,7 +293,9 @@ class RunState:
         self.journal.record("step_retry", slot=plan.slot, attempt=attempt + 1, error=_error_fields(exc))
         return delay
 
-    def complete(self, spec: StepSpec[Any, Any], plan: Plan, value: Any, started: float, attempts: int) -> None:
+    def complete(
+        self, spec: StepSpec[Any, Any], plan: Plan, value: Any, started: float, attempts: int
+    ) -> None:
         """Store the output atomically, then record the step as completed."""
         try:
             encoded = encode(value, allow_pickle=self.allow_pickle, what=f"the output of step {plan.slot!r}")
@@ -307,7 +316,9 @@ class RunState:
         chunks, header = frame(encoded, meta, secret=self.secret)
         size = sum(memoryview(c).nbytes for c in chunks)
         if size > LARGE_OUTPUT:
-            log.warning("step %r output is %s; large outputs slow every save and load", plan.slot, human_size(size))
+            log.warning(
+                "step %r output is %s; large outputs slow every save and load", plan.slot, human_size(size)
+            )
         try:
             self.store.write(slot_file(plan.slot), chunks, durable=self.durable)
         except BaseException as exc:
@@ -326,12 +337,18 @@ class RunState:
             attempts=attempts,
             **fields,
         )
-        log.debug("step %r completed in %.3fs, %s", plan.slot, time.perf_counter() - started, human_size(size))
+        log.debug(
+            "step %r completed in %.3fs, %s", plan.slot, time.perf_counter() - started, human_size(size)
+        )
 
-    def failed(self, spec: StepSpec[Any, Any], plan: Plan, exc: BaseException, started: float, attempts: int) -> None:
+    def failed(
+        self, spec: StepSpec[Any, Any], plan: Plan, exc: BaseException, started: float, attempts: int
+    ) -> None:
         """Record an exception that escapes a step (it is re-raised by the caller)."""
         if not isinstance(exc, Exception):
-            self.journal.record("step_interrupted", slot=plan.slot, duration_s=round(time.perf_counter() - started, 6))
+            self.journal.record(
+                "step_interrupted", slot=plan.slot, duration_s=round(time.perf_counter() - started, 6)
+            )
             return
         self.last_failure = exc
         log.info("step %r failed after %d attempt(s): %s: %s", plan.slot, attempts, type(exc).__name__, exc)

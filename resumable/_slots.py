@@ -107,4 +107,4 @@ def is_output_file(path: str) -> bool:
     if not path.endswith(OUTPUT_SUFFIX) or path.startswith(INTERNAL_DIR + "/"):
         return False
     parts = path.split("/")
-    return len(parts) <= 2 and not any(p.startswith(".") for p in parts)  # noqa: PLR2004
+    return len(parts) <= 2 and not any(p.startswith(".") for p in parts)

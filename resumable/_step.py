@@ -38,8 +38,10 @@ _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 class Step(Protocol[P, R_co]):
     """A function decorated with ``@step``: call it like the original."""
 
-    __resumable_step__: StepSpec
-    __wrapped__: Callable[P, R_co]
+    @property
+    def __resumable_step__(self) -> StepSpec[Any, Any]: ...
+    @property
+    def __wrapped__(self) -> Callable[P, R_co]: ...
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
 
@@ -263,7 +265,7 @@ class StepSpec(Generic[P, R]):
 
     def is_cached(self, *args: Any, **kwargs: Any) -> bool:
         plan = self.plan(args, kwargs)
-        return self.pipeline_for_call().has_output(self, plan)
+        return self.pipeline_for_call().has_output(plan)
 
     def forget(self, *args: Any, **kwargs: Any) -> None:
         plan = self.plan(args, kwargs)
@@ -361,6 +363,5 @@ def step(  # noqa: PLR0913 - the documented options
         "pipeline": pipeline,
     }
     if fn is None:
-        return functools.partial(_make, options=options)  # type: ignore[return-value]
+        return functools.partial(_make, options=options)
     return _make(fn, options)
-

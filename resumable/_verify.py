@@ -18,43 +18,54 @@ def find_damage(store: Store, *, secret: bytes | None) -> tuple[int, list[tuple[
     Returns the number of files checked and ``(location, problem)`` for each damaged one.
     """
     problems: list[tuple[str, str]] = []
-    checked = 0
+    checked = _check_manifest(store, secret, problems) + _check_events(store, secret, problems)
+    for key in sorted(k for k in store.list() if is_output_file(k)):
+        checked += 1
+        problem = _check_output(store, key, secret)
+        if problem is not None:
+            problems.append((f"{store.location}/{key}", problem))
+    return checked, problems
+
+
+def _check_manifest(store: Store, secret: bytes | None, problems: list[tuple[str, str]]) -> int:
     journal = Journal(store, pipeline="", secret=secret, readonly=True)
     try:
-        _, problem = journal._read_manifest()  # noqa: SLF001 - same check the run uses
+        _, problem = journal._read_manifest()  # noqa: SLF001 - the same check a run makes
     except StateFormatError as exc:
         problem = str(exc)
-    if problem not in {None, "missing"}:
-        problems.append((f"{store.location}/{MANIFEST}", str(problem)))
-    checked += problem != "missing"
+    if problem == "missing":
+        return 0
+    if problem is not None:
+        problems.append((f"{store.location}/{MANIFEST}", problem))
+    return 1
+
+
+def _check_events(store: Store, secret: bytes | None, problems: list[tuple[str, str]]) -> int:
     try:
         log = store.read(EVENTS)
     except FileNotFoundError:
-        pass
-    else:
-        checked += 1
-        for number, line in enumerate(bytes(log).splitlines(), 1):
-            try:
-                event = json.loads(line)
-            except ValueError:
-                problems.append((f"{store.location}/{EVENTS}", f"line {number} is not valid JSON"))
-                continue
-            if not isinstance(event, dict) or (secret is not None and not _authentic(dict(event), secret)):
-                problems.append((f"{store.location}/{EVENTS}", f"line {number} is not authentic"))
-    for key in sorted(k for k in store.list() if is_output_file(k)):
-        checked += 1
-        where = f"{store.location}/{key}"
+        return 0
+    where = f"{store.location}/{EVENTS}"
+    for number, line in enumerate(bytes(log).splitlines(), 1):
         try:
-            data = store.read(key)
-            header, head_len = parse_header(data)
-            verify(data, header, head_len, secret)
-        except (DamagedFileError, StateFormatError) as exc:
-            problems.append((where, str(exc)))
+            event = json.loads(line)
+        except ValueError:
+            problems.append((where, f"line {number} is not valid JSON"))
             continue
-        except OSError as exc:
-            problems.append((where, f"unreadable: {exc}"))
-            continue
-        if header["slot"] + OUTPUT_SUFFIX != key:
-            problems.append((where, f"holds slot {header['slot']!r}, not the one its path names"))
-    return checked, problems
+        if not isinstance(event, dict) or not _authentic(event, secret):
+            problems.append((where, f"line {number} is not authentic"))
+    return 1
 
+
+def _check_output(store: Store, key: str, secret: bytes | None) -> str | None:
+    try:
+        data = store.read(key)
+        header, head_len = parse_header(data)
+        verify(data, header, head_len, secret)
+    except (DamagedFileError, StateFormatError) as exc:
+        return str(exc)
+    except OSError as exc:
+        return f"unreadable: {exc}"
+    if header["slot"] + OUTPUT_SUFFIX != key:
+        return f"holds slot {header['slot']!r}, not the one its path names"
+    return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import itertools
@@ -88,9 +89,7 @@ class LocalStore:
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
         target = self.path(key)
         directory, name = os.path.split(target)
-        tmp = os.path.join(
-            directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp"
-        )
+        tmp = os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
             fd = os.open(tmp, flags, 0o600)
@@ -110,16 +109,12 @@ class LocalStore:
                 os.close(fd)
             os.replace(tmp, target)
         except OSError as exc:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             raise _with_path(exc, target) from exc
         except BaseException:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
             raise
         if durable:
             _fsync_dir(directory)
@@ -184,9 +179,10 @@ class LocalStore:
                 key = f"{rel}/{entry.name}" if rel else entry.name
                 if entry.is_dir(follow_symlinks=False):
                     stack.append((entry.path, key))
-                elif not (entry.name.startswith(".") and entry.name.endswith(".tmp")):
-                    if key.startswith(prefix):
-                        keys.append(key)
+                elif key.startswith(prefix) and not (
+                    entry.name.startswith(".") and entry.name.endswith(".tmp")
+                ):
+                    keys.append(key)
         return keys
 
     def lock(self, holder: Mapping[str, Any]) -> _FileLock:
