@@ -90,8 +90,11 @@ class _Provenance:
         self._lock = threading.Lock()
 
     def remember(self, obj: object, digest: str) -> None:
-        if type(obj) in _SCALARS or isinstance(obj, (str, bytes, tuple, frozenset)):
-            return  # immutable values may be shared singletons: always hash them
+        tp = type(obj)
+        if tp in _SCALARS or tp is tuple or tp is frozenset:
+            return  # small immutable values may be shared singletons: always hash them
+        if (tp is str or tp is bytes) and len(obj) < _MIN_REMEMBERED:  # type: ignore[arg-type]
+            return
         key = id(obj)
         with self._lock:
             try:
@@ -134,6 +137,8 @@ class _Provenance:
 
 
 provenance = _Provenance()
+# str/bytes outputs shorter than this are rehashed (cheap); short ones may be interned or shared
+_MIN_REMEMBERED = 4096
 _SCALARS: frozenset[type] = frozenset({type(None), bool, int, float, complex})
 
 

@@ -363,7 +363,10 @@ class Pipeline:
                 False,
                 plan.slot,
             )
-        return _execute(run, spec, plan, found, _call(spec, args, kwargs)), True, plan.slot
+        value = _execute(run, spec, plan, found, _call(spec, args, kwargs))
+        # downstream steps see the stored digest, exactly as when this step is skipped
+        digest = plan.output_digest or ""
+        return StoredOutput(plan.slot, digest, lambda: value), True, plan.slot
 
     def _load_or_redo(
         self, run: RunState, spec: StepSpec[Any, Any], plan: Plan, args: list[Any], kwargs: dict[str, Any]

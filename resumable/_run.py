@@ -324,7 +324,8 @@ class RunState:
         except BaseException as exc:
             self.failed(spec, plan, exc, started, attempts)
             raise
-        provenance.remember(value, value_digest(header))
+        plan.output_digest = value_digest(header)
+        provenance.remember(value, plan.output_digest)
         fields: dict[str, Any] = {}
         if self.journal.manifest.code.get(spec.name) != ident.components:
             fields["code"] = ident.components

@@ -68,13 +68,14 @@ class Identity:
 class Plan:
     """One call of a step, resolved: its slot and fingerprint."""
 
-    __slots__ = ("args", "fingerprint", "key", "slot")
+    __slots__ = ("args", "fingerprint", "key", "output_digest", "slot")
 
     def __init__(self, slot: str, key: str | None, fingerprint: str, args: str) -> None:
         self.slot = slot
         self.key = key
         self.fingerprint = fingerprint
         self.args = args
+        self.output_digest: str | None = None  # set once the output is stored
 
 
 def _disabled() -> bool:

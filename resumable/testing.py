@@ -1,0 +1,67 @@
+"""
+Helpers for testing code that uses resumable.
+
+- :func:`temporary_pipeline`: a pipeline in a fresh temporary directory, entered for a block.
+- :func:`crash_at` / :func:`crash_from_env`: make the process die abruptly at the N-th
+  file operation, to test what a real crash leaves behind.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ._pipeline import Pipeline
+
+__all__ = ["CRASH_EXIT_CODE", "crash_at", "crash_from_env", "temporary_pipeline"]
+
+CRASH_EXIT_CODE = 137  # what a shell reports for a process killed by SIGKILL
+_OPERATIONS = ("replace", "write", "fsync")
+
+
+@contextmanager
+def temporary_pipeline(name: str = "test", **options: Any) -> Iterator[Pipeline]:
+    """Yield an entered :class:`Pipeline` whose state lives in a temporary directory."""
+    with (
+        tempfile.TemporaryDirectory(prefix="resumable-") as directory,
+        Pipeline(name, state_dir=directory, **options) as pipe,
+    ):
+        yield pipe
+
+
+def crash_at(operation: str, n: int) -> None:
+    """
+    Kill this process (``os._exit(137)``, no cleanup at all) at the *n*-th call of
+    ``os.replace``, ``os.write`` or ``os.fsync`` from now on.
+
+    Raises:
+        ValueError: *operation* is not one of ``replace``, ``write``, ``fsync``.
+    """
+    if operation not in _OPERATIONS:
+        msg = f"crash_at: operation must be one of {', '.join(_OPERATIONS)}, not {operation!r}"
+        raise ValueError(msg)
+    if n < 1:
+        msg = f"crash_at: n must be >= 1, not {n}"
+        raise ValueError(msg)
+    original: Callable[..., Any] = getattr(os, operation)
+    calls = 0
+
+    def crashing(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls >= n:
+            os._exit(CRASH_EXIT_CODE)
+        return original(*args, **kwargs)
+
+    setattr(os, operation, crashing)
+
+
+def crash_from_env(variable: str = "CRASH_AT") -> None:
+    """Call :func:`crash_at` from an environment variable such as ``CRASH_AT=replace:2``."""
+    spec = os.environ.get(variable)
+    if spec:
+        operation, _, n = spec.partition(":")
+        crash_at(operation, int(n or "1"))

@@ -1,0 +1,52 @@
+"""Shared fixtures: a pipeline in a temporary directory, a clean environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from resumable import Pipeline
+from resumable._fingerprint import provenance
+from resumable._pipeline import _exit_hooks
+
+settings.register_profile(
+    "default",
+    deadline=None,
+    max_examples=60,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+settings.register_profile("thorough", parent=settings.get_profile("default"), max_examples=500)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No RESUMABLE_* variable leaks in from the caller; no provenance leaks between tests."""
+    for name in list(os.environ):
+        if name.startswith("RESUMABLE_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("RESUMABLE_PROGRESS", "0")
+    provenance.clear()
+    yield
+    provenance.clear()
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    """Where the test pipeline keeps its state (not created yet)."""
+    return tmp_path / "state"
+
+
+@pytest.fixture
+def pipe(state_dir: Path) -> Iterator[Pipeline]:
+    """A pipeline in a temporary directory; any run still open is closed afterwards."""
+    pipeline = Pipeline("test", state_dir=state_dir)
+    yield pipeline
+    _exit_hooks.forget(pipeline)
+    pipeline._close("completed", None)
