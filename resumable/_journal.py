@@ -102,7 +102,7 @@ class Journal:
         manifest.events_offset = self._offset
         if problem is not None:
             restored = self._reconcile()
-            if problem != "missing" or restored:
+            if problem != "missing" or restored or self._offset:
                 warnings.warn(
                     ResumableWarning(
                         f"{self.store.location}/{MANIFEST} was {problem}; rebuilt it from the "
@@ -138,24 +138,27 @@ class Journal:
             tail = self.store.read_range(EVENTS, start)
         except FileNotFoundError:
             return 0
-        bad = 0
+        damaged = forged = 0
         for line in tail.splitlines():
             try:
                 event = json.loads(line)
-                if not isinstance(event, dict) or not _authentic(event, self.secret):
-                    raise ValueError  # noqa: TRY301 - same handling as malformed JSON
             except ValueError:
-                bad += 1
+                damaged += 1
                 continue
-            self.fold.apply(event)
+            if not isinstance(event, dict):
+                damaged += 1
+            elif not _authentic(event, self.secret):
+                forged += 1
+            else:
+                self.fold.apply(event)
         if self.readonly:
             return start + len(tail)
-        if bad:
+        if damaged or forged:
+            problems = [f"{damaged} damaged (e.g. cut short by a power loss)"] if damaged else []
+            if forged:
+                problems.append(f"{forged} not authentic (written without the secret, or tampered with)")
             warnings.warn(
-                ResumableWarning(
-                    f"{self.store.location}/{EVENTS}: skipped {bad} damaged line(s) "
-                    "(e.g. cut short by a power loss)."
-                ),
+                ResumableWarning(f"{self.store.location}/{EVENTS}: skipped lines: {'; '.join(problems)}."),
                 stacklevel=3,
             )
         if tail and not tail.endswith(b"\n"):

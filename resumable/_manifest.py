@@ -133,6 +133,11 @@ class Fold:
             rec = self.manifest.steps[slot] = StepRecord(status="new")
         return rec
 
+    def _uncomplete(self, slot: str) -> None:
+        if slot in self._completed:
+            self._completed.discard(slot)
+            self.manifest.completed_steps.remove(slot)
+
     def _done_running(self, slot: str) -> None:
         if slot in self._running:
             self._running.remove(slot)
@@ -186,6 +191,7 @@ class Fold:
             self._running.remove(slot)
         self._running.append(slot)
         self.manifest.current_step = slot
+        self._uncomplete(slot)  # running again: not completed until it finishes
 
     def _step_retry(self, event: Mapping[str, Any]) -> None:
         self._record(event["slot"]).attempts = event.get("attempt", 1)
@@ -215,6 +221,7 @@ class Fold:
             rec.bytes = event.get("bytes")
             rec.finished_at = event.get("created_at")
             self._complete(slot)
+            self._done_running(slot)
 
     def _step_ended(self, event: Mapping[str, Any]) -> None:
         slot = event["slot"]
@@ -224,6 +231,7 @@ class Fold:
         rec.finished_at = event.get("t")
         rec.duration_s = event.get("duration_s")
         rec.attempts = event.get("attempts", rec.attempts)
+        self._uncomplete(slot)
         if failed:
             self.manifest.error = ErrorRecord(slot, **event["error"])
         self._done_running(slot)

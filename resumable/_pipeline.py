@@ -400,7 +400,7 @@ class Pipeline:
         with self._maintenance() as run:
             manifest = run.journal.manifest
             on_disk = {k[: -len(".msgpack")] for k in self.store.list() if is_output_file(k)}
-            known = set(manifest.steps) | on_disk
+            known = {s for s, rec in manifest.steps.items() if rec.status != "reset"} | on_disk
             if not steps:
                 slots = known
             else:
@@ -420,7 +420,8 @@ class Pipeline:
                     positions = [i for i, s in enumerate(order) if s in slots]
                     if positions:
                         slots |= set(order[min(positions) :])
-            return self._forget(run, sorted(slots))
+            order = {s: i for i, s in enumerate(manifest.completed_steps)}
+            return self._forget(run, sorted(slots, key=lambda s: (order.get(s, len(order)), s)))
 
     def _forget(self, run: RunState, slots: list[str]) -> list[str]:
         for slot in slots:

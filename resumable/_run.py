@@ -119,7 +119,7 @@ class RunState:
         self._lock = self.store.lock(holder)
         try:
             manifest = self.journal.load()
-            if manifest.status == "running":
+            if manifest.status == "running" and manifest.runs > 0:
                 # the lock was free, so the run that wrote "running" died without closing
                 self.journal.record("run_finished", status="interrupted", detected="next run")
             if not maintenance:

@@ -1,0 +1,193 @@
+"""The manifest and the event log: replay, rebuild, formats, invariants."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import resumable._manifest as manifest_module
+from resumable import Manifest, Pipeline, ResumableWarning, StateFormatError
+from resumable._journal import Journal, read_state
+from resumable._manifest import Fold
+from resumable._stores._local import LocalStore
+from resumable._stores._memory import MemoryStore
+
+
+def _three_steps(pipe: Pipeline) -> list[str]:
+    calls: list[str] = []
+
+    @pipe.step
+    def a() -> int:
+        calls.append("a")
+        return 1
+
+    @pipe.step
+    def b(a: int) -> int:
+        calls.append("b")
+        return a + 1
+
+    @pipe.step(key="{n}")
+    def c(b: int, n: int = 0) -> int:
+        calls.append("c")
+        return b + n
+
+    return calls
+
+
+def test_manifest_lags_but_events_replay(pipe: Pipeline, state_dir: Path):
+    """A manifest.json older than the event log is brought up to date on load."""
+    _three_steps(pipe)
+    with pipe:
+        stale = (state_dir / "manifest.json").read_text()  # written when the run opened
+        pipe.run()
+    assert [] == json.loads(stale)["completed_steps"]
+    (state_dir / "manifest.json").write_text(stale)
+    status = pipe.status()
+    assert ["a", "b", "c/0"] == status.completed_steps
+    assert "completed" == status.status
+
+
+def test_deleted_manifest_is_rebuilt(pipe: Pipeline, state_dir: Path):
+    """Without manifest.json, the next run rebuilds it (warning) and skips every step."""
+    calls = _three_steps(pipe)
+    pipe.run()
+    (state_dir / "manifest.json").unlink()
+    with pytest.warns(ResumableWarning, match="manifest.json was missing"):
+        run = pipe.run()
+    assert ["a", "b", "c/0"] == run.skipped
+    assert ["a", "b", "c"] == calls
+    assert ["a", "b", "c/0"] == json.loads((state_dir / "manifest.json").read_text())["completed_steps"]
+
+
+def test_damaged_manifest_and_log_rebuilt_from_files(pipe: Pipeline, state_dir: Path):
+    """With manifest and log damaged, the step files alone restore the completed slots."""
+    _three_steps(pipe)
+    pipe.run()
+    (state_dir / "manifest.json").write_text("{not json")
+    (state_dir / "events.jsonl").unlink()
+    with pytest.warns(ResumableWarning, match=r"damaged; rebuilt it .* 3 step file"):
+        run = pipe.run()
+    assert ["a", "b", "c/0"] == run.skipped
+    assert {"a", "b", "c/0"} == set(pipe.status().completed_steps)
+
+
+def test_newer_manifest_format_is_refused(pipe: Pipeline, state_dir: Path):
+    """A manifest from a newer version raises StateFormatError and is left untouched."""
+    _three_steps(pipe)
+    pipe.run()
+    text = (state_dir / "manifest.json").read_text().replace('"format": 1', '"format": 99')
+    (state_dir / "manifest.json").write_text(text)
+    with pytest.raises(StateFormatError, match=r"format 99.*Upgrade resumable"):
+        pipe.run()
+    assert text == (state_dir / "manifest.json").read_text()
+
+
+def test_older_format_is_migrated(monkeypatch: pytest.MonkeyPatch):
+    """Manifests of older formats go through the migrations, one version at a time."""
+    monkeypatch.setattr(manifest_module, "FORMAT", 3)
+    monkeypatch.setitem(manifest_module.MIGRATIONS, 1, lambda d: {**d, "format": 2, "pipeline": d["name"]})
+    monkeypatch.setitem(manifest_module.MIGRATIONS, 2, lambda d: {**d, "format": 3})
+    data = {"format": 1, "workflow_id": "w", "name": "old"}
+    assert {"format": 3, "workflow_id": "w", "name": "old", "pipeline": "old"} == manifest_module.migrate(
+        data
+    )
+
+
+def test_cut_short_log_line(pipe: Pipeline, state_dir: Path):
+    """A log line cut short (power loss) is skipped with a warning and ended, not glued to."""
+    _three_steps(pipe)
+    pipe.run()
+    (state_dir / "manifest.json").unlink()
+    with (state_dir / "events.jsonl").open("a") as f:
+        f.write('{"t":"2026-01-01T00:00:00Z","event":"step_sta')
+    with pytest.warns(ResumableWarning) as caught:
+        pipe.run()
+    assert any("1 damaged" in str(w.message) for w in caught)
+    lines = (state_dir / "events.jsonl").read_text().splitlines()
+    assert all(line.startswith("{") for line in lines)
+    assert 1 == sum(1 for line in lines if not line.endswith("}"))
+
+
+def test_crashed_run_is_marked_interrupted(state_dir: Path):
+    """A run that died while 'running' is recorded as interrupted by the next one."""
+    store = LocalStore(state_dir)
+    journal = Journal(store, pipeline="p", secret=None)
+    journal.load()
+    journal.record("run_started", run=1)
+    journal.flush(durable=False)
+    journal.record("step_started", slot="s", reason="new", attempt=1)
+    assert "running" == read_state(store).status  # the process "dies" here
+    pipe = Pipeline(state_dir=state_dir)
+    with pipe:
+        status = pipe.status()
+    assert "interrupted" == status.steps["s"].status
+    events = [json.loads(line) for line in (state_dir / "events.jsonl").read_text().splitlines()]
+    assert {"event": "run_finished", "status": "interrupted", "detected": "next run"} == {
+        k: events[2][k] for k in ("event", "status", "detected")
+    }
+
+
+def test_background_writer_keeps_manifest_fresh(state_dir: Path):
+    """During a run, manifest.json follows the events within a moment."""
+    import time
+
+    pipe = Pipeline(state_dir=state_dir)
+
+    @pipe.step
+    def quick() -> int:
+        return 1
+
+    with pipe:
+        quick()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            data = json.loads((state_dir / "manifest.json").read_text())
+            if data["completed_steps"] == ["quick"]:
+                break
+            time.sleep(0.02)
+        assert ["quick"] == data["completed_steps"]
+        assert "running" == data["status"]
+
+
+_slot = st.sampled_from(["a", "b", "c/1", "c/2"])
+_event = st.one_of(
+    st.builds(lambda s: {"event": "step_started", "slot": s, "reason": "new", "attempt": 1}, _slot),
+    st.builds(lambda s: {"event": "step_completed", "slot": s, "bytes": 10, "duration_s": 0.1}, _slot),
+    st.builds(
+        lambda s: {
+            "event": "step_failed",
+            "slot": s,
+            "error": {"type": "E", "message": "m", "traceback": "t"},
+        },
+        _slot,
+    ),
+    st.builds(lambda s: {"event": "step_interrupted", "slot": s}, _slot),
+    st.builds(lambda s: {"event": "step_skipped", "slot": s, "fingerprint": "f"}, _slot),
+    st.builds(lambda ss: {"event": "steps_reset", "slots": ss}, st.lists(_slot, max_size=3)),
+    st.just({"event": "run_started", "run": 1}),
+    st.sampled_from([{"event": "run_finished", "status": s} for s in ("completed", "failed", "interrupted")]),
+)
+
+
+@given(st.lists(_event, max_size=40))
+def test_fold_invariants(events: list[dict]):
+    """Any event sequence leaves a valid manifest that survives a JSON round trip."""
+    fold = Fold(Manifest(workflow_id="w", pipeline="p"))
+    for i, event in enumerate(events):
+        fold.apply({"t": f"2026-01-01T00:00:{i:02d}Z", **event})
+        m = fold.manifest
+        assert len(set(m.completed_steps)) == len(m.completed_steps)
+        assert all(m.steps[s].status == "completed" for s in m.completed_steps if s in m.steps)
+        assert m.current_step is None or m.current_step in m.steps
+    data = json.loads(json.dumps(fold.manifest.to_dict()))
+    assert fold.manifest == Manifest.from_dict(data)
+
+
+def test_read_state_of_empty_store():
+    """An empty store reads as a fresh manifest with no steps."""
+    manifest = read_state(MemoryStore())
+    assert ([], 0, {}) == (manifest.completed_steps, manifest.runs, manifest.steps)

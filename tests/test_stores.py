@@ -1,0 +1,183 @@
+"""Stores: atomic writes, permissions, listing, locks, errors that name the path."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from resumable import Pipeline, ResumableError, StateLockedError, Store
+from resumable._stores import open_store
+from resumable._stores._local import LocalStore
+from resumable._stores._memory import MemoryStore
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    """Each built-in store, empty."""
+    if request.param == "local":
+        return LocalStore(tmp_path / "store")
+    return MemoryStore()
+
+
+def test_write_read_list_delete(store: Store):
+    """The basic contract every store keeps."""
+    store.write("a.msgpack", [b"hello ", memoryview(b"world")], durable=True)
+    store.write("step/k.msgpack", [b"x"], durable=False)
+    assert b"hello world" == bytes(store.read("a.msgpack"))
+    assert b"world" == store.read_range("a.msgpack", 6)
+    assert b"lo" == store.read_range("a.msgpack", 3, 5)
+    assert {"a.msgpack", "step/k.msgpack"} == set(store.list())
+    assert ["step/k.msgpack"] == store.list("step/")
+    store.write("a.msgpack", [b"new"], durable=True)
+    assert b"new" == bytes(store.read("a.msgpack"))
+    store.delete("a.msgpack", durable=True)
+    store.delete("a.msgpack", durable=True)  # absent: no error
+    with pytest.raises(FileNotFoundError):
+        store.read("a.msgpack")
+    with pytest.raises(FileNotFoundError):
+        store.read_range("a.msgpack", 0)
+
+
+def test_append(store: Store):
+    """append adds to the end, creating the object."""
+    store.append("log/events.jsonl", b"a\n", durable=False)
+    store.append("log/events.jsonl", b"b\n", durable=True)
+    assert b"a\nb\n" == bytes(store.read("log/events.jsonl"))
+
+
+def test_lock_is_exclusive_and_names_holder(store: Store):
+    """One holder at a time; the error names the holder; release frees it."""
+    held = store.lock({"pid": 1, "host": "h", "since": "t"})
+    with pytest.raises(StateLockedError) as info:
+        store.lock({"pid": 2, "host": "h2", "since": "t2"})
+    assert {"pid": 1, "host": "h", "since": "t"} == info.value.holder
+    assert "pid 1 on host h" in str(info.value)
+    held.release()
+    held.release()
+    store.lock({"pid": 3}).release()
+
+
+def test_store_protocol():
+    """The built-in stores satisfy the public Store protocol."""
+    assert isinstance(MemoryStore(), Store)
+    assert isinstance(LocalStore("x"), Store)
+
+
+def test_open_store_variants(tmp_path: Path):
+    """Paths, file:// and memory:// URLs and Store objects are accepted."""
+    assert isinstance(open_store(tmp_path), LocalStore)
+    assert str(tmp_path) == open_store(f"file://{tmp_path}").location
+    assert open_store("memory://one") is open_store("memory://one")
+    assert open_store("memory://") is not open_store("memory://")
+    mine = MemoryStore()
+    assert mine is open_store(mine)
+    with pytest.raises(ResumableError, match="cannot open store 'ftp://x'"):
+        open_store("ftp://x")
+
+
+def test_local_permissions(tmp_path: Path):
+    """Files are created 0600 and directories 0700."""
+    store = LocalStore(tmp_path / "s")
+    store.write("step/key.msgpack", [b"x"], durable=True)
+    store.append("events.jsonl", b"x", durable=False)
+    for path, mode in [
+        (tmp_path / "s", 0o700),
+        (tmp_path / "s" / "step", 0o700),
+        (tmp_path / "s" / "step" / "key.msgpack", 0o600),
+        (tmp_path / "s" / "events.jsonl", 0o600),
+    ]:
+        assert oct(mode) == oct(stat.S_IMODE(path.stat().st_mode)), path
+
+
+def test_local_fsyncs_only_when_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """durable=True fsyncs the file and its directory; durable=False does not fsync."""
+    store = LocalStore(tmp_path)
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    store.write("a.msgpack", [b"x"], durable=False)
+    assert [] == synced
+    store.write("a.msgpack", [b"x"], durable=True)
+    assert 2 == len(synced)
+
+
+def test_local_failed_write_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Disk full while saving: the error names the path, the old file and no temp file remain."""
+    store = LocalStore(tmp_path)
+    store.write("a.msgpack", [b"old"], durable=True)
+
+    def full(fd: int, data: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError, match="No space left") as info:
+        store.write("a.msgpack", [b"new"], durable=True)
+    monkeypatch.undo()
+    assert errno.ENOSPC == info.value.errno
+    assert str(tmp_path / "a.msgpack") == info.value.filename
+    assert b"old" == (tmp_path / "a.msgpack").read_bytes()
+    assert ["a.msgpack"] == os.listdir(tmp_path)
+
+
+def test_permission_denied_names_the_path(pipe: Pipeline, state_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    """A step whose output cannot be saved fails with the path; the earlier output stays."""
+
+    @pipe.step
+    def f(x: int) -> int:
+        return x
+
+    with pipe:
+        f(1)
+    real_open = os.open
+
+    def denied(path, flags, mode=0o777, **kw):
+        if "/.f.msgpack." in str(path):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return real_open(path, flags, mode, **kw)
+
+    monkeypatch.setattr(os, "open", denied)
+    with pipe, pytest.raises(PermissionError, match="Permission denied") as info:
+        f(2)
+    monkeypatch.undo()
+    assert info.value.filename.startswith(str(state_dir))
+    assert 1 == resumable_load(state_dir / "f.msgpack")
+    assert "failed" == pipe.status().steps["f"].status
+
+
+def resumable_load(path: Path) -> object:
+    from resumable import load
+
+    return load(path)
+
+
+def test_local_list_skips_temp_files(tmp_path: Path):
+    """Temporary files left by a crash are never listed as objects."""
+    store = LocalStore(tmp_path)
+    store.write("a.msgpack", [b"x"], durable=False)
+    (tmp_path / ".a.msgpack.123-1-0.tmp").write_bytes(b"partial")
+    assert ["a.msgpack"] == store.list()
+
+
+def test_local_delete_removes_empty_step_directory(tmp_path: Path):
+    """Deleting the last slot of a keyed step removes its directory."""
+    store = LocalStore(tmp_path)
+    store.write("step/1.msgpack", [b"x"], durable=False)
+    store.delete("step/1.msgpack", durable=True)
+    assert not (tmp_path / "step").exists()
+
+
+def test_local_lock_released_when_holder_dies(tmp_path: Path):
+    """A lock held by a process that died does not block the next holder."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, os; from resumable._stores._local import LocalStore; "
+        "LocalStore(sys.argv[1]).lock({'pid': os.getpid()}); os._exit(9)"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False)
+    LocalStore(tmp_path).lock({"pid": 0}).release()
