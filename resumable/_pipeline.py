@@ -416,12 +416,12 @@ class Pipeline:
                         raise ResumableError(msg)
                     slots |= matched or ({target} if "/" in target else set())
                 if downstream:
-                    order = manifest.completed_steps
-                    positions = [i for i, s in enumerate(order) if s in slots]
+                    done = manifest.completed_steps
+                    positions = [i for i, s in enumerate(done) if s in slots]
                     if positions:
-                        slots |= set(order[min(positions) :])
-            order = {s: i for i, s in enumerate(manifest.completed_steps)}
-            return self._forget(run, sorted(slots, key=lambda s: (order.get(s, len(order)), s)))
+                        slots |= set(done[min(positions) :])
+            rank = {s: i for i, s in enumerate(manifest.completed_steps)}
+            return self._forget(run, sorted(slots, key=lambda s: (rank.get(s, len(rank)), s)))
 
     def _forget(self, run: RunState, slots: list[str]) -> list[str]:
         for slot in slots:
