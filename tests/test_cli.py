@@ -56,7 +56,8 @@ def test_status_json(filled: Path, capsys: pytest.CaptureFixture[str]):
     assert 0 == main(["--state-dir", str(filled), "status", "--json"])
     data = json.loads(capsys.readouterr().out)
     assert ["fetch", "page/1"] == data["completed_steps"]
-    assert "broken" == data["current_step"]
+    assert data["current_step"] is None  # the run went on and completed after the failure
+    assert "broken" == data["error"]["step"]
 
 
 def test_status_uses_environment(
