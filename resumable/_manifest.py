@@ -162,6 +162,7 @@ class Fold:
     def _run_started(self, event: Mapping[str, Any]) -> None:
         m = self.manifest
         m.runs = event.get("run", m.runs + 1)
+        m.pipeline = event.get("pipeline", m.pipeline)
         m.status = "running"
         m.error = None
         m.current_step = None

@@ -544,8 +544,12 @@ class _ExitHooks:
         error = self._error
         status = "interrupted" if self._terminated else status_for(error)
         for pipe in list(self._pipelines):
+            run = pipe._run  # noqa: SLF001
+            ended = status
+            if ended == "completed" and run is not None and run.last_outcome == "interrupted":
+                ended = "interrupted"  # Ctrl-C in a step, caught by the script, which then exited
             try:
-                pipe._close(status, error)  # noqa: SLF001
+                pipe._close(ended, error)  # noqa: SLF001
             except Exception as exc:  # noqa: BLE001 - report, and close the other pipelines
                 print(f"resumable: could not close {pipe!r} cleanly: {exc}", file=sys.stderr)  # noqa: T201
         self._pipelines.clear()

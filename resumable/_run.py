@@ -104,6 +104,10 @@ class RunState:
         self._warned: set[str] = set()
         self.maintenance = False
         self.last_failure: BaseException | None = None
+        # how the last step call of this run ended: "ok", "failed" or "interrupted"
+        self.last_outcome = "ok"
+        # code components as they were when the run opened, to explain every rerun the same way
+        self._code_before: dict[str, dict[str, str]] = {}
 
     # lifecycle ---------------------------------------------------------------------------
 
@@ -119,6 +123,13 @@ class RunState:
         self._lock = self.store.lock(holder)
         try:
             manifest = self.journal.load()
+            if manifest.runs and manifest.pipeline != self.journal.pipeline and not maintenance:
+                log.warning(
+                    "%s was last used by pipeline %r, now by %r: their steps share it "
+                    "(give each script its own state directory to keep them apart)",
+                    self.store.location, manifest.pipeline, self.journal.pipeline,
+                )  # fmt: skip
+            self._code_before = {k: dict(v) for k, v in manifest.code.items()}
             if manifest.status == "running" and manifest.runs > 0:
                 # the lock was free, so the run that wrote "running" died without closing
                 self.journal.record("run_finished", status="interrupted", detected="next run")
@@ -126,6 +137,7 @@ class RunState:
                 self.journal.record(
                     "run_started",
                     run=manifest.runs + 1,
+                    pipeline=self.journal.pipeline,
                     workflow_id=manifest.workflow_id,
                     pid=holder["pid"],
                     host=holder["host"],
@@ -171,8 +183,7 @@ class RunState:
             else:
                 header, head_len = read_header(self.store, key)
         except FileNotFoundError:
-            rec = self.journal.manifest.steps.get(plan.slot)
-            return Found(hit=False, reason="reset" if rec is not None and rec.status == "reset" else "new")
+            return self._missing(plan)
         except DamagedFileError as exc:
             return self._corrupt(plan, str(exc))
         if header["slot"] != plan.slot:
@@ -188,6 +199,20 @@ class RunState:
             provenance.remember(value, value_digest(header))
         else:
             value = StoredOutput(plan.slot, value_digest(header), lambda: self.load(spec, plan))
+        return self._hit(spec, plan, value, header, head_len)
+
+    def _missing(self, plan: Plan) -> Found:
+        rec = self.journal.manifest.steps.get(plan.slot)
+        if rec is not None and rec.status == "reset":
+            return Found(hit=False, reason="reset")
+        if rec is not None and rec.status in {"failed", "interrupted"}:
+            return Found(hit=False, reason="new", detail=f"the previous attempt {rec.status}")
+        return Found(hit=False, reason="new")
+
+    def _hit(
+        self, spec: StepSpec[Any, Any], plan: Plan, value: Any, header: dict[str, Any], head_len: int
+    ) -> Found:
+        self.last_outcome = "ok"
         self.journal.record(
             "step_skipped",
             lazy=True,
@@ -219,12 +244,15 @@ class RunState:
         note = f"stored {header.get('created_at', '?')}"
         ident = spec.identity()
         if spec.version is not None and header.get("code") not in {None, ident.code}:
-            changed = _codehash.describe_change(self.journal.manifest.code.get(spec.name), ident.components)
+            changed = _codehash.describe_change(self._old_code(spec.name), ident.components)
             note += (
                 f"; kept despite a code change ({changed or 'its code'}) "
                 f"because version {spec.version!r} is pinned"
             )
         return note
+
+    def _old_code(self, step: str) -> dict[str, str] | None:
+        return self._code_before.get(step) or self.journal.manifest.code.get(step)
 
     def _corrupt(self, plan: Plan, why: str) -> Found:
         where = f"{self.store.location}/{slot_file(plan.slot)}"
@@ -242,7 +270,7 @@ class RunState:
         if spec.version is not None or str(stored).startswith("version:"):
             old = str(stored).removeprefix("version:").removeprefix("code:")[:12]
             return Found(hit=False, reason="version changed", detail=f"{old} -> {spec.version}")
-        old_components = self.journal.manifest.code.get(spec.name)
+        old_components = self._old_code(spec.name)
         return Found(
             hit=False,
             reason="code changed",
@@ -338,6 +366,7 @@ class RunState:
             attempts=attempts,
             **fields,
         )
+        self.last_outcome = "ok"
         log.debug(
             "step %r completed in %.3fs, %s", plan.slot, time.perf_counter() - started, human_size(size)
         )
@@ -346,6 +375,7 @@ class RunState:
         self, spec: StepSpec[Any, Any], plan: Plan, exc: BaseException, started: float, attempts: int
     ) -> None:
         """Record an exception that escapes a step (it is re-raised by the caller)."""
+        self.last_outcome = "failed" if isinstance(exc, Exception) else "interrupted"
         if not isinstance(exc, Exception):
             self.journal.record(
                 "step_interrupted", slot=plan.slot, duration_s=round(time.perf_counter() - started, 6)
