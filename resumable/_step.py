@@ -17,7 +17,7 @@ import string
 import threading
 import types
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Generic, ParamSpec, Protocol, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
 from . import _codehash
 from ._fingerprint import digest_arguments
@@ -28,7 +28,9 @@ if TYPE_CHECKING:
     from ._pipeline import Pipeline
 
 P = ParamSpec("P")
+P2 = ParamSpec("P2")
 R = TypeVar("R")
+S = TypeVar("S")
 R_co = TypeVar("R_co", covariant=True)
 
 KeySpec = str | Callable[..., str]
@@ -44,6 +46,14 @@ class Step(Protocol[P, R_co]):
     def __wrapped__(self) -> Callable[P, R_co]: ...
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R_co: ...
+
+    # A step defined in a class binds like the function it wraps.
+    @overload
+    def __get__(self, instance: None, owner: type[Any] | None = None) -> Self: ...
+    @overload
+    def __get__(
+        self: Step[Concatenate[S, P2], R], instance: S, owner: type[Any] | None = None
+    ) -> Callable[P2, R]: ...
 
     def is_cached(self, *args: P.args, **kwargs: P.kwargs) -> bool:
         """True if a call with these arguments would return a stored output."""
