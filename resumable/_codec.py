@@ -36,6 +36,7 @@ _BIN32 = 5  # bytes of a bin32 object's prefix
 _CHECKSUM_PREFIX = "sha256:"
 _MAC_PREFIX = "hmac-sha256:"
 _HEAD_GUESS = 4096
+_HEAD_MAX = 64 * 1024 * 1024  # no real header comes near this; a damaged length field might
 
 Buffer = bytes | bytearray | memoryview
 
@@ -82,10 +83,17 @@ def encode(value: object, *, allow_pickle: bool, what: str = "the output") -> En
     return Encoded(body, encoder.buffers, pickled=encoder.pickled)
 
 
-def _header_sum(header: Mapping[str, Any]) -> str:
-    """A digest of the header itself, so a damaged header is caught like a damaged value."""
-    rest = {k: v for k, v in header.items() if k not in {"hsum", "mac"}}
-    return hashlib.sha256(msgpack.packb(rest)).hexdigest()[:32]
+_HSUM_VALUE = 2 + 32  # a packed 32-character str (str8)
+_MAC_FIELD = 4 + 2 + len(_MAC_PREFIX) + 64  # the packed "mac" key and its value
+
+
+def _header_sum(raw_header: Buffer, *, signed: bool) -> str:
+    """
+    A digest of the packed header up to the value of ``hsum`` (which comes last, before
+    ``mac``), so a damaged header is caught like a damaged value, without re-packing it.
+    """
+    end = len(raw_header) - _HSUM_VALUE - (_MAC_FIELD if signed else 0)
+    return hashlib.sha256(memoryview(raw_header)[:end]).hexdigest()[:32]
 
 
 def _sign(header: Mapping[str, Any], secret: bytes) -> str:
@@ -132,7 +140,7 @@ def frame(
         digest.update(buf)
         chunks += [prefix, buf]
     header["checksum"] = _CHECKSUM_PREFIX + digest.hexdigest()
-    header["hsum"] = _header_sum(header)
+    header["hsum"] = _header_sum(msgpack.packb(header), signed=secret is not None)
     if secret is not None:
         header["mac"] = _sign(header, secret)
     chunks[0] = msgpack.packb(header)
@@ -148,16 +156,24 @@ def parse_header(data: Buffer) -> tuple[dict[str, Any], int]:
         StateFormatError: it was written by a newer version.
     """
     view = memoryview(data)
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=len(view) or 1)
-    unpacker.feed(view)
-    try:
-        header = unpacker.unpack()
-    except msgpack.OutOfData:
-        msg = "truncated header"
-        raise DamagedFileError(msg) from None
-    except Exception as exc:  # noqa: BLE001 - any msgpack error means "not our file"
-        msg = f"unreadable header ({type(exc).__name__})"
-        raise DamagedFileError(msg) from None
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=_HEAD_MAX)
+    # Feed the head only: the value may be large, and the Unpacker would copy it all.
+    fed = min(len(view), _HEAD_GUESS)
+    unpacker.feed(view[:fed])
+    while True:
+        try:
+            header = unpacker.unpack()
+            break
+        except msgpack.OutOfData:
+            if fed >= len(view) or fed >= _HEAD_MAX:
+                msg = "truncated header"
+                raise DamagedFileError(msg) from None
+            more = min(len(view), fed * 4, _HEAD_MAX)
+            unpacker.feed(view[fed:more])
+            fed = more
+        except Exception as exc:  # noqa: BLE001 - any msgpack error means "not our file"
+            msg = f"unreadable header ({type(exc).__name__})"
+            raise DamagedFileError(msg) from None
     if not _valid_header(header):
         msg = "not a resumable output file (bad header)"
         raise DamagedFileError(msg)
@@ -166,14 +182,17 @@ def parse_header(data: Buffer) -> tuple[dict[str, Any], int]:
     return header, unpacker.tell()
 
 
+_HEADER_TYPES = (("format", int), ("slot", str), ("checksum", str), ("size", int), ("buffers", list))
+
+
 def _valid_header(header: object) -> bool:
     if not isinstance(header, dict):
         return False
-    types = {"format": int, "slot": str, "checksum": str, "size": int, "buffers": list}
-    if not all(isinstance(header.get(k), t) for k, t in types.items()):
-        return False
+    for key, tp in _HEADER_TYPES:
+        if type(header.get(key)) is not tp:
+            return False
     return all(
-        isinstance(e, list) and len(e) == 2 and all(type(x) is int and x >= 0 for x in e)
+        type(e) is list and len(e) == 2 and type(e[0]) is int and type(e[1]) is int and min(e) >= 0
         for e in header["buffers"]
     )
 
@@ -191,7 +210,8 @@ def verify(data: Buffer, header: Mapping[str, Any], head_len: int, secret: bytes
             msg = "authentication failed (written without the secret, or tampered with)"
             raise DamagedFileError(msg)
     hsum = header.get("hsum")
-    if not isinstance(hsum, str) or not hmac.compare_digest(hsum, _header_sum(header)):
+    expected = _header_sum(memoryview(data)[:head_len], signed="mac" in header)
+    if not isinstance(hsum, str) or not hmac.compare_digest(hsum, expected):
         msg = "header checksum mismatch (the file was damaged after it was written)"
         raise DamagedFileError(msg)
     size = len(data) - head_len
@@ -250,17 +270,21 @@ def secret_bytes(secret: str | bytes | None) -> bytes | None:
 
 def read_file(path: str | os.PathLike[str]) -> bytearray:
     """Read a whole file into a fresh writable buffer (arrays decoded from it are writable)."""
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
         buf = bytearray(size)
-        view = memoryview(buf)
-        done = 0
-        while done < size:
-            n = f.readinto(view[done:])
-            if not n:
-                break
-            done += n
-        del view
+        done = os.readv(fd, [buf])
+        if done < size:  # a short read (large files, some file systems): go on
+            view = memoryview(buf)
+            while done < size:
+                n = os.readv(fd, [view[done:]])
+                if not n:
+                    break
+                done += n
+            del view
+    finally:
+        os.close(fd)
     if done < size:
         del buf[done:]
     return buf

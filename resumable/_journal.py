@@ -16,9 +16,11 @@ import hashlib
 import hmac
 import json
 import threading
+import time
 import uuid
 import warnings
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 from ._codec import DamagedFileError, parse_header, utcnow
@@ -28,6 +30,25 @@ from ._stores import Store
 from .exceptions import ResumableWarning, StateFormatError
 
 FLUSH_INTERVAL = 0.2
+_MAX_PENDING = 1000  # skips kept in memory before they are appended to the log
+
+
+def _skip_event(skip: tuple[float, str, str, int, str | None], stamp: str) -> dict[str, Any]:
+    _, slot, fingerprint, size, created_at = skip
+    return {
+        "t": stamp,
+        "event": "step_skipped",
+        "slot": slot,
+        "fingerprint": fingerprint,
+        "bytes": size,
+        "created_at": created_at,
+    }
+
+
+def _stamp(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
 _HEAD = 4096
 
 
@@ -78,11 +99,13 @@ class Journal:
         self.lock = threading.RLock()
         self.fold = Fold(Manifest(workflow_id=uuid.uuid4().hex, pipeline=pipeline))
         self._offset = 0
-        self._pending: list[bytes] = []
+        # events not yet appended: dicts, and skips as tuples (turned into dicts when written)
+        self._pending: list[dict[str, Any] | tuple[float, str, str, int, str | None]] = []
         self._flush_lock = threading.Lock()
         self._wake = threading.Condition()
         self._dirty = False
         self._stopping = False
+        self._stop = threading.Event()
         self._writer: threading.Thread | None = None
 
     @property
@@ -200,32 +223,50 @@ class Journal:
 
     # recording ---------------------------------------------------------------------------
 
-    def record(self, event: str, *, lazy: bool = False, sync: bool = False, **fields: Any) -> None:
+    def record(self, event: str, *, sync: bool = False, **fields: Any) -> None:
         """
-        Apply an event to the manifest and append it to the log.
+        Apply an event to the manifest and append it to the log (with the skips pending).
 
-        *lazy* events (skips) are appended with the next regular one; *sync* events are
-        fsynced before this returns (they must survive a power loss).
+        *sync* events are fsynced before this returns (they must survive a power loss).
         """
         data = {"t": utcnow(), "event": event, **fields}
-        line = (_dumps(_signed(data, self.secret)) + "\n").encode()
         with self.lock:
             self.fold.apply(data)
-            self._pending.append(line)
-            if not lazy:
-                self._write_pending(durable=sync)
+            self._pending.append(data)
+            self._write_pending(durable=sync)
         self._mark_dirty()
+
+    def record_skip(self, slot: str, fingerprint: str, size: int, created_at: str | None) -> None:
+        """
+        Note a skip: written to the log with the next event (skips change no state, and this
+        keeps skipping cheap); applied at once only if the manifest had lagged behind.
+        """
+        skip = (time.time(), slot, fingerprint, size, created_at)
+        rec = self.manifest.steps.get(slot)
+        if rec is None or rec.status != "completed":
+            with self.lock:
+                self.fold.apply(_skip_event(skip, utcnow()))
+            self._mark_dirty()
+        self._pending.append(skip)  # list.append is atomic: no lock on this hot path
+        if len(self._pending) >= _MAX_PENDING:
+            with self.lock:
+                self._write_pending(durable=False)
 
     def _write_pending(self, *, durable: bool) -> None:
         if self._pending:
-            chunk = b"".join(self._pending)
-            self._pending.clear()
+            lines = []
+            pending, self._pending = self._pending, []
+            for item in pending:
+                data = _skip_event(item, _stamp(item[0])) if isinstance(item, tuple) else item
+                lines.append(_dumps(_signed(data, self.secret)) + "\n")
+            chunk = "".join(lines).encode()
             self.store.append(EVENTS, chunk, durable=durable)
             self._offset += len(chunk)
             self.manifest.events_offset = self._offset
 
     def _mark_dirty(self) -> None:
-        if self._writer is not None:
+        # Only the first change after a flush wakes the writer; later ones ride along.
+        if self._writer is not None and not self._dirty:
             with self._wake:
                 self._dirty = True
                 self._wake.notify()
@@ -244,6 +285,7 @@ class Journal:
     def start_writer(self) -> None:
         """Start the thread that keeps ``manifest.json`` at most a moment behind."""
         self._stopping = False
+        self._stop.clear()
         self._writer = threading.Thread(target=self._write_loop, name="resumable-manifest", daemon=True)
         self._writer.start()
 
@@ -252,12 +294,10 @@ class Journal:
             with self._wake:
                 while not self._dirty and not self._stopping:
                     self._wake.wait()
-                if self._stopping:
-                    return
-                # let a burst of events gather into one write
-                self._wake.wait(FLUSH_INTERVAL)
-                if self._stopping:
-                    return
+            # let a burst of events gather into one write (only stopping cuts this short)
+            if self._stop.wait(FLUSH_INTERVAL):
+                return
+            with self._wake:
                 self._dirty = False
             try:
                 self.flush(durable=False)
@@ -270,6 +310,7 @@ class Journal:
         if writer is not None:
             with self._wake:
                 self._stopping = True
+                self._stop.set()
                 self._wake.notify()
             writer.join()
 

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("resumable")
 
 LARGE_OUTPUT = 100 * 1024 * 1024
+PROVENANCE_MIN_SIZE = 4096  # outputs at least this large are not rehashed when passed on
 RETRY_BASE_DELAY = 0.5  # seconds before the first retry; doubles each attempt
 RETRY_MAX_DELAY = 60.0
 _MAX_TRACEBACK = 20_000
@@ -196,7 +197,7 @@ class RunState:
                 value = decode(data, header, head_len, allow_pickle=self.allow_pickle)
             except DamagedFileError as exc:
                 return self._corrupt(plan, str(exc))
-            provenance.remember(value, value_digest(header))
+            _remember(value, header)
         else:
             value = StoredOutput(plan.slot, value_digest(header), lambda: self.load(spec, plan))
         return self._hit(spec, plan, value, header, head_len)
@@ -213,13 +214,8 @@ class RunState:
         self, spec: StepSpec[Any, Any], plan: Plan, value: Any, header: dict[str, Any], head_len: int
     ) -> Found:
         self.last_outcome = "ok"
-        self.journal.record(
-            "step_skipped",
-            lazy=True,
-            slot=plan.slot,
-            fingerprint=plan.fingerprint,
-            bytes=head_len + header["size"],
-            created_at=header.get("created_at"),
+        self.journal.record_skip(
+            plan.slot, plan.fingerprint, head_len + header["size"], header.get("created_at")
         )
         if log.isEnabledFor(logging.INFO):
             log.info("step %r skipped: %s", plan.slot, self._skip_note(spec, header))
@@ -237,7 +233,7 @@ class RunState:
             where = f"{self.store.location}/{key}"
             msg = f"cannot load the output of step {plan.slot!r} from {where}: {exc}"
             raise SerializationError(msg, step=spec.name) from None
-        provenance.remember(value, value_digest(header))
+        _remember(value, header)
         return value
 
     def _skip_note(self, spec: StepSpec[Any, Any], header: dict[str, Any]) -> str:
@@ -353,7 +349,7 @@ class RunState:
             self.failed(spec, plan, exc, started, attempts)
             raise
         plan.output_digest = value_digest(header)
-        provenance.remember(value, plan.output_digest)
+        _remember(value, header)
         fields: dict[str, Any] = {}
         if self.journal.manifest.code.get(spec.name) != ident.components:
             fields["code"] = ident.components
@@ -447,6 +443,13 @@ class RunState:
                 self.failed(spec, plan, exc, started, attempt)
                 raise
             attempt += 1
+
+
+def _remember(value: object, header: dict[str, Any]) -> None:
+    # Small outputs are cheaper to rehash than to track; the choice depends only on the
+    # stored size, so every run fingerprints the same output the same way.
+    if header["size"] >= PROVENANCE_MIN_SIZE:
+        provenance.remember(value, value_digest(header))
 
 
 def _error_fields(exc: BaseException) -> dict[str, str]:

@@ -62,8 +62,8 @@ class LocalStore:
         return f"LocalStore({self.root!r})"
 
     def path(self, key: str) -> str:
-        """The file path of *key*."""
-        return os.path.join(self.root, *key.split("/"))
+        """The file path of *key* (keys use "/", as does every POSIX system)."""
+        return f"{self.root}/{key}"
 
     def _makedirs(self, directory: str, *, durable: bool) -> None:
         missing = []
