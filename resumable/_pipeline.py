@@ -9,7 +9,6 @@ pipeline of the innermost ``with`` block, else in the default pipeline.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextvars
 import functools
@@ -449,7 +448,7 @@ def status_for(exc: BaseException | None) -> str:
         return "completed"
     if isinstance(exc, SystemExit) and exc.code in {None, 0}:
         return "completed"
-    if isinstance(exc, (KeyboardInterrupt, SystemExit, asyncio.CancelledError, GeneratorExit)):
+    if not isinstance(exc, Exception):  # Ctrl-C, SIGTERM, a cancelled task ...
         return "interrupted"
     return "failed"
 
@@ -494,6 +493,8 @@ def _call(spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]) -> 
 def _execute(run: RunState, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Any) -> Any:
     if not spec.is_async:
         return run.execute(spec, plan, found, call)
+    import asyncio  # noqa: PLC0415 - only async steps need it
+
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -9,7 +9,6 @@ fingerprint); otherwise it is executed: ``step_started`` is logged (fsynced firs
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import socket
@@ -417,6 +416,8 @@ class RunState:
         self, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Callable[[], Coroutine[Any, Any, Any]]
     ) -> Any:
         """The async twin of :meth:`execute`; the output is written off the event loop."""
+        import asyncio  # noqa: PLC0415 - imported by the caller already; kept out of `import resumable`
+
         started = self.begin(spec, plan, found)
         attempt = 1
         while True:

@@ -410,7 +410,7 @@ def test_async_retries(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
     async def fake_sleep(seconds: float) -> None:
         slept.append(seconds)
 
-    monkeypatch.setattr(resumable._run.asyncio, "sleep", fake_sleep)
+    monkeypatch.setattr(asyncio, "sleep", fake_sleep)
     attempts = []
 
     @pipe.step(retries=1)
