@@ -77,8 +77,12 @@ def encode(value: object, *, allow_pickle: bool, what: str = "the output") -> En
         type_name = qualified_name(type(exc.obj))
         msg = f"cannot store {what}: {where} is a {type_name}, and {exc.reason}."
         raise SerializationError(msg, where=where, type_name=type_name) from None
-    except (ValueError, OverflowError, TypeError) as exc:
-        msg = f"cannot store {what}: {exc} (self-referencing or too deeply nested?)"
+    except ValueError as exc:
+        reason = "it contains itself or is nested too deeply" if "recursion" in str(exc) else str(exc)
+        msg = f"cannot store {what}: {reason}."
+        raise SerializationError(msg) from None
+    except (OverflowError, TypeError) as exc:
+        msg = f"cannot store {what}: {type(exc).__name__}: {exc}."
         raise SerializationError(msg) from None
     return Encoded(body, encoder.buffers, pickled=encoder.pickled)
 
@@ -177,9 +181,16 @@ def parse_header(data: Buffer) -> tuple[dict[str, Any], int]:
     if not _valid_header(header):
         msg = "not a resumable output file (bad header)"
         raise DamagedFileError(msg)
+    head_len: int = unpacker.tell()
+    # The header digest comes before anything in the header is believed, even its format.
+    hsum = header.get("hsum")
+    expected = _header_sum(view[:head_len], signed="mac" in header)
+    if not isinstance(hsum, str) or not hmac.compare_digest(hsum, expected):
+        msg = "header checksum mismatch (the file was damaged after it was written)"
+        raise DamagedFileError(msg)
     if header["format"] > FORMAT:
         raise StateFormatError(str(header.get("slot", "?")), header["format"], FORMAT)
-    return header, unpacker.tell()
+    return header, head_len
 
 
 _HEADER_TYPES = (("format", int), ("slot", str), ("checksum", str), ("size", int), ("buffers", list))
@@ -199,7 +210,8 @@ def _valid_header(header: object) -> bool:
 
 def verify(data: Buffer, header: Mapping[str, Any], head_len: int, secret: bytes | None) -> None:
     """
-    Check that *data* is complete, authentic (with a secret) and matches its checksum.
+    Check that *data* (already through :func:`parse_header`) is complete, authentic (with a
+    secret) and matches its checksum.
 
     Raises:
         DamagedFileError: it is not.
@@ -209,11 +221,6 @@ def verify(data: Buffer, header: Mapping[str, Any], head_len: int, secret: bytes
         if not isinstance(mac, str) or not hmac.compare_digest(mac, _sign(header, secret)):
             msg = "authentication failed (written without the secret, or tampered with)"
             raise DamagedFileError(msg)
-    hsum = header.get("hsum")
-    expected = _header_sum(memoryview(data)[:head_len], signed="mac" in header)
-    if not isinstance(hsum, str) or not hmac.compare_digest(hsum, expected):
-        msg = "header checksum mismatch (the file was damaged after it was written)"
-        raise DamagedFileError(msg)
     size = len(data) - head_len
     if size != header["size"]:
         msg = f"{'truncated' if size < header['size'] else 'trailing bytes'}: "

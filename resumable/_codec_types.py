@@ -82,7 +82,9 @@ class Encoder:
         self.pickled = False
 
     def pack(self, obj: object) -> bytes:
-        packer = msgpack.Packer(default=self.default, strict_types=True, use_bin_type=True)
+        packer = msgpack.Packer(
+            default=self.default, strict_types=True, use_bin_type=True, unicode_errors="surrogatepass"
+        )
         packed: bytes = packer.pack(obj)
         return packed
 
@@ -94,10 +96,13 @@ class Encoder:
         handler = _ENCODERS.get(tp)
         if handler is not None:
             return handler(self, obj)
-        if isinstance(obj, enum.Enum):
-            return self.ext(ENUM, [tp.__module__, tp.__qualname__, obj.value])
-        kind = _object_kind(obj)
+        kind = "enum" if isinstance(obj, enum.Enum) else _object_kind(obj)
         if kind is not None:
+            if not _importable(tp):
+                why = "its class cannot be found by name when loading (it is defined inside a function)"
+                return self.pickle_fallback(obj, why)
+            if kind == "enum":
+                return self.ext(ENUM, [tp.__module__, tp.__qualname__, obj.value])  # type: ignore[attr-defined]
             return self.ext(OBJECT, [kind, tp.__module__, tp.__qualname__, _object_state(kind, obj)])
         np = sys.modules.get("numpy")
         if np is not None:
@@ -164,6 +169,14 @@ class Encoder:
         if obj is pd.NA or obj is pd.NaT:
             return msgpack.ExtType(PD_MISSING, b"NA" if obj is pd.NA else b"NaT")
         return None
+
+
+def _importable(tp: type) -> bool:
+    """True if the class can be found again by module and qualified name (not a local class)."""
+    obj: Any = sys.modules.get(tp.__module__)
+    for part in tp.__qualname__.split("."):
+        obj = getattr(obj, part, None)
+    return obj is tp
 
 
 def _is_generator_like(obj: object) -> bool:
@@ -304,7 +317,14 @@ class Decoder:
         self.readonly = memoryview(data).readonly
 
     def unpack(self, body: bytes | memoryview) -> Any:
-        return msgpack.unpackb(body, ext_hook=self.ext_hook, raw=False, strict_map_key=False, timestamp=0)
+        return msgpack.unpackb(
+            body,
+            ext_hook=self.ext_hook,
+            raw=False,
+            strict_map_key=False,
+            timestamp=0,
+            unicode_errors="surrogatepass",
+        )
 
     def ext_hook(self, code: int, payload: bytes) -> Any:
         decode = _DECODERS.get(code)
@@ -431,7 +451,10 @@ def _decode_npscalar(dec: Decoder, payload: bytes) -> Any:
     import numpy as np  # noqa: PLC0415 - NumPy only when the data holds arrays
 
     descr, raw = dec.unpack(payload)
-    return np.frombuffer(raw, dtype=np.lib.format.descr_to_dtype(descr))[0]
+    dtype = np.lib.format.descr_to_dtype(descr)
+    if dtype.itemsize == 0:  # np.str_("") and np.bytes_(b""): nothing to read
+        return dtype.type()
+    return np.frombuffer(raw, dtype=dtype)[0]
 
 
 def _pandas() -> Any:

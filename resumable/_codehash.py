@@ -21,8 +21,10 @@ from __future__ import annotations
 import ast
 import hashlib
 import inspect
+import linecache
 import textwrap
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +36,31 @@ _TOP_SKIP = frozenset({"name", "decorator_list", "returns", "type_params"})
 _CONSTANT_TYPES = (str, bytes, int, float, complex, bool, type(None))
 _MAX_CONSTANT_ITEMS = 10_000
 
-_cache: dict[types.CodeType, str] = {}
+_cache: weakref.WeakKeyDictionary[types.FunctionType, str] = weakref.WeakKeyDictionary()
+# Source lines of modules, as they were when their first step was decorated: a file edited
+# while the script runs must not change the digest of the code that is running.
+_snapshots: dict[str, list[str]] = {}
+
+
+def snapshot_source(fn: object) -> None:
+    """Keep the source file of *fn* as it is now (called when a step is decorated)."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)  # type: ignore[arg-type]
+    if isinstance(code, types.CodeType):
+        # decorating runs while the module executes: the file now is the code now (a module
+        # reloaded after an edit is snapshotted again)
+        linecache.checkcache(code.co_filename)
+        lines = linecache.getlines(code.co_filename, getattr(fn, "__globals__", None))
+        if lines:
+            _snapshots[code.co_filename] = list(lines)
+
+
+def _source(fn: types.FunctionType) -> str | None:
+    code = fn.__code__
+    lines = _snapshots.get(code.co_filename) or linecache.getlines(code.co_filename, fn.__globals__)
+    start = code.co_firstlineno - 1
+    if not lines or start >= len(lines):
+        return None
+    return "".join(inspect.getblock(lines[start:]))
 
 
 def _canon(node: ast.AST, out: list[str], *, top: bool = False) -> None:
@@ -82,9 +108,11 @@ def _without_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
 
 def _source_digest(fn: types.FunctionType) -> str | None:
     try:
-        source = textwrap.dedent(inspect.getsource(fn))
-        tree = ast.parse(source)
-    except (OSError, TypeError, SyntaxError, IndentationError):
+        source = _source(fn)
+        if source is None:
+            return None
+        tree = ast.parse(textwrap.dedent(source))
+    except (SyntaxError, ValueError):  # ValueError: a null byte; IndentationError is a SyntaxError
         return None
     kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
     if fn.__name__ == "<lambda>":
@@ -100,8 +128,8 @@ def _source_digest(fn: types.FunctionType) -> str | None:
     return hashlib.sha256("".join(out).encode()).hexdigest()
 
 
-def _bytecode_digest(code: types.CodeType, doc: str | None) -> str:
-    h = hashlib.sha256()
+def _bytecode_digest(code: types.CodeType, doc: str | None, extra: bytes) -> str:
+    h = hashlib.sha256(extra)
 
     def feed(c: types.CodeType) -> None:
         h.update(c.co_code)
@@ -118,10 +146,13 @@ def _bytecode_digest(code: types.CodeType, doc: str | None) -> str:
 
 def function_digest(fn: types.FunctionType) -> str:
     """Digest of one function's own logic (not of what it calls)."""
-    digest = _cache.get(fn.__code__)
+    digest = _cache.get(fn)
     if digest is None:
-        digest = _source_digest(fn) or "bytecode:" + _bytecode_digest(fn.__code__, fn.__doc__)
-        _cache[fn.__code__] = digest
+        digest = _source_digest(fn)
+        if digest is None:
+            defaults = repr((fn.__defaults__, fn.__kwdefaults__)).encode()
+            digest = "bytecode:" + _bytecode_digest(fn.__code__, fn.__doc__, defaults)
+        _cache[fn] = digest
     return digest
 
 

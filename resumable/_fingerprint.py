@@ -22,15 +22,16 @@ import struct
 import sys
 import threading
 import uuid
+import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping, Sized
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
 
 from ._codec_types import qualified_name
-from .exceptions import FingerprintError
+from .exceptions import FingerprintError, ResumableWarning
 
 _PACK_LEN = struct.Struct("<Q").pack
 _PACK_FLOAT = struct.Struct("<d").pack
@@ -85,9 +86,11 @@ class _Provenance:
     _MAX_STRONG = 256  # outputs that cannot be weakly referenced are held, at most this many
 
     def __init__(self) -> None:
-        self._entries: dict[int, tuple[Any, str, int, bool]] = {}
+        # id -> (the object or a weak reference to it, digest, probe, weak?)
+        self._entries: dict[int, tuple[Any, str, object, bool]] = {}
         self._strong: OrderedDict[int, None] = OrderedDict()
         self._lock = threading.Lock()
+        self.changed = 0  # outputs found changed in place, for a warning
 
     def remember(self, obj: object, digest: str) -> None:
         tp = type(obj)
@@ -96,21 +99,19 @@ class _Provenance:
         if (tp is str or tp is bytes) and len(obj) < _MIN_REMEMBERED:  # type: ignore[arg-type]
             return
         key = id(obj)
+        probe = _probe(obj)
         with self._lock:
             try:
                 ref = weakref.ref(obj, functools.partial(self._forget, key))
-            except TypeError:
-                # lists and dicts cannot be weakly referenced; remember their length so the
-                # most common in-place change (append/pop) falls back to hashing
-                size = len(obj) if isinstance(obj, Sized) else -1
-                self._entries[key] = (obj, digest, size, False)
+            except TypeError:  # lists and dicts cannot be weakly referenced: hold them
+                self._entries[key] = (obj, digest, probe, False)
                 self._strong[key] = None
                 self._strong.move_to_end(key)
                 while len(self._strong) > self._MAX_STRONG:
                     old, _ = self._strong.popitem(last=False)
                     self._entries.pop(old, None)
             else:
-                self._entries[key] = (ref, digest, -1, True)
+                self._entries[key] = (ref, digest, probe, True)
                 self._strong.pop(key, None)
 
     def _forget(self, key: int, ref: object) -> None:
@@ -120,13 +121,16 @@ class _Provenance:
                 del self._entries[key]
 
     def lookup(self, obj: object) -> str | None:
+        """The stored digest of *obj*, or None if it is unknown or was changed in place."""
         entry = self._entries.get(id(obj))
         if entry is None:
             return None
-        held, digest, size, weak = entry
+        held, digest, probe, weak = entry
         if (held() if weak else held) is not obj:
             return None
-        if size >= 0 and isinstance(obj, Sized) and len(obj) != size:
+        if probe is not None and _probe(obj) != probe:
+            self._entries.pop(id(obj), None)
+            self.changed += 1
             return None
         return digest
 
@@ -134,6 +138,34 @@ class _Provenance:
         with self._lock:
             self._entries.clear()
             self._strong.clear()
+
+
+def _ids(items: Iterable[object]) -> int:
+    return hash(tuple(map(id, items)))
+
+
+def _probe(obj: object) -> object:
+    """
+    A cheap summary that changes when *obj* is changed in place: which objects a container
+    holds (not what they hold), or for arrays their buffer, shape and a sample of their bytes.
+    """
+    if isinstance(obj, (list, set)):
+        return _ids(obj)
+    if isinstance(obj, dict):
+        return (_ids(obj), _ids(obj.values()))
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject or obj.dtype.itemsize == 0:
+            return None
+        flat = obj.reshape(-1)
+        sample = hashlib.sha256()
+        for part in (flat[:: max(1, flat.size // 256)], flat[:512], flat[-512:]):
+            sample.update(memoryview(np.ascontiguousarray(part).view("uint8")))
+        return (obj.shape, obj.dtype.str, obj.__array_interface__["data"][0], sample.digest())
+    fields = _fields_of(obj)
+    if fields is not None:
+        return _ids(value for _, value in fields)
+    return None
 
 
 provenance = _Provenance()
@@ -189,9 +221,13 @@ class _Feeder:
         elif isinstance(obj, enum.Enum):
             out += b"E" + _text(qualified_name(tp))
             self.feed(out, obj.value, f"{where}.value")
-        elif hasattr(obj, "__resumable_fingerprint__"):
+        elif getattr(tp, "__resumable_fingerprint__", None) is not None and not isinstance(obj, type):
+            try:
+                stable = obj.__resumable_fingerprint__()
+            except Exception as exc:
+                raise _Unhashable(where, obj, f"its __resumable_fingerprint__() raised {exc!r}") from exc
             out += b"R" + _text(qualified_name(tp))
-            self.feed(out, obj.__resumable_fingerprint__(), f"{where}.__resumable_fingerprint__()")
+            self.feed(out, stable, f"{where}.__resumable_fingerprint__()")
         else:
             fields = _fields_of(obj)
             if fields is None:
@@ -225,7 +261,8 @@ class _Feeder:
                 return
             data = np.ascontiguousarray(obj)
             body = hashlib.sha256(memoryview(data.reshape(-1).view("uint8"))).digest()
-            out += b"A" + _text(data.dtype.str) + _text(str(data.shape)) + body
+            descr = str(np.lib.format.dtype_to_descr(obj.dtype))  # structured dtypes in full
+            out += b"A" + _text(descr) + _text(str(obj.shape)) + body
             return
         if np is not None and isinstance(obj, np.generic):
             out += b"n" + _text(obj.dtype.str) + obj.tobytes()
@@ -233,6 +270,11 @@ class _Feeder:
         pd = sys.modules.get("pandas")
         if pd is not None and isinstance(obj, (pd.DataFrame, pd.Series, pd.Index)):
             self._pandas(out, pd, obj, where)
+            return
+        if pd is not None and isinstance(obj, (pd.Timestamp, pd.Timedelta)):
+            # nanoseconds and the zone, which the datetime/timedelta digests would drop
+            out += b"t" + _text(type(obj).__name__) + _text(str(obj.value))
+            out += _text(str(getattr(obj, "tz", None)))
             return
         if isinstance(obj, (str, bytes, int, float, dt.date, dt.time, dt.timedelta, pathlib.PurePath)):
             # subclasses of supported scalars (e.g. a str subclass): hash as the base type
@@ -247,12 +289,22 @@ class _Feeder:
         except TypeError as exc:
             raise _Unhashable(where, obj, str(exc)) from None
         out += b"P" + _text(type(obj).__name__) + hashlib.sha256(hashed.tobytes()).digest()
-        if isinstance(obj, pd.DataFrame):
-            self.feed(out, [str(c) for c in obj.columns], f"{where}.columns")
-            self.feed(out, [str(d) for d in obj.dtypes], f"{where}.dtypes")
-        else:
-            self.feed(out, str(obj.dtype), f"{where}.dtype")
-            self.feed(out, str(obj.name), f"{where}.name")
+        frame = isinstance(obj, pd.DataFrame)
+        index = obj if isinstance(obj, pd.Index) else obj.index
+        labels = {
+            "columns": list(obj.columns) if frame else None,
+            "column_names": list(obj.columns.names) if frame else None,
+            "index_names": list(index.names),
+            "name": None if frame else obj.name,
+            "dtypes": [_dtype_label(pd, d) for d in (obj.dtypes if frame else [obj.dtype])],
+        }
+        self.feed(out, labels, where)
+
+
+def _dtype_label(pd: Any, dtype: Any) -> object:
+    if isinstance(dtype, pd.CategoricalDtype):  # the categories and their order are part of it
+        return ["category", list(dtype.categories), bool(dtype.ordered)]
+    return str(dtype)
 
 
 def _fields_of(obj: object) -> Iterable[tuple[str, Any]] | None:
@@ -322,6 +374,7 @@ def digest_arguments(step: str, arguments: Mapping[str, Any], ignore: frozenset[
     """
     out = bytearray()
     feeder = _Feeder()
+    changed = provenance.changed
     for name, value in arguments.items():
         if name in ignore:
             continue
@@ -335,4 +388,13 @@ def digest_arguments(step: str, arguments: Mapping[str, Any], ignore: frozenset[
             raise FingerprintError(
                 step, name, name, qualified_name(type(value)), "nested too deeply"
             ) from None
+    if provenance.changed != changed:
+        warnings.warn(
+            ResumableWarning(
+                f"step {step!r}: an argument is the output of an earlier step that was changed in "
+                "place after it was returned, so it is fingerprinted by its content. Copy outputs "
+                "before changing them, or make the change inside a step."
+            ),
+            stacklevel=4,
+        )
     return hashlib.sha256(out).hexdigest()[:32]

@@ -69,9 +69,10 @@ def _signed(data: Mapping[str, Any], secret: bytes | None) -> dict[str, Any]:
 
 
 def _authentic(data: dict[str, Any], secret: bytes | None) -> bool:
+    """Check (and remove) the ``mac`` of signed data; without a secret nothing can be checked."""
+    mac = data.pop("mac", None)
     if secret is None:
         return True
-    mac = data.pop("mac", None)
     return isinstance(mac, str) and hmac.compare_digest(mac, _mac(secret, _dumps(data).encode()))
 
 

@@ -149,6 +149,7 @@ class StepSpec(Generic[P, R]):
         self._computing = False
         module, qualname = getattr(fn, "__module__", "?"), getattr(fn, "__qualname__", self.name)
         self.qualname = f"{module}.{qualname}"
+        _codehash.snapshot_source(fn)
 
     def _check_key(self, key: KeySpec | None, params: Any) -> KeySpec | None:
         if key is None or callable(key):

@@ -1,0 +1,599 @@
+"""
+Code digests (_codehash): a step's identity follows its logic, the same-module helpers it
+calls and the constants it reads, not its comments, docstring, decorators or position.
+
+Functions under test are written to real .py files in tmp_path and imported with importlib,
+so ``inspect.getsource`` reads them as it reads user code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import linecache
+import logging
+import os
+import sys
+import textwrap
+import types
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from resumable import Pipeline, _codehash
+from resumable._codehash import code_components, combine, describe_change, function_digest, snapshot_source
+from resumable._step import _identity_of
+
+ModuleFactory = Callable[..., types.ModuleType]
+
+
+@pytest.fixture
+def modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleFactory:
+    """Write source to a uniquely named module in tmp_path and import it (removed afterwards)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def make(source: str, name: str | None = None) -> types.ModuleType:
+        name = name or f"codehash_{uuid.uuid4().hex[:12]}"
+        path = tmp_path / f"{name}.py"
+        path.write_text(textwrap.dedent(source))
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, name, module)
+        spec.loader.exec_module(module)
+        return module
+
+    return make
+
+
+def digest_of(fn: types.FunctionType) -> str:
+    """function_digest computed afresh (the process-wide cache would hide what is compared)."""
+    _codehash._cache.clear()
+    return function_digest(fn)
+
+
+def components_of(fn: types.FunctionType) -> dict[str, str]:
+    """code_components computed afresh, with steps identified as the runner does."""
+    _codehash._cache.clear()
+    return code_components(fn, _identity_of)
+
+
+def function_without_source(source: str, filename: str) -> types.FunctionType:
+    """The first function defined by *source*, compiled from a string: inspect cannot find its source."""
+    module_code = compile(textwrap.dedent(source), filename, "exec")
+    code = next(c for c in module_code.co_consts if isinstance(c, types.CodeType))
+    return types.FunctionType(code, {"__name__": "nosource"})
+
+
+BASE = """
+def helper(x):
+    return x * 2
+
+
+def total(items, scale=3):
+    result = 0
+    for item in items:
+        result += helper(item) * scale
+    return result
+"""
+
+COSMETIC = {
+    "comments": """
+# a comment above
+def helper(x):
+    return x * 2  # doubled
+
+
+def total(items, scale=3):  # the step
+    # start at zero
+    result = 0
+    for item in items:
+        result += helper(item) * scale  # accumulate
+    return result
+""",
+    "whitespace and line breaks": """
+def helper(x):
+    return x * 2
+def total(items,
+          scale = 3):
+
+    result  =  0
+
+    for item in (
+        items
+    ):
+        result += (helper(item)
+                   * scale)
+    return (result)
+""",
+    "docstring": '''
+def helper(x):
+    """Double it."""
+    return x * 2
+
+
+def total(items, scale=3):
+    """
+    Add up the doubled items, scaled.
+
+    A long explanation that changes nothing.
+    """
+    result = 0
+    for item in items:
+        result += helper(item) * scale
+    return result
+''',
+    "decorator arguments": """
+def decorate(**options):
+    return lambda fn: fn
+
+
+def helper(x):
+    return x * 2
+
+
+@decorate(retries=5, name="renamed")
+@decorate(version=None)
+def total(items, scale=3):
+    result = 0
+    for item in items:
+        result += helper(item) * scale
+    return result
+""",
+    "type annotations": """
+from __future__ import annotations
+
+
+def helper(x: int) -> int:
+    return x * 2
+
+
+def total(items: list[int], scale: int = 3) -> int:
+    result = 0
+    for item in items:
+        result += helper(item) * scale
+    return result
+""",
+    "moved further down": """
+import math
+
+UNRELATED = [1, 2, 3]
+
+
+def unrelated(y):
+    return math.sqrt(y)
+
+
+
+class Unrelated:
+    pass
+
+
+def helper(x):
+    return x * 2
+
+
+def total(items, scale=3):
+    result = 0
+    for item in items:
+        result += helper(item) * scale
+    return result
+""",
+    "unrelated module code changed": """
+OTHER = "edited"
+
+
+def helper(x):
+    return x * 2
+
+
+def unused_helper(z):
+    return z - 100
+
+
+def total(items, scale=3):
+    result = 0
+    for item in items:
+        result += helper(item) * scale
+    return result
+""",
+}
+
+
+@pytest.mark.parametrize("source", list(COSMETIC.values()), ids=list(COSMETIC))
+def test_cosmetic_edits_keep_the_digest(modules, source):
+    """Comments, whitespace, docstrings, decorators, annotations and position do not count."""
+    base = modules(BASE)
+    edited = modules(source)
+    assert digest_of(base.total) == digest_of(edited.total)
+    assert components_of(base.total) == components_of(edited.total)
+    assert {"code", "fn helper"} == set(components_of(edited.total))
+
+
+LOGIC = {
+    "operator": BASE.replace("helper(item) * scale", "helper(item) + scale"),
+    "literal": BASE.replace("result = 0", "result = 1"),
+    "default value": BASE.replace("scale=3", "scale=4"),
+    "added statement": BASE.replace("    result = 0\n", "    result = 0\n    items = sorted(items)\n"),
+    "renamed parameter": BASE.replace("items", "values"),
+    "keyword-only parameter": BASE.replace("scale=3", "*, scale=3"),
+    "return changed": BASE.replace("return result", "return -result"),
+    "calls another function": BASE.replace("helper(item) * scale", "abs(item) * scale"),
+}
+
+
+@pytest.mark.parametrize("source", list(LOGIC.values()), ids=list(LOGIC))
+def test_logic_edits_change_the_digest(modules, source):
+    """Editing what the function does changes function_digest and the combined identity."""
+    base = modules(BASE)
+    edited = modules(source)
+    assert digest_of(base.total) != digest_of(edited.total)
+    assert combine(components_of(base.total)) != combine(components_of(edited.total))
+    assert "its own code" in describe_change(components_of(base.total), components_of(edited.total))
+
+
+def test_default_values_count_in_the_same_process(modules):
+    """Two functions differing only by a default value have different digests, cache or not."""
+    one = modules("def f(x=1):\n    return x\n")
+    two = modules("def f(x=2):\n    return x\n")
+    assert function_digest(one.f) != function_digest(two.f)
+
+
+def test_source_edited_after_import_does_not_change_the_digest(modules):
+    """A function whose file is edited while the script runs keeps the digest of the code it runs."""
+    running = modules(BASE)
+    snapshot_source(running.total)  # what decorating a step does, at import time
+    reference = digest_of(modules(BASE).total)
+    path = Path(running.__file__)
+    path.write_text(textwrap.dedent(BASE.replace("result = 0", "result = 1000")))
+    os.utime(path, (1, 1))  # a different mtime, as after any edit
+    assert 18 == running.total([1, 2])  # still the code that was imported
+    assert reference == digest_of(running.total)
+
+
+# --------------------------------------------------------------------------------------
+# what the function refers to
+
+
+def test_same_module_helper_is_part_of_the_identity(modules):
+    """Editing a helper in the same module changes the components, not the step's own digest."""
+    base = modules(BASE)
+    edited = modules(BASE.replace("return x * 2", "return x * 3"))
+    old, new = components_of(base.total), components_of(edited.total)
+    assert digest_of(base.total) == digest_of(edited.total)
+    assert old["code"] == new["code"]
+    assert old["fn helper"] != new["fn helper"]
+    assert "fn helper" == describe_change(old, new)
+
+
+NESTED_HELPERS = """
+def innermost(x):
+    return x + 1
+
+
+def inner(x):
+    return innermost(x) * 2
+
+
+def outer(x):
+    return inner(x) - 1
+
+
+def step_fn(items):
+    return [outer(i) for i in items]
+"""
+
+
+def test_helpers_of_helpers_are_followed(modules):
+    """A helper of a helper of a helper is part of the digest (transitively)."""
+    base = modules(NESTED_HELPERS)
+    edited = modules(NESTED_HELPERS.replace("return x + 1", "return x + 2"))
+    old, new = components_of(base.step_fn), components_of(edited.step_fn)
+    assert {"code", "fn outer", "fn inner", "fn innermost"} == set(old)
+    assert "fn innermost" == describe_change(old, new)
+    assert combine(old) != combine(new)
+
+
+def test_helpers_from_other_modules_are_not_followed(modules):
+    """A helper imported from another module is not part of the digest (use version= for that)."""
+    helper_v1 = modules("def helper(x):\n    return x * 2\n")
+    helper_v2 = modules("def helper(x):\n    return x * 3\n")
+    source = "from {mod} import helper\n\n\ndef step_fn(x):\n    return helper(x)\n"
+    uses_v1 = modules(source.format(mod=helper_v1.__name__))
+    uses_v2 = modules(source.format(mod=helper_v2.__name__))
+    assert 2 == uses_v1.step_fn(1)
+    assert 3 == uses_v2.step_fn(1)
+    assert components_of(uses_v1.step_fn) == components_of(uses_v2.step_fn)
+    assert ["code"] == list(components_of(uses_v1.step_fn))
+
+
+def test_installed_package_code_is_not_followed(modules):
+    """Calls into the standard library or packages add nothing to the components."""
+    module = modules(
+        "import json\nimport textwrap\n\n\ndef step_fn(x):\n    return json.dumps(textwrap.dedent(x))\n"
+    )
+    assert ["code"] == list(components_of(module.step_fn))
+
+
+CONSTANTS = '''
+PROMPT = "Summarise the text:"
+MODELS = ("small", "large")
+LIMIT = 3
+SETTINGS = {"temperature": 0}
+
+
+def render(text):
+    return f"{PROMPT} {text}"
+
+
+def step_fn(text):
+    """Uses constants directly and through a helper."""
+    return [render(text), MODELS[:LIMIT], SETTINGS]
+'''
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "changed"),
+    [
+        ('PROMPT = "Summarise the text:"', 'PROMPT = "Summarize:"', "const PROMPT"),
+        ('MODELS = ("small", "large")', 'MODELS = ("small", "huge")', "const MODELS"),
+        ("LIMIT = 3", "LIMIT = 4", "const LIMIT"),
+    ],
+)
+def test_module_constants_are_part_of_the_identity(modules, old, new, changed):
+    """Editing a str/number/tuple constant the step (or its helper) reads changes the identity."""
+    base = modules(CONSTANTS)
+    edited = modules(CONSTANTS.replace(old, new))
+    before, after = components_of(base.step_fn), components_of(edited.step_fn)
+    assert {"code", "fn render", "const PROMPT", "const MODELS", "const LIMIT"} == set(before)
+    assert changed == describe_change(before, after)
+    assert digest_of(base.step_fn) == digest_of(edited.step_fn)
+
+
+def test_mutable_module_values_are_not_part_of_the_identity(modules):
+    """Dicts and lists at module level are not constants: editing them keeps the identity (documented)."""
+    base = modules(CONSTANTS)
+    edited = modules(CONSTANTS.replace('{"temperature": 0}', '{"temperature": 1}'))
+    assert components_of(base.step_fn) == components_of(edited.step_fn)
+
+
+CLOSURE = """
+def make():
+    limit = {limit}
+
+    def inner(x):
+        return min(x, limit)
+
+    return inner
+"""
+
+
+def test_closure_constants_are_part_of_the_identity(modules):
+    """A constant captured by a closure counts like a module constant."""
+    three = modules(CLOSURE.format(limit=3)).make()
+    four = modules(CLOSURE.format(limit=4)).make()
+    old, new = components_of(three), components_of(four)
+    assert {"code", "const limit"} == set(old)
+    assert "const limit" == describe_change(old, new)
+
+
+STEPS = """
+from resumable import Pipeline
+
+pipe = Pipeline("codehash-steps")
+
+
+@pipe.step(name="fetch_{tag}", version="3")
+def fetch():
+    return {body}
+
+
+@pipe.step(name="parse_{tag}")
+def parse():
+    return {body}
+
+
+def step_fn():
+    return fetch(), parse()
+"""
+
+
+def test_steps_called_are_identified_by_their_identity(modules):
+    """A step calling steps records their identity: the version if pinned, else their code digest."""
+    base = modules(STEPS.format(tag="a", body=1))
+    edited = modules(STEPS.format(tag="b", body=2))
+    old, new = components_of(base.step_fn), components_of(edited.step_fn)
+    assert {"code", "step fetch", "step parse"} == set(old)
+    assert "version:3"[:16] == old["step fetch"]
+    assert old["step fetch"] == new["step fetch"]  # pinned: its code edit does not propagate
+    assert old["step parse"] != new["step parse"]
+    assert "step parse" == describe_change(old, new)
+
+
+# --------------------------------------------------------------------------------------
+# recursion, lambdas, methods, no source
+
+
+RECURSIVE = """
+def fact(n):
+    return 1 if n <= 1 else n * fact(n - 1)
+
+
+def is_even(n):
+    return True if n == 0 else is_odd(n - 1)
+
+
+def is_odd(n):
+    return False if n == 0 else is_even(n - 1)
+"""
+
+
+def test_recursion_terminates(modules):
+    """A self-recursive function and two mutually recursive ones have finite components."""
+    module = modules(RECURSIVE)
+    assert ["code"] == list(components_of(module.fact))
+    assert {"code", "fn is_odd"} == set(components_of(module.is_even))
+    assert {"code", "fn is_even"} == set(components_of(module.is_odd))
+    assert 120 == module.fact(5)
+
+
+def test_mutual_recursion_follows_the_cycle(modules):
+    """Editing is_odd changes the components of is_even, which it calls through the cycle."""
+    base = modules(RECURSIVE)
+    edited = modules(
+        RECURSIVE.replace("False if n == 0 else is_even(n - 1)", "False if n == 0 else not is_odd(n - 1)")
+    )
+    assert "fn is_odd" == describe_change(components_of(base.is_even), components_of(edited.is_even))
+
+
+LAMBDAS = """
+double = lambda x: x * 2  # noqa
+"""
+
+
+def test_lambda_digest_follows_its_logic(modules):
+    """A lambda's digest comes from its source: moved or commented it stays, edited it changes."""
+    base = modules(LAMBDAS)
+    moved = modules("\n\n\nOTHER = 1\n" + LAMBDAS.replace("# noqa", "# doubled"))
+    edited = modules(LAMBDAS.replace("x * 2", "x * 3"))
+    assert not digest_of(base.double).startswith("bytecode:")
+    assert digest_of(base.double) == digest_of(moved.double)
+    assert digest_of(base.double) != digest_of(edited.double)
+
+
+def test_two_lambdas_on_one_line_use_bytecode(modules):
+    """Two lambdas on one line cannot be told apart by source: their bytecode is hashed instead."""
+    module = modules("pair = (lambda x: x + 1, lambda x: x - 1)\n")
+    first, second = digest_of(module.pair[0]), digest_of(module.pair[1])
+    assert [True, True] == [first.startswith("bytecode:"), second.startswith("bytecode:")]
+    assert first != second
+
+
+METHOD = """
+class Client:
+    def fetch(self, url):
+        return url.upper()
+"""
+
+
+def test_methods_are_hashed_from_their_indented_source(modules):
+    """A method's source is dedented and parsed; moving its class does not matter."""
+    base = modules(METHOD)
+    moved = modules("\n\nX = 1\n\n" + METHOD)
+    edited = modules(METHOD.replace("upper", "lower"))
+    assert not digest_of(base.Client.fetch).startswith("bytecode:")
+    assert digest_of(base.Client.fetch) == digest_of(moved.Client.fetch)
+    assert digest_of(base.Client.fetch) != digest_of(edited.Client.fetch)
+
+
+ASYNC = '''
+async def fetch(url):
+    """Fetch it."""
+    return url
+'''
+
+
+def test_async_functions_are_hashed_from_source(modules):
+    """async def steps are digested like plain ones: the docstring does not count, logic does."""
+    base = modules(ASYNC)
+    undocumented = modules(ASYNC.replace('    """Fetch it."""\n', ""))
+    edited = modules(ASYNC.replace("return url", "return url * 2"))
+    assert digest_of(base.fetch) == digest_of(undocumented.fetch)
+    assert digest_of(base.fetch) != digest_of(edited.fetch)
+
+
+NO_SOURCE = '''
+def f(x):
+    """Doc."""
+    y = x + 1
+    return y * 2
+'''
+
+
+def test_bytecode_fallback_without_source():
+    """A function whose source cannot be found is digested from its bytecode, docstring left out."""
+    tag = uuid.uuid4().hex
+    base = function_without_source(NO_SOURCE, f"<no-source-{tag}>")
+    moved = function_without_source("\n\n\n" + NO_SOURCE, f"<moved-{tag}>")
+    documented = function_without_source(NO_SOURCE.replace("Doc.", "Other documentation."), f"<doc-{tag}>")
+    edited = function_without_source(NO_SOURCE.replace("x + 1", "x + 2"), f"<edited-{tag}>")
+    renamed_local = function_without_source(NO_SOURCE.replace("y", "z"), f"<renamed-{tag}>")
+    assert "Doc." == base.__doc__
+    assert digest_of(base).startswith("bytecode:")
+    assert digest_of(base) == digest_of(moved)
+    assert digest_of(base) == digest_of(documented)
+    assert digest_of(base) != digest_of(edited)
+    assert digest_of(base) != digest_of(renamed_local)
+
+
+def test_linecache_source_is_used_when_registered(modules, monkeypatch):
+    """With its source in linecache (as in notebooks), an exec'd function is digested from source."""
+    filename = f"<cell-{uuid.uuid4().hex}>"
+    source = textwrap.dedent(NO_SOURCE)
+    monkeypatch.setitem(linecache.cache, filename, (len(source), None, source.splitlines(True), filename))
+    from_cell = function_without_source(NO_SOURCE, filename)
+    from_file = modules(NO_SOURCE)
+    assert not digest_of(from_cell).startswith("bytecode:")
+    assert digest_of(from_file.f) == digest_of(from_cell)
+
+
+# --------------------------------------------------------------------------------------
+# describe_change, and the whole chain through a pipeline
+
+
+def test_describe_change():
+    """describe_change names changed, added and removed components, sorted, at most five."""
+    old = {"code": "a", "fn helper": "b", "const PROMPT": "c"}
+    assert "" == describe_change(None, old)
+    assert "" == describe_change({}, old)
+    assert "" == describe_change(old, dict(old))
+    assert "its own code" == describe_change(old, {**old, "code": "z"})
+    assert "const PROMPT, fn helper" == describe_change(old, {**old, "fn helper": "z", "const PROMPT": "z"})
+    assert "const MODEL, fn helper" == describe_change(
+        old, {"code": "a", "const PROMPT": "c", "const MODEL": "m"}
+    )
+    many = {f"const C{i}": str(i) for i in range(7)}
+    assert "const C0, const C1, const C2, const C3, const C4 ..." == describe_change(many, {})
+
+
+def test_combine_is_order_free_and_sensitive():
+    """combine() gives one digest per set of components, whatever their order."""
+    components = {"code": "a", "fn helper": "b"}
+    assert combine(components) == combine(dict(reversed(components.items())))
+    assert combine(components) != combine({**components, "fn helper": "c"})
+    assert 32 == len(combine(components))
+
+
+PIPELINE_STEP = '''
+PROMPT = "{prompt}"
+
+
+def answer(question):
+    """Answer it."""{comment}
+    return PROMPT + question
+'''
+
+
+def test_code_change_reruns_a_step_and_says_why(state_dir, modules, caplog):
+    """Through a pipeline: a comment edit skips; a constant edit reruns with reason and log naming it."""
+
+    def run(module: types.ModuleType) -> str:
+        with Pipeline("test", state_dir=state_dir, durable=False) as pipe:
+            answer = pipe.step(name="answer")(module.answer)
+            assert module.PROMPT + "why?" == answer("why?")
+            return pipe.status().steps["answer"].reason
+
+    v1 = modules(PIPELINE_STEP.format(prompt="Be brief: ", comment=""))
+    v1_commented = modules(PIPELINE_STEP.format(prompt="Be brief: ", comment="  # edited comment"))
+    v2 = modules(PIPELINE_STEP.format(prompt="Be thorough: ", comment=""))
+    with caplog.at_level(logging.INFO, logger="resumable"):
+        reasons = [run(v1), run(v1_commented), run(v2)]
+    assert ["new", "new", "code changed"] == reasons
+    running = [r.getMessage() for r in caplog.records if "running" in r.getMessage()]
+    assert 2 == len(running)
+    assert "code changed (const PROMPT)" in running[1]
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert 1 == len(skipped)
