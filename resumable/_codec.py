@@ -21,7 +21,8 @@ import hashlib
 import hmac
 import os
 import struct
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -36,6 +37,7 @@ _BIN32 = 5  # bytes of a bin32 object's prefix
 _CHECKSUM_PREFIX = "sha256:"
 _MAC_PREFIX = "hmac-sha256:"
 _HEAD_GUESS = 4096
+_BACKGROUND_HASH_MIN = 4 * 1024 * 1024  # values this large are hashed while being written
 _HEAD_MAX = 64 * 1024 * 1024  # no real header comes near this; a damaged length field might
 
 Buffer = bytes | bytearray | memoryview
@@ -106,10 +108,71 @@ def _sign(header: Mapping[str, Any], secret: bytes) -> str:
     return _MAC_PREFIX + mac
 
 
+class Framed:
+    """
+    An output ready to be written: its header and value chunks.
+
+    For large values the checksum is computed by a thread while the value is written;
+    :meth:`header_bytes` waits for it, so a store can write the header last, at offset 0.
+    """
+
+    __slots__ = ("_finish", "_header_bytes", "head_len", "header", "value_chunks")
+
+    def __init__(
+        self, header: dict[str, Any], head_len: int, value_chunks: list[Buffer], finish: Callable[[], bytes]
+    ) -> None:
+        self.header = header
+        self.head_len = head_len
+        self.value_chunks = value_chunks
+        self._finish = finish
+        self._header_bytes: bytes | None = None
+
+    @property
+    def size(self) -> int:
+        """Total size of the file in bytes."""
+        return self.head_len + int(self.header["size"])
+
+    def header_bytes(self) -> bytes:
+        """The packed header (exactly ``head_len`` bytes), once the checksum is known."""
+        if self._header_bytes is None:
+            self._header_bytes = self._finish()
+        return self._header_bytes
+
+    def chunks(self) -> list[Buffer]:
+        """The whole file as a list of chunks, header first."""
+        return [self.header_bytes(), *self.value_chunks]
+
+
+def _lay_out(header: dict[str, Any], body_len: int) -> int:
+    """Set the buffers' padding and the value size in *header*; return the header's length."""
+    # Padding depends on the header's length, and "size" on the padding: iterate to a fixed
+    # point (pads are < 64, always one msgpack byte, so this settles at once in practice).
+    head_len = -1
+    while True:
+        packed = len(msgpack.packb(header))
+        if packed == head_len:
+            return head_len
+        head_len = packed
+        position = head_len + body_len
+        for entry in header["buffers"]:
+            entry[0] = -(position + _BIN32) % _ALIGN
+            position += entry[0] + _BIN32 + entry[1]
+        header["size"] = position - head_len
+
+
 def frame(
-    encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = None
-) -> tuple[list[Buffer], dict[str, Any]]:
-    """Return the chunks of the file holding *encoded*, and its header."""
+    encoded: Encoded,
+    meta: Mapping[str, Any],
+    *,
+    secret: bytes | None = None,
+    hash_in_background: bool = False,
+) -> Framed:
+    """
+    Frame *encoded* as an output file with header *meta*.
+
+    With *hash_in_background*, a large value is checksummed by a thread, so the caller can
+    write the value while it is being hashed (see :class:`Framed`).
+    """
     sizes = [b.nbytes for b in encoded.buffers]
     header: dict[str, Any] = {
         "format": FORMAT,
@@ -123,32 +186,33 @@ def frame(
     }
     if secret is not None:
         header["mac"] = _MAC_PREFIX + "0" * 64
-    # Padding depends on the header's length, and "size" on the padding: iterate to a fixed
-    # point (pads are < 64, always one msgpack byte, so this settles at once in practice).
-    head_len = -1
-    while True:
-        packed = len(msgpack.packb(header))
-        if packed == head_len:
-            break
-        head_len = packed
-        position = head_len + len(encoded.body)
-        for entry in header["buffers"]:
-            entry[0] = -(position + _BIN32) % _ALIGN
-            position += entry[0] + _BIN32 + entry[1]
-        header["size"] = position - head_len
-    chunks: list[Buffer] = [b"", encoded.body]
-    digest = hashlib.sha256(encoded.body)
+    head_len = _lay_out(header, len(encoded.body))
+    chunks: list[Buffer] = [encoded.body]
     for (pad, size), buf in zip(header["buffers"], encoded.buffers, strict=True):
-        prefix = b"\xc0" * pad + struct.pack(">BI", 0xC6, size)
-        digest.update(prefix)
-        digest.update(buf)
-        chunks += [prefix, buf]
-    header["checksum"] = _CHECKSUM_PREFIX + digest.hexdigest()
-    header["hsum"] = _header_sum(msgpack.packb(header), signed=secret is not None)
-    if secret is not None:
-        header["mac"] = _sign(header, secret)
-    chunks[0] = msgpack.packb(header)
-    return chunks, header
+        chunks += [b"\xc0" * pad + struct.pack(">BI", 0xC6, size), buf]
+    digest = hashlib.sha256()
+
+    def hash_value() -> None:
+        for chunk in chunks:
+            digest.update(chunk)  # releases the GIL for large chunks
+
+    def finish() -> bytes:
+        if worker is not None:
+            worker.join()
+        else:
+            hash_value()
+        header["checksum"] = _CHECKSUM_PREFIX + digest.hexdigest()
+        header["hsum"] = _header_sum(msgpack.packb(header), signed=secret is not None)
+        if secret is not None:
+            header["mac"] = _sign(header, secret)
+        packed: bytes = msgpack.packb(header)
+        return packed
+
+    worker = None
+    if hash_in_background and header["size"] >= _BACKGROUND_HASH_MIN:
+        worker = threading.Thread(target=hash_value, name="resumable-checksum", daemon=True)
+        worker.start()
+    return Framed(header, head_len, chunks, finish)
 
 
 def parse_header(data: Buffer) -> tuple[dict[str, Any], int]:
@@ -277,9 +341,23 @@ def secret_bytes(secret: str | bytes | None) -> bytes | None:
 
 def read_file(path: str | os.PathLike[str]) -> bytearray:
     """Read a whole file into a fresh writable buffer (arrays decoded from it are writable)."""
+    return read_file_stamped(path)[0]
+
+
+Stamp = tuple[int, int, int, int, int]
+
+
+def stamp_of(st: os.stat_result) -> Stamp:
+    """What identifies one version of a file: a rename or a write changes it."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def read_file_stamped(path: str | os.PathLike[str]) -> tuple[bytearray, Stamp]:
+    """:func:`read_file`, also returning the stamp of the version read."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        size = st.st_size
         buf = bytearray(size)
         done = os.readv(fd, [buf])
         if done < size:  # a short read (large files, some file systems): go on
@@ -294,7 +372,7 @@ def read_file(path: str | os.PathLike[str]) -> bytearray:
         os.close(fd)
     if done < size:
         del buf[done:]
-    return buf
+    return buf, stamp_of(st)
 
 
 def load(

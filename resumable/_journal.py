@@ -25,6 +25,7 @@ from typing import Any
 
 from ._codec import DamagedFileError, parse_header, utcnow
 from ._manifest import FORMAT, Fold, Manifest, StepRecord
+from ._manifest import dumps as dumps_manifest
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
 from ._stores import Store
 from .exceptions import ResumableWarning, StateFormatError
@@ -279,8 +280,9 @@ class Journal:
         with self._flush_lock:
             with self.lock:
                 self._write_pending(durable=durable)
-                data = _signed(self.manifest.to_dict(), self.secret)
-                text = json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+                snapshot = self.manifest.to_dict()
+            # encoded outside the lock: steps keep running while a large manifest is written
+            text = dumps_manifest(_signed(snapshot, self.secret))
             self.store.write(MANIFEST, [text.encode()], durable=durable)
 
     def start_writer(self) -> None:

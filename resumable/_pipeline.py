@@ -352,7 +352,7 @@ class Pipeline:
         if spec.key is not None:  # the key may need the values themselves
             args, kwargs = _resolved(args), _resolved(kwargs)
         plan = spec.plan(tuple(args), kwargs)
-        found = run.lookup(spec, plan, want_value=False)
+        found = run.peek(spec, plan)
         if found.hit:
             stored: StoredOutput = found.value
             return (

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from . import _codehash
 from ._codec import (
     DamagedFileError,
+    Stamp,
     decode,
     encode,
     frame,
@@ -43,7 +44,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("resumable")
 
 LARGE_OUTPUT = 100 * 1024 * 1024
-PROVENANCE_MIN_SIZE = 4096  # outputs at least this large are not rehashed when passed on
+PROVENANCE_MIN_SIZE = 4096
+_VERIFIED_MAX_FILE = 64 * 1024  # files kept verified in memory: small ones ...
+_VERIFIED_MAX_TOTAL = (
+    16 * 1024 * 1024
+)  # ... up to this much in all  # outputs at least this large are not rehashed when passed on
 RETRY_BASE_DELAY = 0.5  # seconds before the first retry; doubles each attempt
 RETRY_MAX_DELAY = 60.0
 _MAX_TRACEBACK = 20_000
@@ -108,6 +113,11 @@ class RunState:
         self.last_outcome = "ok"
         # code components as they were when the run opened, to explain every rerun the same way
         self._code_before: dict[str, dict[str, str]] = {}
+        self._skipped: set[str] = set()
+        # slot -> (stamp, bytes, header, header length) of files verified in this run
+        self._verified: dict[str, tuple[Stamp, bytes, dict[str, Any], int]] = {}
+        self._verified_bytes = 0
+        self._stamps = hasattr(store, "read_stamped") and hasattr(store, "stamp")
 
     # lifecycle ---------------------------------------------------------------------------
 
@@ -171,35 +181,58 @@ class RunState:
 
     # lookup ------------------------------------------------------------------------------
 
-    def lookup(self, spec: StepSpec[Any, Any], plan: Plan, *, want_value: bool = True) -> Found:
+    def lookup(self, spec: StepSpec[Any, Any], plan: Plan) -> Found:
         """Return the stored output of *plan* if it is there and valid, else why not."""
         if plan.key is None:
             self._check_single_slot(spec, plan)
         key = slot_file(plan.slot)
+        stamp: Stamp | None = None
         try:
-            if want_value:
-                data = self.store.read(key)
-                header, head_len = parse_header(data)
+            verified = self._verified.get(plan.slot)
+            if verified is not None and verified[0] == self.store.stamp(key):  # type: ignore[attr-defined]
+                return self._hit_verified(spec, plan, verified[1:])
+            if self._stamps:
+                data, stamp = self.store.read_stamped(key)  # type: ignore[attr-defined]
             else:
-                header, head_len = read_header(self.store, key)
+                data = self.store.read(key)
+            header, head_len = parse_header(data)
         except FileNotFoundError:
             return self._missing(plan)
         except DamagedFileError as exc:
             return self._corrupt(plan, str(exc))
+        miss = self._check_header(spec, plan, header)
+        if miss is not None:
+            return miss
+        try:
+            verify(data, header, head_len, self.secret)
+            value = decode(data, header, head_len, allow_pickle=self.allow_pickle)
+        except DamagedFileError as exc:
+            return self._corrupt(plan, str(exc))
+        if stamp is not None:
+            self._keep_verified(plan.slot, stamp, data, header, head_len)
+        _remember(value, header)
+        return self._hit(spec, plan, value, header, head_len)
+
+    def peek(self, spec: StepSpec[Any, Any], plan: Plan) -> Found:
+        """Like :meth:`lookup`, reading only the header: a hit's value is a :class:`StoredOutput`."""
+        try:
+            header, head_len = read_header(self.store, slot_file(plan.slot))
+        except FileNotFoundError:
+            return self._missing(plan)
+        except DamagedFileError as exc:
+            return self._corrupt(plan, str(exc))
+        miss = self._check_header(spec, plan, header)
+        if miss is not None:
+            return miss
+        value = StoredOutput(plan.slot, value_digest(header), lambda: self.load(spec, plan))
+        return self._hit(spec, plan, value, header, head_len)
+
+    def _check_header(self, spec: StepSpec[Any, Any], plan: Plan, header: dict[str, Any]) -> Found | None:
         if header["slot"] != plan.slot:
             return self._corrupt(plan, f"it holds slot {header['slot']!r}")
         if header.get("fingerprint") != plan.fingerprint:
             return self._mismatch(spec, header)
-        if want_value:
-            try:
-                verify(data, header, head_len, self.secret)
-                value = decode(data, header, head_len, allow_pickle=self.allow_pickle)
-            except DamagedFileError as exc:
-                return self._corrupt(plan, str(exc))
-            _remember(value, header)
-        else:
-            value = StoredOutput(plan.slot, value_digest(header), lambda: self.load(spec, plan))
-        return self._hit(spec, plan, value, header, head_len)
+        return None
 
     def _missing(self, plan: Plan) -> Found:
         rec = self.journal.manifest.steps.get(plan.slot)
@@ -209,13 +242,40 @@ class RunState:
             return Found(hit=False, reason="new", detail=f"the previous attempt {rec.status}")
         return Found(hit=False, reason="new")
 
+    def _keep_verified(
+        self, slot: str, stamp: Stamp, data: bytearray, header: dict[str, Any], head_len: int
+    ) -> None:
+        # Only small files without out-of-band buffers: their decoded values never share
+        # memory with *data*, so what a caller does with a value cannot alter the cache.
+        if header["buffers"] or len(data) > _VERIFIED_MAX_FILE:
+            return
+        self._verified.pop(slot, None)
+        self._verified[slot] = (stamp, bytes(data), header, head_len)
+        self._verified_bytes += len(data)
+        while self._verified_bytes > _VERIFIED_MAX_TOTAL:
+            oldest = next(iter(self._verified))
+            self._verified_bytes -= len(self._verified.pop(oldest)[1])
+
+    def _hit_verified(
+        self, spec: StepSpec[Any, Any], plan: Plan, verified: tuple[bytes, dict[str, Any], int]
+    ) -> Found:
+        """A file already verified in this run and unchanged since: decode it from memory."""
+        data, header, head_len = verified
+        if header.get("fingerprint") != plan.fingerprint:
+            return self._mismatch(spec, header)
+        value = decode(data, header, head_len, allow_pickle=self.allow_pickle)
+        _remember(value, header)
+        return self._hit(spec, plan, value, header, head_len)
+
     def _hit(
         self, spec: StepSpec[Any, Any], plan: Plan, value: Any, header: dict[str, Any], head_len: int
     ) -> Found:
         self.last_outcome = "ok"
-        self.journal.record_skip(
-            plan.slot, plan.fingerprint, head_len + header["size"], header.get("created_at")
-        )
+        if plan.slot not in self._skipped:  # one log line per slot and run is enough
+            self._skipped.add(plan.slot)
+            self.journal.record_skip(
+                plan.slot, plan.fingerprint, head_len + header["size"], header.get("created_at")
+            )
         if log.isEnabledFor(logging.INFO):
             log.info("step %r skipped: %s", plan.slot, self._skip_note(spec, header))
         return Found(hit=True, value=value)
@@ -336,14 +396,21 @@ class RunState:
             "code": ident.code,
             "args": plan.args,
         }
-        chunks, header = frame(encoded, meta, secret=self.secret)
-        size = sum(memoryview(c).nbytes for c in chunks)
+        header_last = getattr(self.store, "write_header_last", None)
+        framed = frame(encoded, meta, secret=self.secret, hash_in_background=header_last is not None)
+        header, size = framed.header, framed.size
         if size > LARGE_OUTPUT:
             log.warning(
                 "step %r output is %s; large outputs slow every save and load", plan.slot, human_size(size)
             )
         try:
-            self.store.write(slot_file(plan.slot), chunks, durable=self.durable)
+            if header_last is not None:
+                key = slot_file(plan.slot)
+                header_last(
+                    key, framed.head_len, framed.value_chunks, framed.header_bytes, durable=self.durable
+                )
+            else:
+                self.store.write(slot_file(plan.slot), framed.chunks(), durable=self.durable)
         except BaseException as exc:
             self.failed(spec, plan, exc, started, attempts)
             raise

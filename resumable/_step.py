@@ -34,6 +34,9 @@ S = TypeVar("S")
 R_co = TypeVar("R_co", covariant=True)
 
 KeySpec = str | Callable[..., str]
+# Argument types whose equal values always have equal digests (floats do not: 0.0 == -0.0).
+_MEMO_TYPES = frozenset({int, str, bytes, bool, type(None)})
+_MEMO_SIZE = 4096
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
@@ -145,6 +148,7 @@ class StepSpec(Generic[P, R]):
         self._names = tuple(params)
         self._defaults = tuple(p.default for p in params.values())
         self._identity: Identity | None = None
+        self._plans: dict[tuple[tuple[type, object], ...], tuple[str, str | None, str, str]] = {}
         self._identity_lock = threading.RLock()
         self._computing = False
         module, qualname = getattr(fn, "__module__", "?"), getattr(fn, "__qualname__", self.name)
@@ -240,19 +244,34 @@ class StepSpec(Generic[P, R]):
 
     def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         """Resolve a call to its slot and fingerprint."""
+        memo_key = None
+        if not kwargs and not callable(self.key) and all(type(a) in _MEMO_TYPES for a in args):
+            # Calls with the same simple arguments resolve the same way: remember them.
+            # (The types are part of the key: 1, 1.0 and True are equal as dict keys.)
+            memo_key = tuple(zip(map(type, args), args, strict=True))
+            known = self._plans.get(memo_key)
+            if known is not None:
+                return Plan(*known)
         bound = self.bind(args, kwargs)
         key = self.key_for(args, kwargs, bound)
         digest = digest_arguments(self.name, bound, self.ignore)
         ident = self.identity()
         fingerprint = hashlib.sha256(f"{ident.identity}|{digest}".encode()).hexdigest()[:32]
-        return Plan(slot_id(self.name, key), key, fingerprint, digest)
+        resolved = (slot_id(self.name, key), key, fingerprint, digest)
+        if memo_key is not None:
+            if len(self._plans) >= _MEMO_SIZE:
+                self._plans.clear()
+            self._plans[memo_key] = resolved
+        return Plan(*resolved)
 
     # calling -----------------------------------------------------------------------------
 
     def pipeline_for_call(self) -> Pipeline:
+        if self.pipeline is not None:
+            return self.pipeline
         from ._pipeline import current_pipeline  # noqa: PLC0415 - circular at import time
 
-        return self.pipeline if self.pipeline is not None else current_pipeline()
+        return current_pipeline()
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _disabled():

@@ -273,7 +273,7 @@ def test_any_storable_value_round_trips_through_a_step(tmp_path, value):
 
 def _codec_round_trip(value: object, **options: Any) -> tuple[Any, dict[str, Any]]:
     encoded = _codec.encode(value, allow_pickle=options.get("allow_pickle", True))
-    chunks, _ = _codec.frame(encoded, {"slot": "s"}, secret=options.get("secret"))
+    chunks = _codec.frame(encoded, {"slot": "s"}, secret=options.get("secret")).chunks()
     data = bytearray(b"".join(bytes(c) for c in chunks))
     header, head_len = _codec.parse_header(data)
     _codec.verify(data, header, head_len, options.get("secret"))
@@ -889,7 +889,7 @@ def test_changed_classes_are_refused(monkeypatch, tmp_path):
     module = _evolving(monkeypatch, Record=record, Level=level)
     paths = {}
     for name, value in {"record": module.Record(1), "level": module.Level.HIGH}.items():
-        chunks, _ = _codec.frame(_codec.encode(value, allow_pickle=False), {"slot": name})
+        chunks = _codec.frame(_codec.encode(value, allow_pickle=False), {"slot": name}).chunks()
         paths[name] = tmp_path / f"{name}.msgpack"
         paths[name].write_bytes(b"".join(bytes(c) for c in chunks))
     assert (1, module.Level.HIGH) == (resumable.load(paths["record"]).a, resumable.load(paths["level"]))
@@ -1116,7 +1116,7 @@ def test_tampered_file_with_fixed_checksums_is_refused(state_dir):
     header, _ = read_header(producer.path)
     meta = {k: header[k] for k in ("slot", "step", "key", "fingerprint", "identity", "code", "args")}
     encoded = _codec.encode({"amount": 10_000}, allow_pickle=False)
-    chunks, _ = _codec.frame(encoded, meta, secret=KEY_TWO.encode())
+    chunks = _codec.frame(encoded, meta, secret=KEY_TWO.encode()).chunks()
     producer.path.write_bytes(b"".join(bytes(c) for c in chunks))
     with pytest.raises(SerializationError, match="authentication failed"):
         resumable.load(producer.path, secret=KEY_ONE)

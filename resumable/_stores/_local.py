@@ -9,10 +9,10 @@ import itertools
 import json
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._codec import read_file
+from .._codec import Stamp, read_file, read_file_stamped, stamp_of
 from .._slots import INTERNAL_DIR
 from ..exceptions import StateLockedError
 from . import Buffer
@@ -36,6 +36,14 @@ def _with_path(exc: OSError, path: str) -> OSError:
     if exc.filename is not None:
         return exc
     return type(exc)(exc.errno, exc.strerror, path)
+
+
+def _write_all(fd: int, chunks: Sequence[Buffer]) -> None:
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while view:
+            written = os.write(fd, view[:_WRITE_MAX])
+            view = view[written:]
 
 
 class _FileLock:
@@ -81,12 +89,49 @@ class LocalStore:
     def read(self, key: str) -> bytearray:
         return read_file(self.path(key))
 
+    def read_stamped(self, key: str) -> tuple[bytearray, Stamp]:
+        """The object and the stamp of the version read (see :meth:`stamp`)."""
+        return read_file_stamped(self.path(key))
+
+    def stamp(self, key: str) -> Stamp:
+        """What identifies the current version of *key*; raises FileNotFoundError."""
+        return stamp_of(os.stat(self.path(key)))
+
     def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
         with open(self.path(key), "rb") as f:
             f.seek(start)
             return f.read(-1 if end is None else max(0, end - start))
 
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
+        self._replace(key, lambda fd: _write_all(fd, chunks), durable=durable)
+
+    def write_header_last(
+        self,
+        key: str,
+        head_len: int,
+        value_chunks: Sequence[Buffer],
+        header: Callable[[], bytes],
+        *,
+        durable: bool,
+    ) -> None:
+        """
+        Like :meth:`write`, for a file whose first *head_len* bytes are only known once its
+        value is written (its checksum is computed meanwhile): write the value, then the header.
+        """
+
+        def fill(fd: int) -> None:
+            os.lseek(fd, head_len, os.SEEK_SET)
+            _write_all(fd, value_chunks)
+            data = header()
+            if len(data) != head_len:  # pragma: no cover - the codec guarantees it
+                msg = f"header of {len(data)} bytes, expected {head_len}"
+                raise ValueError(msg)
+            os.pwrite(fd, data, 0)
+
+        self._replace(key, fill, durable=durable)
+
+    def _replace(self, key: str, fill: Callable[[int], None], *, durable: bool) -> None:
+        """Write a temp file with *fill*, fsync it, rename it over *key*, fsync the directory."""
         target = self.path(key)
         directory, name = os.path.split(target)
         tmp = os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")
@@ -98,11 +143,7 @@ class LocalStore:
             fd = os.open(tmp, flags, 0o600)
         try:
             try:
-                for chunk in chunks:
-                    view = memoryview(chunk).cast("B")
-                    while view:
-                        written = os.write(fd, view[:_WRITE_MAX])
-                        view = view[written:]
+                fill(fd)
                 if durable:
                     os.fsync(fd)
             finally:
