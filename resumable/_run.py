@@ -143,6 +143,9 @@ class RunState:
             if manifest.status == "running" and manifest.runs > 0:
                 # the lock was free, so the run that wrote "running" died without closing
                 self.journal.record("run_finished", status="interrupted", detected="next run")
+                cleanup = getattr(self.store, "remove_temp_files", None)
+                if cleanup is not None:
+                    cleanup()  # what the dead run was writing: only we can write now
             if not maintenance:
                 self.journal.record(
                     "run_started",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -20,6 +21,7 @@ __all__ = ["CRASH_EXIT_CODE", "crash_at", "crash_from_env", "temporary_pipeline"
 
 CRASH_EXIT_CODE = 137  # what a shell reports for a process killed by SIGKILL
 _OPERATIONS = ("replace", "write", "fsync")
+_dying = threading.Lock()
 
 
 @contextmanager
@@ -48,12 +50,19 @@ def crash_at(operation: str, n: int) -> None:
         raise ValueError(msg)
     original: Callable[..., Any] = getattr(os, operation)
     calls = 0
+    counting = threading.Lock()
 
     def crashing(*args: Any, **kwargs: Any) -> Any:
         nonlocal calls
-        calls += 1
-        if calls >= n:
-            os._exit(CRASH_EXIT_CODE)
+        with counting:
+            calls += 1
+            reached = calls >= n
+        if reached:
+            # Exactly one thread exits; any other thread reaching this point stops here for
+            # good, so nothing more happens after the "crash", as with a real SIGKILL.
+            if _dying.acquire(blocking=False):
+                os._exit(CRASH_EXIT_CODE)
+            threading.Event().wait()
         return original(*args, **kwargs)
 
     setattr(os, operation, crashing)

@@ -191,3 +191,21 @@ def test_read_state_of_empty_store():
     """An empty store reads as a fresh manifest with no steps."""
     manifest = read_state(MemoryStore())
     assert ([], 0, {}) == (manifest.completed_steps, manifest.runs, manifest.steps)
+
+
+def test_temp_files_of_a_dead_run_are_removed(state_dir: Path):
+    """Opening after a run that died removes the temporary files it was writing."""
+    store = LocalStore(state_dir)
+    journal = Journal(store, pipeline="p", secret=None)
+    journal.load()
+    journal.record("run_started", run=1)
+    journal.flush(durable=False)
+    (state_dir / "step").mkdir()
+    leftover = state_dir / "step" / ".3.msgpack.999-1-0.tmp"
+    leftover.write_bytes(b"partial")
+    kept = state_dir / "step" / "3.msgpack.tmp.txt"
+    kept.write_bytes(b"not ours")
+    with Pipeline(state_dir=state_dir):
+        pass
+    assert not leftover.exists()
+    assert kept.exists()

@@ -205,6 +205,17 @@ class LocalStore:
         if durable:
             _fsync_dir(directory)
 
+    def remove_temp_files(self) -> int:
+        """Delete temporary files a killed writer left behind; call it holding the lock."""
+        removed = 0
+        for directory, _, files in os.walk(self.root):
+            for name in files:
+                if name.startswith(".") and name.endswith(".tmp"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(os.path.join(directory, name))
+                        removed += 1
+        return removed
+
     def list(self, prefix: str = "") -> list[str]:
         base = prefix.rpartition("/")[0]
         start = self.path(base) if base else self.root

@@ -1,0 +1,708 @@
+"""
+Core speed benchmarks of resumable against baselines measured in the same run.
+
+Run from the repository root::
+
+    python bench/bench_core.py            # full run, a few minutes
+    python bench/bench_core.py --quick    # fewer repetitions, for a smoke test
+    python bench/bench_core.py --only skip,store --json results.json
+
+Each row compares the library with a bare baseline doing the minimum the same job needs
+(see bench/README.md and docs/performance.md for what each baseline does). Library and
+baseline blocks alternate within every round, and a ratio is the median of the per-round
+ratios, so slow drift of a noisy machine affects both sides alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from resumable import Pipeline, step
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parent.parent
+BIG_FLOATS = 12_500_000  # 100 MB of float64 (decimal MB, under the 100 MiB warning threshold)
+BIG_BYTES = BIG_FLOATS * 8
+MB = 1_000_000
+HEAVY_MODULES = ("cloudpickle", "numpy", "pandas")
+
+# A ~1 KB output (650 bytes of msgpack would be too small: this one packs to ~1,030 bytes).
+SMALL = {
+    "id": 12345,
+    "title": "a small record, as an API call or an LLM call would return it",
+    "score": 0.875,
+    "ok": True,
+    "tags": [f"tag-{i:02d}" for i in range(20)],
+    "values": list(range(100)),
+    "nested": {"a": [1.5, 2.5, 3.5], "b": {"c": "d" * 200, "e": None}},
+    "text": "lorem ipsum dolor sit amet " * 10,
+}
+
+
+# --- the measured functions (module level: joblib and code digests need their source) -----
+
+
+def small_output(x: int) -> dict[str, Any]:  # noqa: ARG001 - the argument is what is fingerprinted
+    return SMALL
+
+
+def small_output_keyed(i: int) -> dict[str, Any]:  # noqa: ARG001 - the argument picks the slot
+    return SMALL
+
+
+def big_output(i: int) -> Any:  # noqa: ARG001 - the argument picks the slot
+    return _BIG["array"]
+
+
+def big_a() -> Any:
+    import numpy as np
+
+    return np.random.default_rng(0).random(BIG_FLOATS)
+
+
+def big_b(arr: Any) -> float:
+    if os.environ.get("BENCH_EXPECT_SKIP") == "1":
+        msg = "big_b ran although its output is stored: the benchmark measures a skip"
+        raise RuntimeError(msg)
+    return float(arr[:10].sum())
+
+
+_BIG: dict[str, Any] = {}
+
+skip_small = step(name="skip_small")(small_output)
+store_small = step(name="store_small", key="{i}")(small_output_keyed)
+skip_keyed = step(name="skip_keyed", key="{i}")(small_output_keyed)
+store_big = step(name="store_big", key="{i}")(big_output)
+skip_big_a = step(name="big_a")(big_a)
+skip_big_b = step(name="big_b")(big_b)
+
+
+# --- measuring ------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    name: str
+    library: str
+    baseline: str
+    ratio: float | None
+    ratio_label: str
+    target: str
+    passed: bool | None
+    details: dict[str, Any]
+
+    @property
+    def result(self) -> str:
+        if self.passed is None:
+            return "info"
+        return "PASS" if self.passed else "FAIL"
+
+
+def interleave(blocks: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Run each block once per round, alternating their order; return their results."""
+    out: dict[str, list[float]] = {name: [] for name in blocks}
+    names = list(blocks)
+    for r in range(rounds):
+        gc.collect()
+        for name in names if r % 2 == 0 else reversed(names):
+            out[name].append(blocks[name]())
+    return out
+
+
+def ratios(a: list[float], b: list[float]) -> float:
+    """Median of the per-round ratios a/b."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.1f} µs"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.2f} ms"
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def quiet() -> None:
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("resumable").setLevel(logging.WARNING)
+
+
+# --- 1. skipping a completed step with a small argument -------------------------------------
+
+
+def bench_skip(base: Path, rounds: int) -> list[Row]:
+    import joblib  # type: ignore[import-untyped]
+
+    state = base / "skip-state"
+    pipe = Pipeline("bench", state_dir=state)
+    memory = joblib.Memory(str(base / "joblib"), verbose=0)
+    cached = memory.cache(small_output)
+    cached(42)  # miss: stores the output
+    cached(42)  # first hit: joblib checks the function's code once
+    n_fast, n_joblib, n_slots = 2000, 200, 500
+    with pipe:
+        skip_small(42)  # stores the output (and computes the code digest)
+        if skip_small(42) != SMALL:
+            msg = "skip_small returned something else than its stored output"
+            raise RuntimeError(msg)
+        path = str(state / "skip_small.msgpack")
+
+        def bare() -> float:
+            t0 = time.perf_counter()
+            for _ in range(n_fast):
+                if not os.path.exists(path):
+                    raise FileNotFoundError(path)
+                with open(path, "rb") as f:
+                    data = f.read()
+                unpacker = msgpack.Unpacker(raw=False)
+                unpacker.feed(data)
+                unpacker.unpack()  # the header
+                unpacker.unpack()  # the value
+            return (time.perf_counter() - t0) / n_fast
+
+        def library() -> float:
+            t0 = time.perf_counter()
+            for _ in range(n_fast):
+                skip_small(42)
+            return (time.perf_counter() - t0) / n_fast
+
+        def joblib_hit() -> float:
+            t0 = time.perf_counter()
+            for _ in range(n_joblib):
+                cached(42)
+            return (time.perf_counter() - t0) / n_joblib
+
+        res = interleave({"bare": bare, "library": library, "joblib": joblib_hit}, rounds)
+    # Keyed slots in a pipeline of their own, so that the rows above run in a one-slot pipeline.
+    state = base / "skip-keyed-state"
+    with Pipeline("bench", state_dir=state):
+        for i in range(n_slots):
+            skip_keyed(i)
+        keyed_paths = [str(state / "skip_keyed" / f"{i}.msgpack") for i in range(n_slots)]
+
+        def bare_keyed() -> float:
+            t0 = time.perf_counter()
+            for p in keyed_paths:
+                if not os.path.exists(p):
+                    raise FileNotFoundError(p)
+                with open(p, "rb") as f:
+                    data = f.read()
+                unpacker = msgpack.Unpacker(raw=False)
+                unpacker.feed(data)
+                unpacker.unpack()
+                unpacker.unpack()
+            return (time.perf_counter() - t0) / n_slots
+
+        def library_keyed() -> float:
+            t0 = time.perf_counter()
+            for i in range(n_slots):
+                skip_keyed(i)
+            return (time.perf_counter() - t0) / n_slots
+
+        res |= interleave({"bare_keyed": bare_keyed, "library_keyed": library_keyed}, max(3, rounds // 2))
+    lib, bare_t, job = (statistics.median(res[k]) for k in ("library", "bare", "joblib"))
+    keyed = ratios(res["library_keyed"], res["bare_keyed"])
+    vs_bare = ratios(res["library"], res["bare"])
+    vs_joblib = ratios(res["joblib"], res["library"])
+    details = {k: statistics.median(v) for k, v in res.items()}
+    return [
+        Row(
+            "skip, small argument, ~1 KB output, vs bare exists+read+unpack",
+            us(lib),
+            us(bare_t),
+            vs_bare,
+            "library / bare",
+            "≤ 2.0",
+            vs_bare <= 2.0,
+            details,
+        ),
+        Row(
+            "skip, small argument, ~1 KB output, vs joblib.Memory hit",
+            us(lib),
+            us(job),
+            vs_joblib,
+            "joblib / library",
+            "≥ 10",
+            vs_joblib >= 10.0,
+            details,
+        ),
+        Row(
+            f"skip, keyed step, {n_slots} distinct slots in turn, vs bare (information)",
+            us(statistics.median(res["library_keyed"])),
+            us(statistics.median(res["bare_keyed"])),
+            keyed,
+            "library / bare",
+            "(≤ 2.0)",
+            None,
+            details,
+        ),
+    ]
+
+
+# --- 2. storing a small output durably ------------------------------------------------------
+
+
+def bare_store(directory: str, i: int, value: object) -> None:
+    """msgpack.packb, write a temp file, fsync, rename over the target, fsync the directory."""
+    data = msgpack.packb(value)
+    target = os.path.join(directory, f"{i}.msgpack")
+    tmp = os.path.join(directory, f".{i}.msgpack.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, target)
+    fsync_dir(directory)
+
+
+def _store_blocks(bare_dir: Path, n: int, counter: itertools.count[int]) -> dict[str, Callable[[], float]]:
+    bare_dir.mkdir(parents=True, exist_ok=True)
+
+    def bare() -> float:
+        start = next(counter) * n
+        t0 = time.perf_counter()
+        for i in range(start, start + n):
+            bare_store(str(bare_dir), i, SMALL)
+        return (time.perf_counter() - t0) / n
+
+    def library() -> float:
+        start = next(counter) * n
+        t0 = time.perf_counter()
+        for i in range(start, start + n):
+            store_small(i)
+        return (time.perf_counter() - t0) / n
+
+    return {"bare": bare, "library": library}
+
+
+def bench_store(base: Path, rounds: int, *, with_scaling: bool) -> list[Row]:
+    n = 40
+    res: dict[str, list[float]] = {"bare": [], "library": []}
+    # A fresh pipeline per round: every round stores into a pipeline holding < 100 slots.
+    for r in range(rounds):
+        state, bare_dir = base / f"store-{r}" / "state", base / f"store-{r}" / "bare"
+        counter = itertools.count(1)
+        with Pipeline("bench", state_dir=state):
+            store_small(0)  # opens the slot directory, computes the code digest
+            one = interleave(_store_blocks(bare_dir, n, counter), 2)
+        for k, v in one.items():
+            res[k].append(statistics.median(v))
+        shutil.rmtree(base / f"store-{r}")
+    lib, bare_t = statistics.median(res["library"]), statistics.median(res["bare"])
+    ratio = ratios(res["library"], res["bare"])
+    rows = [
+        Row(
+            "store ~1 KB output durably (fresh pipeline, < 100 slots)",
+            us(lib),
+            us(bare_t),
+            ratio,
+            "library / bare",
+            "≤ 1.5",
+            ratio <= 1.5,
+            {k: statistics.median(v) for k, v in res.items()} | {"per_round": res},
+        )
+    ]
+    if with_scaling:
+        rows.append(bench_store_scaling(base, max(3, rounds // 3)))
+    return rows
+
+
+def bench_store_scaling(base: Path, rounds: int, slots: int = 1000) -> Row:
+    """The same store, in a pipeline that already holds *slots* completed slots."""
+    state, bare_dir = base / "store-many" / "state", base / "store-many" / "bare"
+    t0 = time.perf_counter()
+    with Pipeline("bench", state_dir=state, durable=False):
+        for i in range(slots):
+            store_small(-1 - i)
+    fill = time.perf_counter() - t0
+    # Blocks long enough to span a few manifest flushes (one per 0.2 s at most).
+    n = 100
+    with Pipeline("bench", state_dir=state):
+        store_small(0)
+        res = interleave(_store_blocks(bare_dir, n, itertools.count(1)), rounds)
+    shutil.rmtree(base / "store-many")
+    lib, bare_t = statistics.median(res["library"]), statistics.median(res["bare"])
+    ratio = ratios(res["library"], res["bare"])
+    return Row(
+        f"store ~1 KB output durably, {slots:,} to {slots + n * rounds:,} slots already stored (information)",
+        us(lib),
+        us(bare_t),
+        ratio,
+        "library / bare",
+        "(≤ 1.5)",
+        None,
+        {k: statistics.median(v) for k, v in res.items()} | {"fill_s": fill, "fill_per_slot_s": fill / slots},
+    )
+
+
+# --- 3. a 100 MB array output: durable write throughput -------------------------------------
+
+
+def bench_big_write(base: Path, reps: int) -> list[Row]:
+    import numpy as np
+
+    _BIG["array"] = np.random.default_rng(1).random(BIG_FLOATS)
+    raw = memoryview(_BIG["array"]).cast("B")
+    state, bare_dir = base / "big-state", base / "big-bare"
+    bare_dir.mkdir(parents=True)
+    counter = itertools.count()
+
+    def bare() -> float:
+        path = str(bare_dir / f"{next(counter)}.bin")
+        t0 = time.perf_counter()
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            view = raw
+            while view:
+                view = view[os.write(fd, view[: 1 << 30]) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        elapsed = time.perf_counter() - t0
+        os.unlink(path)
+        return elapsed
+
+    def library() -> float:
+        i = next(counter)
+        t0 = time.perf_counter()
+        store_big(i)
+        elapsed = time.perf_counter() - t0
+        path = state / "store_big" / f"{i}.msgpack"
+        if path.stat().st_size < BIG_BYTES:
+            msg = f"{path} is smaller than the array"
+            raise RuntimeError(msg)
+        path.unlink()
+        return elapsed
+
+    with Pipeline("bench", state_dir=state):
+        store_big(-1)  # creates the slot directory, computes the code digest
+        bare(), library()  # untimed: the first write after a while is slow for either side
+        res = interleave({"bare": bare, "library": library}, reps)
+    _BIG.clear()
+    lib_mbs = BIG_BYTES / MB / statistics.median(res["library"])
+    bare_mbs = BIG_BYTES / MB / statistics.median(res["bare"])
+    ratio = ratios(res["bare"], res["library"])  # throughput ratio = inverse time ratio
+    return [
+        Row(
+            "100 MB float64 array output, durable write throughput",
+            f"{lib_mbs:,.0f} MB/s",
+            f"{bare_mbs:,.0f} MB/s",
+            ratio,
+            "library / raw (MB/s)",
+            "≥ 0.7",
+            ratio >= 0.7,
+            {k: statistics.median(v) for k, v in res.items()}
+            | {"library_mb_s": lib_mbs, "raw_mb_s": bare_mbs, "per_round": res},
+        )
+    ]
+
+
+# --- 4. skipping a step whose argument is a 100 MB step output, in a fresh process ----------
+
+
+def child_setup_big(state: str) -> None:
+    quiet()
+    with Pipeline("bench", state_dir=state):
+        skip_big_b(skip_big_a())
+
+
+def child_skip_big(state: str) -> None:
+    quiet()
+    os.environ["BENCH_EXPECT_SKIP"] = "1"
+    import hashlib
+
+    with Pipeline("bench", state_dir=state):
+        t0 = time.perf_counter()
+        arr = skip_big_a()
+        t1 = time.perf_counter()
+        skip_big_b(arr)
+        t2 = time.perf_counter()
+        skip_big_b(arr)
+        t3 = time.perf_counter()
+    t4 = time.perf_counter()
+    hashlib.sha256(memoryview(arr).cast("B")).digest()
+    t5 = time.perf_counter()
+    result = {"a_s": t1 - t0, "b_first_s": t2 - t1, "b_again_s": t3 - t2, "sha256_s": t5 - t4}
+    print(json.dumps(result))
+
+
+def run_child(*args: str, cwd: Path) -> str:
+    proc = subprocess.run(
+        [sys.executable, str(HERE), "--child", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        check=False,
+    )
+    if proc.returncode != 0:
+        msg = f"child {args} failed:\n{proc.stderr}"
+        raise RuntimeError(msg)
+    return proc.stdout
+
+
+def bench_skip_big(base: Path, reps: int) -> list[Row]:
+    state = base / "skipbig-state"
+    run_child("setup-big", str(state), cwd=base)
+    runs = [json.loads(run_child("skip-big", str(state), cwd=base)) for _ in range(reps)]
+    shutil.rmtree(state)
+    med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    b = med["b_first_s"]
+    return [
+        Row(
+            "fresh process: skip a step whose argument is a 100 MB step output",
+            ms(b),
+            f"sha256 of the array {ms(med['sha256_s'])}",
+            None,
+            "absolute",
+            "< 5 ms",
+            b < 0.005,
+            med | {"runs": runs},
+        )
+    ]
+
+
+# --- 5. import time -------------------------------------------------------------------------
+
+_IMPORT_LIB = """\
+import time
+t0 = time.perf_counter()
+import resumable
+t1 = time.perf_counter()
+import sys
+print(t1 - t0, ",".join(m for m in {heavy!r} if m in sys.modules))
+"""
+
+_IMPORT_DEPS = """\
+import time
+import importlib
+mods = {mods!r}
+t0 = time.perf_counter()
+for m in mods:
+    importlib.import_module(m)
+t1 = time.perf_counter()
+print(t1 - t0, "")
+"""
+
+_LIST_DEPS = """\
+import sys, time, importlib
+before = set(sys.modules)
+import resumable
+print("\\n".join(m for m in sys.modules if m not in before and m != "resumable"
+                 and not m.startswith("resumable.") and not m.startswith("importlib")))
+"""
+
+
+def python_c(code: str, *extra: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    # Bytecode caches go to a private prefix (warmed by the first runs), so that neither side
+    # pays for compiling, whatever PYTHONDONTWRITEBYTECODE says and however fresh the sources.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(cwd / "pycache")
+    return subprocess.run(
+        [sys.executable, *extra, "-c", code], capture_output=True, text=True, cwd=cwd, env=env, check=True
+    )
+
+
+def bench_import(base: Path, reps: int) -> list[Row]:
+    deps = python_c(_LIST_DEPS, cwd=base).stdout.split()
+    lib_code = _IMPORT_LIB.format(heavy=HEAVY_MODULES)
+    deps_code = _IMPORT_DEPS.format(mods=deps)
+    heavy: set[str] = set()
+
+    def lib() -> float:
+        seconds, _, loaded = python_c(lib_code, cwd=base).stdout.partition(" ")
+        heavy.update(filter(None, loaded.strip().split(",")))
+        return float(seconds)
+
+    def dep() -> float:
+        return float(python_c(deps_code, cwd=base).stdout.split()[0])
+
+    lib(), dep()  # warm the bytecode caches
+    res = interleave({"deps": dep, "library": lib}, reps)
+    own = own_import_time(base)
+    ratio = ratios(res["library"], res["deps"])
+    top = sorted({m.split(".")[0] for m in deps})
+    return [
+        Row(
+            "import resumable, fresh process, vs importing its dependencies",
+            ms(statistics.median(res["library"])),
+            ms(statistics.median(res["deps"])),
+            ratio,
+            "library / dependencies",
+            "≤ 1.3",
+            ratio <= 1.3,
+            {k: statistics.median(v) for k, v in res.items()}
+            | {"dependency_modules": len(deps), "top_level": top, "own_modules_self_s": own},
+        ),
+        Row(
+            "import resumable loads none of " + ", ".join(HEAVY_MODULES),
+            ", ".join(sorted(heavy)) or "none loaded",
+            "—",
+            None,
+            "",
+            "none",
+            not heavy,
+            {"loaded": sorted(heavy)},
+        ),
+    ]
+
+
+def own_import_time(base: Path, reps: int = 7) -> dict[str, float]:
+    """Median self time (s) of each resumable module, from ``python -X importtime``."""
+    samples: dict[str, list[float]] = {}
+    for _ in range(reps):
+        err = python_c("import resumable", "-X", "importtime", cwd=base).stderr
+        for line in err.splitlines():
+            if not line.startswith("import time:") or "|" not in line:
+                continue
+            self_us, _, name = (p.strip() for p in line.removeprefix("import time:").split("|"))
+            if name.startswith("resumable") and self_us.isdigit():
+                samples.setdefault(name, []).append(int(self_us) / 1e6)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+# --- the report -----------------------------------------------------------------------------
+
+
+def environment(base: Path) -> dict[str, str]:
+    import resumable
+
+    fs = "?"
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+        best = ""
+        real = os.path.realpath(base)
+        for line in mounts:
+            parts = line.split()
+            if len(parts) > 2 and real.startswith(parts[1]) and len(parts[1]) >= len(best):
+                best, fs = parts[1], f"{parts[2]} on {parts[1]}"
+    except OSError:
+        pass
+    commit = "?"
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--", "resumable"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            check=True,
+        ).stdout.strip()
+        if changed:
+            commit += " + uncommitted changes"
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": str(os.cpu_count()),
+        "filesystem": fs,
+        "resumable": f"{resumable.__version__} ({commit})",
+        "msgpack": ".".join(map(str, msgpack.version)),
+    }
+
+
+def render(rows: list[Row], env: dict[str, str]) -> str:
+    lines = [
+        "",
+        "| benchmark | library | baseline | ratio | target | result |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in rows:
+        ratio = "—" if row.ratio is None else f"{row.ratio:.2f} ({row.ratio_label})"
+        lines.append(
+            f"| {row.name} | {row.library} | {row.baseline} | {ratio} | {row.target} | {row.result} |"
+        )
+    lines.append("")
+    lines.append("; ".join(f"{k}: {v}" for k, v in env.items()))
+    return "\n".join(lines)
+
+
+BENCHES = ("skip", "store", "big", "skipbig", "import")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke test)")
+    parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {BENCHES}")
+    parser.add_argument("--dir", default=None, help="where temporary state goes (default: $TMPDIR)")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        mode, state = args.child
+        {"setup-big": child_setup_big, "skip-big": child_skip_big}[mode](state)
+        return 0
+    quiet()
+    warnings.simplefilter("error")  # a warning from the library would mean a wrong setup
+    only = [b.strip() for b in args.only.split(",") if b.strip()]
+    unknown = set(only) - set(BENCHES)
+    if unknown:
+        parser.error(f"unknown benchmarks {sorted(unknown)}; choose from {BENCHES}")
+    q = args.quick
+    base = Path(tempfile.mkdtemp(prefix="resumable-bench-", dir=args.dir))
+    rows: list[Row] = []
+    try:
+        env = environment(base)
+        steps: dict[str, Callable[[], list[Row]]] = {
+            "skip": lambda: bench_skip(base, 5 if q else 21),
+            "store": lambda: bench_store(base, 4 if q else 15, with_scaling=not q),
+            "big": lambda: bench_big_write(base, 2 if q else 7),
+            "skipbig": lambda: bench_skip_big(base, 3 if q else 9),
+            "import": lambda: bench_import(base, 8 if q else 40),
+        }
+        for name in BENCHES:
+            if name in only:
+                t0 = time.perf_counter()
+                new = steps[name]()
+                rows += new
+                for row in new:
+                    print(f"{row.result:4}  {row.name}: {row.library} vs {row.baseline}", file=sys.stderr)
+                print(f"      ({name}: {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(render(rows, env))
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                {"environment": env, "rows": [asdict(r) | {"result": r.result} for r in rows]}, indent=2
+            )
+            + "\n"
+        )
+    return 0 if all(r.passed is not False for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
