@@ -37,7 +37,79 @@ _BIN32 = 5  # bytes of a bin32 object's prefix
 _CHECKSUM_PREFIX = "sha256:"
 _MAC_PREFIX = "hmac-sha256:"
 _HEAD_GUESS = 4096
-_BACKGROUND_HASH_MIN = 4 * 1024 * 1024  # values this large are hashed while being written
+# Values this large get a tree checksum: SHA-256 over the SHA-256 of each 4 MiB piece, the
+# pieces hashed in parallel (and, when writing, while the value is being written).
+_TREE_PREFIX = "sha256-tree:"
+_TREE_MIN = 8 * 1024 * 1024
+_TREE_PIECE = 4 * 1024 * 1024
+_pool: Any = None
+_pool_lock = threading.Lock()
+
+
+def _hash_pool() -> Any:
+    global _pool  # noqa: PLW0603 - one pool per process, created on first use
+    with _pool_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 - only for large values
+
+            workers = min(4, os.cpu_count() or 1)
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="resumable-hash")
+        return _pool
+
+
+def _forget_pool() -> None:
+    global _pool  # noqa: PLW0603 - a forked child cannot use its parent's threads
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _pieces(chunks: Sequence[Buffer]) -> list[list[memoryview]]:
+    """Cut the concatenation of *chunks* into pieces of _TREE_PIECE bytes (views, no copies)."""
+    pieces: list[list[memoryview]] = [[]]
+    room = _TREE_PIECE
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while view:
+            if not room:
+                pieces.append([])
+                room = _TREE_PIECE
+            part, view = view[:room], view[room:]
+            pieces[-1].append(part)
+            room -= len(part)
+    return pieces
+
+
+def _hash_piece(parts: list[memoryview]) -> bytes:
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)  # releases the GIL: pieces are hashed in parallel
+    return digest.digest()
+
+
+def _start_checksum(chunks: Sequence[Buffer], size: int) -> Callable[[], str]:
+    """Start checksumming the value; the returned function waits for and returns the result."""
+    if size < _TREE_MIN:
+
+        def plain() -> str:
+            digest = hashlib.sha256()
+            for chunk in chunks:
+                digest.update(chunk)
+            return _CHECKSUM_PREFIX + digest.hexdigest()
+
+        return plain
+    futures = [_hash_pool().submit(_hash_piece, parts) for parts in _pieces(chunks)]
+
+    def tree() -> str:
+        top = hashlib.sha256()
+        for future in futures:
+            top.update(future.result())
+        return _TREE_PREFIX + top.hexdigest()
+
+    return tree
+
+
 _HEAD_MAX = 64 * 1024 * 1024  # no real header comes near this; a damaged length field might
 
 Buffer = bytes | bytearray | memoryview
@@ -160,26 +232,21 @@ def _lay_out(header: dict[str, Any], body_len: int) -> int:
         header["size"] = position - head_len
 
 
-def frame(
-    encoded: Encoded,
-    meta: Mapping[str, Any],
-    *,
-    secret: bytes | None = None,
-    hash_in_background: bool = False,
-) -> Framed:
+def frame(encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = None) -> Framed:
     """
     Frame *encoded* as an output file with header *meta*.
 
-    With *hash_in_background*, a large value is checksummed by a thread, so the caller can
-    write the value while it is being hashed (see :class:`Framed`).
+    A large value starts being checksummed in the background at once, so the caller can
+    write it meanwhile (see :class:`Framed`).
     """
     sizes = [b.nbytes for b in encoded.buffers]
+    value_size = len(encoded.body) + sum(sizes)  # the prefix's length must not change below
     header: dict[str, Any] = {
         "format": FORMAT,
         **meta,
         "created_at": utcnow(),
         "encoding": "msgpack+pickle" if encoded.pickled else "msgpack",
-        "checksum": _CHECKSUM_PREFIX + "0" * 64,
+        "checksum": (_TREE_PREFIX if value_size >= _TREE_MIN else _CHECKSUM_PREFIX) + "0" * 64,
         "size": 0,
         "buffers": [[0, n] for n in sizes],
         "hsum": "0" * 32,
@@ -190,28 +257,16 @@ def frame(
     chunks: list[Buffer] = [encoded.body]
     for (pad, size), buf in zip(header["buffers"], encoded.buffers, strict=True):
         chunks += [b"\xc0" * pad + struct.pack(">BI", 0xC6, size), buf]
-    digest = hashlib.sha256()
-
-    def hash_value() -> None:
-        for chunk in chunks:
-            digest.update(chunk)  # releases the GIL for large chunks
+    checksum = _start_checksum(chunks, value_size)
 
     def finish() -> bytes:
-        if worker is not None:
-            worker.join()
-        else:
-            hash_value()
-        header["checksum"] = _CHECKSUM_PREFIX + digest.hexdigest()
+        header["checksum"] = checksum()
         header["hsum"] = _header_sum(msgpack.packb(header), signed=secret is not None)
         if secret is not None:
             header["mac"] = _sign(header, secret)
         packed: bytes = msgpack.packb(header)
         return packed
 
-    worker = None
-    if hash_in_background and header["size"] >= _BACKGROUND_HASH_MIN:
-        worker = threading.Thread(target=hash_value, name="resumable-checksum", daemon=True)
-        worker.start()
     return Framed(header, head_len, chunks, finish)
 
 
@@ -290,7 +345,11 @@ def verify(data: Buffer, header: Mapping[str, Any], head_len: int, secret: bytes
         msg = f"{'truncated' if size < header['size'] else 'trailing bytes'}: "
         msg += f"{size} value bytes instead of {header['size']}"
         raise DamagedFileError(msg)
-    actual = _CHECKSUM_PREFIX + hashlib.sha256(memoryview(data)[head_len:]).hexdigest()
+    value = memoryview(data)[head_len:]
+    if header["checksum"].startswith(_TREE_PREFIX):
+        actual = _start_checksum([value], _TREE_MIN)()
+    else:
+        actual = _CHECKSUM_PREFIX + hashlib.sha256(value).hexdigest()
     if not hmac.compare_digest(actual, header["checksum"]):
         msg = "checksum mismatch (the file was damaged after it was written)"
         raise DamagedFileError(msg)
@@ -327,7 +386,7 @@ def decode(data: Buffer, header: Mapping[str, Any], head_len: int, *, allow_pick
 def value_digest(header: Mapping[str, Any]) -> str:
     """The digest another step's fingerprint uses for this stored value."""
     checksum: str = header["checksum"]
-    return checksum.removeprefix(_CHECKSUM_PREFIX)
+    return checksum.partition(":")[2]
 
 
 def secret_bytes(secret: str | bytes | None) -> bytes | None:

@@ -400,7 +400,7 @@ class RunState:
             "args": plan.args,
         }
         header_last = getattr(self.store, "write_header_last", None)
-        framed = frame(encoded, meta, secret=self.secret, hash_in_background=header_last is not None)
+        framed = frame(encoded, meta, secret=self.secret)
         header, size = framed.header, framed.size
         if size > LARGE_OUTPUT:
             log.warning(

@@ -122,6 +122,8 @@ class LocalStore:
         def fill(fd: int) -> None:
             os.lseek(fd, head_len, os.SEEK_SET)
             _write_all(fd, value_chunks)
+            if durable:
+                os.fdatasync(fd)  # flush the bulk now, while the checksum may still be computing
             data = header()
             if len(data) != head_len:  # pragma: no cover - the codec guarantees it
                 msg = f"header of {len(data)} bytes, expected {head_len}"
