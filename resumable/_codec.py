@@ -200,6 +200,11 @@ class Framed:
         self._header_bytes: bytes | None = None
 
     @property
+    def hashing(self) -> bool:
+        """True while a large value's checksum is being computed in the background."""
+        return self._header_bytes is None and self.header["checksum"].startswith(_TREE_PREFIX)
+
+    @property
     def size(self) -> int:
         """Total size of the file in bytes."""
         return self.head_len + int(self.header["size"])

@@ -225,17 +225,20 @@ class Journal:
 
     # recording ---------------------------------------------------------------------------
 
-    def record(self, event: str, *, sync: bool = False, **fields: Any) -> None:
+    def record(self, event: str, *, sync: bool = False, defer: bool = False, **fields: Any) -> None:
         """
-        Apply an event to the manifest and append it to the log (with the skips pending).
+        Apply an event to the manifest and append it to the log (with the events pending).
 
         *sync* events are fsynced before this returns (they must survive a power loss).
+        *defer*red events are appended with the next event, or by the background writer
+        within :data:`FLUSH_INTERVAL`: a quick step's start and end share one write.
         """
         data = {"t": utcnow(), "event": event, **fields}
         with self.lock:
             self.fold.apply(data)
             self._pending.append(data)
-            self._write_pending(durable=sync)
+            if not defer:
+                self._write_pending(durable=sync)
         self._mark_dirty()
 
     def record_skip(self, slot: str, fingerprint: str, size: int, created_at: str | None) -> None:

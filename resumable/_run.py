@@ -360,7 +360,9 @@ class RunState:
         log.info("step %r running: %s%s", plan.slot, found.reason, detail)
         self.journal.record(
             "step_started",
+            # a non-idempotent step's start must be on disk before its side effects begin
             sync=not spec.idempotent and self.durable,
+            defer=spec.idempotent,
             slot=plan.slot,
             step=spec.name,
             reason=found.reason,
@@ -407,7 +409,7 @@ class RunState:
                 "step %r output is %s; large outputs slow every save and load", plan.slot, human_size(size)
             )
         try:
-            if header_last is not None:
+            if header_last is not None and framed.hashing:
                 key = slot_file(plan.slot)
                 header_last(
                     key, framed.head_len, framed.value_chunks, framed.header_bytes, durable=self.durable
