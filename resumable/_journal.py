@@ -31,6 +31,7 @@ from ._stores import Store
 from .exceptions import ResumableWarning, StateFormatError
 
 FLUSH_INTERVAL = 0.2
+_MAX_INTERVAL = 10.0
 _MAX_PENDING = 1000  # skips kept in memory before they are appended to the log
 
 
@@ -108,6 +109,7 @@ class Journal:
         self._dirty = False
         self._stopping = False
         self._stop = threading.Event()
+        self._manifest_interval = FLUSH_INTERVAL
         self._writer: threading.Thread | None = None
 
     @property
@@ -285,8 +287,11 @@ class Journal:
                 self._write_pending(durable=durable)
                 snapshot = self.manifest.to_dict()
             # encoded outside the lock: steps keep running while a large manifest is written
-            text = dumps_manifest(_signed(snapshot, self.secret))
-            self.store.write(MANIFEST, [text.encode()], durable=durable)
+            text = dumps_manifest(_signed(snapshot, self.secret)).encode()
+            self.store.write(MANIFEST, [text], durable=durable)
+            # A large manifest is rewritten less often: every rewrite also makes the next
+            # fsync of a step's output flush it. Readers replay the log, so none sees it stale.
+            self._manifest_interval = min(_MAX_INTERVAL, FLUSH_INTERVAL * max(1.0, len(text) / 65536))
 
     def start_writer(self) -> None:
         """Start the thread that keeps ``manifest.json`` at most a moment behind."""
@@ -296,6 +301,7 @@ class Journal:
         self._writer.start()
 
     def _write_loop(self) -> None:
+        last_manifest = 0.0
         while True:
             with self._wake:
                 while not self._dirty and not self._stopping:
@@ -303,10 +309,15 @@ class Journal:
             # let a burst of events gather into one write (only stopping cuts this short)
             if self._stop.wait(FLUSH_INTERVAL):
                 return
-            with self._wake:
-                self._dirty = False
             try:
+                with self.lock:
+                    self._write_pending(durable=False)  # deferred events: cheap, never late
+                if time.monotonic() - last_manifest < self._manifest_interval:
+                    continue  # still dirty: come back after the next interval
+                with self._wake:
+                    self._dirty = False
                 self.flush(durable=False)
+                last_manifest = time.monotonic()
             except OSError:
                 continue
 
