@@ -110,6 +110,7 @@ class Journal:
         self._stopping = False
         self._stop = threading.Event()
         self._manifest_interval = FLUSH_INTERVAL
+        self._append_is_slow = bool(getattr(store, "slow_appends", False))
         self._writer: threading.Thread | None = None
 
     @property
@@ -239,7 +240,9 @@ class Journal:
         with self.lock:
             self.fold.apply(data)
             self._pending.append(data)
-            if not defer:
+            # Stores where an append costs a round trip (object stores) get events in batches
+            # from the background writer, except those that must be on disk before going on.
+            if sync or not (defer or self._append_is_slow):
                 self._write_pending(durable=sync)
         self._mark_dirty()
 

@@ -128,6 +128,7 @@ class Pipeline:
         allow_pickle: store outputs msgpack cannot encode with cloudpickle, and read them.
         secret: authenticate every file with this key (default ``$RESUMABLE_SECRET``).
         keep_checkpoints: how many checkpoints history keeps.
+        storage_options: passed to fsspec for remote stores (endpoint, credentials ...).
     """
 
     def __init__(  # noqa: PLR0913 - the documented options
@@ -140,6 +141,7 @@ class Pipeline:
         allow_pickle: bool = True,
         secret: str | bytes | None = None,
         keep_checkpoints: int = 20,
+        storage_options: Mapping[str, Any] | None = None,
     ) -> None:
         if state_dir is not None and store is not None:
             msg = "pass either state_dir= or store= to Pipeline, not both"
@@ -157,6 +159,7 @@ class Pipeline:
         self.allow_pickle = allow_pickle
         self._secret_arg = secret
         self.keep_checkpoints = keep_checkpoints
+        self._storage_options = dict(storage_options or {})
         self._steps: dict[str, StepSpec[Any, Any]] = {}
         self._store: Store | None = None
         self._run: RunState | None = None
@@ -185,7 +188,7 @@ class Pipeline:
                     location = self._location
                     if location is None:
                         location = os.environ.get("RESUMABLE_STATE_DIR") or "state"
-                    self._store = open_store(location)
+                    self._store = open_store(location, self._storage_options or None)
         return self._store
 
     @property
@@ -425,6 +428,7 @@ class Pipeline:
     def _forget(self, run: RunState, slots: list[str]) -> list[str]:
         for slot in slots:
             self.store.delete(slot_file(slot), durable=self.durable)
+            run.forget_batches(slot)
         if slots:
             run.journal.record("steps_reset", slots=slots)
         return slots

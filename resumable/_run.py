@@ -9,6 +9,7 @@ fingerprint); otherwise it is executed: ``step_started`` is logged (fsynced firs
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import socket
@@ -34,7 +35,7 @@ from ._codec import (
 from ._codec_types import qualified_name
 from ._fingerprint import StoredOutput, provenance
 from ._journal import Journal, read_header
-from ._slots import slot_file
+from ._slots import batch_dir, slot_file
 from ._stores import Store
 from .exceptions import ResumableWarning, SerializationError, StepInterruptedError
 
@@ -73,6 +74,22 @@ def _stacklevel() -> int:
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     return level
+
+
+class Execution:
+    """The step running in this context (so batch helpers inside it know their slot)."""
+
+    __slots__ = ("plan", "run", "spec")
+
+    def __init__(self, run: RunState, spec: StepSpec[Any, Any], plan: Plan) -> None:
+        self.run = run
+        self.spec = spec
+        self.plan = plan
+
+
+current_execution: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
+    "resumable_execution", default=None
+)
 
 
 class Found:
@@ -421,6 +438,7 @@ class RunState:
             raise
         plan.output_digest = value_digest(header)
         _remember(value, header)
+        self.forget_batches(plan.slot)  # the output now holds what the row chunks held
         fields: dict[str, Any] = {}
         if self.journal.manifest.code.get(spec.name) != ident.components:
             fields["code"] = ident.components
@@ -437,6 +455,16 @@ class RunState:
         log.debug(
             "step %r completed in %.3fs, %s", plan.slot, time.perf_counter() - started, human_size(size)
         )
+
+    def forget_batches(self, slot: str | None, name: str | None = None) -> int:
+        """Delete the row chunks of a step slot's batches (or of a named batch)."""
+        keys = self.store.list(batch_dir(slot, name))
+        for key in keys:
+            self.store.delete(key, durable=False)
+        batch = slot if slot is not None else name
+        if batch in self.journal.manifest.batches:
+            self.journal.record("batch_done", batch=batch)
+        return len(keys)
 
     def failed(
         self, spec: StepSpec[Any, Any], plan: Plan, exc: BaseException, started: float, attempts: int
@@ -464,6 +492,7 @@ class RunState:
         started = self.begin(spec, plan, found)
         attempt = 1
         while True:
+            token = current_execution.set(Execution(self, spec, plan))
             try:
                 value = call()
             except Exception as exc:
@@ -477,6 +506,8 @@ class RunState:
             else:
                 self.complete(spec, plan, value, started, attempt)
                 return value
+            finally:
+                current_execution.reset(token)
             try:
                 time.sleep(delay)
             except BaseException as exc:
@@ -493,6 +524,7 @@ class RunState:
         started = self.begin(spec, plan, found)
         attempt = 1
         while True:
+            token = current_execution.set(Execution(self, spec, plan))
             try:
                 value = await call()
             except Exception as exc:
@@ -510,6 +542,8 @@ class RunState:
                 else:
                     self.complete(spec, plan, value, started, attempt)
                 return value
+            finally:
+                current_execution.reset(token)
             try:
                 await asyncio.sleep(delay)
             except BaseException as exc:

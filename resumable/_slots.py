@@ -102,6 +102,17 @@ def step_of(slot: str) -> str:
     return slot.split("/", 1)[0]
 
 
+BATCHES = f"{INTERNAL_DIR}/batches"
+OBJECTS = f"{INTERNAL_DIR}/objects"
+
+
+def batch_dir(slot: str | None, name: str | None = None) -> str:
+    """Where the row chunks of a batch live: per step slot, or per name outside steps."""
+    if slot is not None:
+        return f"{BATCHES}/steps/{slot}/"
+    return f"{BATCHES}/named/{name}/"
+
+
 def is_output_file(path: str) -> bool:
     """True for store keys that hold step outputs (not internal or temporary files)."""
     if not path.endswith(OUTPUT_SUFFIX) or path.startswith(INTERNAL_DIR + "/"):

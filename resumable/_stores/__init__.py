@@ -65,13 +65,16 @@ class Store(Protocol):
         """Take the store's run lock for *holder* (pid, host, since ...)."""
 
 
-def open_store(location: str | os.PathLike[str] | Store) -> Store:
+def open_store(
+    location: str | os.PathLike[str] | Store,
+    storage_options: Mapping[str, Any] | None = None,  # noqa: ARG001 - for fsspec stores
+) -> Store:
     """
     Return the store for a directory, a URL or an existing :class:`Store`.
 
     ``memory://name`` is an in-process store shared by every pipeline using the same name
     (``memory://`` alone is a fresh private one); ``file://path`` and plain paths are local
-    directories.
+    directories. *storage_options* are for stores reached through fsspec.
     """
     if isinstance(location, Store):
         return location
