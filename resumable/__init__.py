@@ -6,11 +6,13 @@ crash and completed steps return their stored outputs instantly.
 """
 
 from ._codec import load
+from ._history import Checkpoint
 from ._manifest import BatchRecord, ErrorRecord, Manifest, StepRecord
 from ._pipeline import Pipeline, Run
 from ._step import Step, step
 from ._stores import Store, StoreLock
 from .exceptions import (
+    DamagedStateError,
     FingerprintError,
     InputChangedError,
     ResumableError,
@@ -26,6 +28,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BatchRecord",
+    "Checkpoint",
+    "DamagedStateError",
     "ErrorRecord",
     "FingerprintError",
     "InputChangedError",

@@ -28,7 +28,15 @@ from typing import Any
 
 import msgpack
 
-from ._codec_types import Decoder, Encoder, Undecodable, Unstorable, find_path, qualified_name
+from ._codec_types import (
+    Decoder,
+    Encoder,
+    StandInDecoder,
+    Undecodable,
+    Unstorable,
+    find_path,
+    qualified_name,
+)
 from .exceptions import SerializationError, StateFormatError
 
 FORMAT = 1
@@ -360,15 +368,18 @@ def verify(data: Buffer, header: Mapping[str, Any], head_len: int, secret: bytes
         raise DamagedFileError(msg)
 
 
-def decode(data: Buffer, header: Mapping[str, Any], head_len: int, *, allow_pickle: bool) -> Any:
+def decode(
+    data: Buffer, header: Mapping[str, Any], head_len: int, *, allow_pickle: bool, stand_ins: bool = False
+) -> Any:
     """
-    Turn a verified file back into its value.
+    Turn a verified file back into its value. With *stand_ins* (for display), classes that
+    are not imported and refused pickles become placeholder dicts instead of errors.
 
     Raises:
         DamagedFileError: the value is malformed, refers to a class that is not imported, or
             holds a pickle while pickles are not allowed.
     """
-    if not allow_pickle and header.get("encoding") != "msgpack":
+    if not allow_pickle and not stand_ins and header.get("encoding") != "msgpack":
         msg = "it holds a pickled value and pickles are not allowed (allow_pickle=False)"
         raise DamagedFileError(msg)
     position = head_len + header["size"]
@@ -378,7 +389,7 @@ def decode(data: Buffer, header: Mapping[str, Any], head_len: int, *, allow_pick
         spans.append((position, size))
         position -= pad + _BIN32
     spans.reverse()
-    decoder = Decoder(data, spans, allow_pickle=allow_pickle)
+    decoder = (StandInDecoder if stand_ins else Decoder)(data, spans, allow_pickle=allow_pickle)
     try:
         return decoder.unpack(memoryview(data)[head_len:position])
     except Undecodable as exc:

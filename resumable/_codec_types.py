@@ -354,6 +354,31 @@ class Decoder:
         return pickle.loads(payload)  # noqa: S301 - allowed by the caller, checksummed/authenticated
 
 
+class StandInDecoder(Decoder):
+    """
+    Decodes what it can for display: values of classes that are not imported become dicts
+    naming their class, and pickles (unless allowed) a placeholder. Nothing is imported.
+    """
+
+    def ext_hook(self, code: int, payload: bytes) -> Any:
+        if code == OBJECT:
+            _, module, qualname, state = self.unpack(payload)
+            try:
+                return _decode_object(self, payload)
+            except Undecodable:
+                fields = state if isinstance(state, dict) else {"state": state}
+                return {"__class__": f"{module}.{qualname}", **fields}
+        if code == ENUM:
+            module, qualname, value = self.unpack(payload)
+            try:
+                return _decode_enum(self, payload)
+            except Undecodable:
+                return {"__enum__": f"{module}.{qualname}", "value": value}
+        if code == PICKLE and not self.allow_pickle:
+            return {"__pickled__": f"{len(payload)} bytes, not loaded (pickles are not allowed)"}
+        return super().ext_hook(code, payload)
+
+
 def _refuse(reason: str) -> NoReturn:
     raise Undecodable(reason)
 

@@ -35,8 +35,11 @@ _MAX_INTERVAL = 10.0
 _MAX_PENDING = 1000  # skips kept in memory before they are appended to the log
 
 
-def _skip_event(skip: tuple[float, str, str, int, str | None], stamp: str) -> dict[str, Any]:
-    _, slot, fingerprint, size, created_at = skip
+_Skip = tuple[float, str, str, int, str | None, str | None]
+
+
+def _skip_event(skip: _Skip, stamp: str) -> dict[str, Any]:
+    _, slot, fingerprint, size, created_at, file = skip
     return {
         "t": stamp,
         "event": "step_skipped",
@@ -44,6 +47,7 @@ def _skip_event(skip: tuple[float, str, str, int, str | None], stamp: str) -> di
         "fingerprint": fingerprint,
         "bytes": size,
         "created_at": created_at,
+        "file": file,
     }
 
 
@@ -103,7 +107,7 @@ class Journal:
         self.fold = Fold(Manifest(workflow_id=uuid.uuid4().hex, pipeline=pipeline))
         self._offset = 0
         # events not yet appended: dicts, and skips as tuples (turned into dicts when written)
-        self._pending: list[dict[str, Any] | tuple[float, str, str, int, str | None]] = []
+        self._pending: list[dict[str, Any] | _Skip] = []
         self._flush_lock = threading.Lock()
         self._wake = threading.Condition()
         self._dirty = False
@@ -246,12 +250,14 @@ class Journal:
                 self._write_pending(durable=sync)
         self._mark_dirty()
 
-    def record_skip(self, slot: str, fingerprint: str, size: int, created_at: str | None) -> None:
+    def record_skip(
+        self, slot: str, fingerprint: str, size: int, created_at: str | None, file: str | None
+    ) -> None:
         """
         Note a skip: written to the log with the next event (skips change no state, and this
         keeps skipping cheap); applied at once only if the manifest had lagged behind.
         """
-        skip = (time.time(), slot, fingerprint, size, created_at)
+        skip = (time.time(), slot, fingerprint, size, created_at, file)
         rec = self.manifest.steps.get(slot)
         if rec is None or rec.status != "completed":
             with self.lock:

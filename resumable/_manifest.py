@@ -34,6 +34,9 @@ class StepRecord:
     duration_s: float | None = None
     attempts: int = 0
     bytes: int | None = None
+    file: str | None = None
+    """Which version of the output file the slot holds (its header digest); checkpoints
+    refer to outputs by it."""
 
 
 @attrs.define
@@ -73,6 +76,10 @@ class Manifest:
     batches: dict[str, BatchRecord] = attrs.field(factory=dict)
     code: dict[str, dict[str, str]] = attrs.field(factory=dict)
     """Per step name, the digests of its code components when it last completed."""
+    checkpoints: int = 0
+    """The number of the latest checkpoint (one per completed step, plus snapshots)."""
+    defined: dict[str, str] = attrs.field(factory=dict)
+    """Per step name, when a run last had it defined (``resumable clean`` uses it)."""
     events_offset: int = 0
     """How many bytes of ``events.jsonl`` this manifest includes."""
 
@@ -93,6 +100,8 @@ class Manifest:
             "error": None if self.error is None else attrs.asdict(self.error),
             "batches": {name: attrs.asdict(b) for name, b in self.batches.items()},
             "code": {name: dict(parts) for name, parts in self.code.items()},
+            "checkpoints": self.checkpoints,
+            "defined": dict(self.defined),
             "events_offset": self.events_offset,
         }
 
@@ -137,7 +146,7 @@ def dumps(data: dict[str, Any]) -> str:
     last = len(data) - 1
     for i, (key, value) in enumerate(data.items()):
         comma = "," if i < last else ""
-        if key in {"steps", "batches", "code"} and isinstance(value, dict) and value:
+        if key in {"steps", "batches", "code", "defined"} and isinstance(value, dict) and value:
             lines.append(f"  {json.dumps(key)}: {{")
             inner = [f"    {_json(k)}: {_json(v)}" for k, v in value.items()]
             lines.append(",\n".join(inner))
@@ -216,6 +225,8 @@ class Fold:
     def _run_finished(self, event: Mapping[str, Any]) -> None:
         m = self.manifest
         m.status = event["status"]
+        for name in event.get("defined", ()):
+            m.defined[name] = event.get("t", "")
         if "error" in event:
             m.error = ErrorRecord(None, **event["error"])
         for running in self._running:
@@ -251,8 +262,10 @@ class Fold:
         rec.duration_s = event.get("duration_s")
         rec.bytes = event.get("bytes")
         rec.attempts = event.get("attempts", rec.attempts)
+        rec.file = event.get("file")
         if "code" in event:
             self.manifest.code[slot.split("/", 1)[0]] = event["code"]
+        self.manifest.checkpoints += 1
         self._complete(slot)
         self._done_running(slot)
 
@@ -266,6 +279,7 @@ class Fold:
             rec.fingerprint = event.get("fingerprint")
             rec.bytes = event.get("bytes")
             rec.finished_at = event.get("created_at")
+            rec.file = event.get("file")
             self._complete(slot)
             self._done_running(slot)
 
@@ -295,6 +309,33 @@ class Fold:
         if m.current_step in reset:
             m.current_step = self._running[-1] if self._running else None
 
+    def _snapshot(self, _event: Mapping[str, Any]) -> None:
+        self.manifest.checkpoints += 1
+
+    def _rollback(self, event: Mapping[str, Any]) -> None:
+        # The event carries the state rolled back to, so replaying it needs nothing else.
+        m = self.manifest
+        state = event["state"]
+        m.steps = {slot: StepRecord(**rec) for slot, rec in state["steps"].items()}
+        m.completed_steps = list(state["completed_steps"])
+        m.code = {name: dict(parts) for name, parts in state.get("code", {}).items()}
+        m.batches = {}
+        m.current_step = None
+        self._completed = set(m.completed_steps)
+        self._running = []
+
+    def _steps_removed(self, event: Mapping[str, Any]) -> None:
+        # outputs of steps that no longer exist, dropped by `resumable clean`
+        m = self.manifest
+        gone = set(event.get("slots", ()))
+        for slot in gone:
+            m.steps.pop(slot, None)
+        m.completed_steps[:] = [s for s in m.completed_steps if s not in gone]
+        self._completed -= gone
+        for name in event.get("steps", ()):
+            m.code.pop(name, None)
+            m.defined.pop(name, None)
+
     def _batch(self, event: Mapping[str, Any]) -> None:
         self.manifest.batches[event["batch"]] = BatchRecord(**event["progress"])
 
@@ -312,6 +353,9 @@ _HANDLERS: dict[str, Callable[[Fold, Mapping[str, Any]], None]] = {
     "step_failed": Fold._step_ended,  # noqa: SLF001
     "step_interrupted": Fold._step_ended,  # noqa: SLF001
     "steps_reset": Fold._steps_reset,  # noqa: SLF001
+    "snapshot": Fold._snapshot,  # noqa: SLF001
+    "steps_removed": Fold._steps_removed,  # noqa: SLF001
+    "rollback": Fold._rollback,  # noqa: SLF001
     "batch": Fold._batch,  # noqa: SLF001
     "batch_done": Fold._batch_done,  # noqa: SLF001
 }

@@ -22,8 +22,10 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, ParamSpec, Self, TypeVar, overload
 
+from . import _history
 from ._codec import DamagedFileError, parse_header, secret_bytes, verify
 from ._fingerprint import StoredOutput
+from ._history import Checkpoint
 from ._journal import read_state
 from ._manifest import Manifest
 from ._run import Found, RunState
@@ -244,9 +246,15 @@ class Pipeline:
             durable=self.durable,
             allow_pickle=self.allow_pickle,
             secret=self.secret,
+            keep_checkpoints=self.keep_checkpoints,
         )
         run.open(maintenance=maintenance)
         return run
+
+    def _defined(self) -> list[str]:
+        """The steps this process defines for this pipeline (recorded when a run closes)."""
+        with _registry_lock:
+            return sorted(set(self._steps) | set(_unbound))
 
     def open_run(self, spec: StepSpec[Any, Any] | None = None) -> RunState:
         """The open run, opening one (script mode: closed at exit) if there is none."""
@@ -272,7 +280,7 @@ class Pipeline:
         with self._lock:
             run, self._run = self._run, None
             if run is not None:
-                run.close(status, error)
+                run.close(status, error, defined=self._defined())
 
     def __enter__(self) -> Self:
         with self._lock:
@@ -427,11 +435,75 @@ class Pipeline:
 
     def _forget(self, run: RunState, slots: list[str]) -> list[str]:
         for slot in slots:
+            if self.keep_checkpoints > 0:  # a checkpoint may need this version back
+                _history.keep_version(
+                    self.store, slot, _history.file_version(self.store, slot), durable=self.durable
+                )
             self.store.delete(slot_file(slot), durable=self.durable)
             run.forget_batches(slot)
         if slots:
             run.journal.record("steps_reset", slots=slots)
         return slots
+
+    # history -----------------------------------------------------------------------------
+
+    def checkpoints(self) -> list[Checkpoint]:
+        """
+        The checkpoints that :meth:`rollback` can restore, oldest first: one after each
+        completed step, plus those made by :meth:`snapshot` (the newest
+        ``keep_checkpoints`` of them).
+        """
+        with self._maintenance() as run, run.journal.lock:
+            run.journal.flush(durable=False)
+            current = _history.current_versions(run.journal.manifest)
+        return _history.checkpoints(self.store, self.secret, self.keep_checkpoints, current)
+
+    def snapshot(self, label: str) -> Checkpoint:
+        """Add a checkpoint labelled *label* (``rollback(label)`` returns to it)."""
+        if not isinstance(label, str) or not label or label.isdigit():
+            msg = f"a snapshot label must be a non-empty str that is not a number, got {label!r}"
+            raise ResumableError(msg)
+        with self._maintenance() as run:
+            run.journal.record("snapshot", label=label)
+            manifest = run.journal.manifest
+            return Checkpoint(
+                manifest.checkpoints, manifest.last_update, None, label, list(manifest.completed_steps)
+            )
+
+    def rollback(self, to: int | str) -> Checkpoint:
+        """
+        Restore the state exactly as it was at checkpoint *to*, outputs overwritten since
+        included: *to* is a checkpoint id, a snapshot label, or a step (or slot) name, which
+        means the state just before that step last completed. Returns the checkpoint.
+
+        Raises:
+            ResumableError: *to* names no restorable checkpoint.
+            StateLockedError: another process is running the pipeline.
+        """
+        with self._maintenance() as run:
+            return _history.rollback(run, to)
+
+    def save_state(self) -> dict[str, Any]:
+        """
+        The whole state (manifest, event log, outputs, kept versions) as plain data that
+        msgpack can serialize: store it anywhere, give it to :meth:`load_state` later.
+        """
+        with self._maintenance() as run:
+            run.journal.flush(durable=False)
+            return _history.save_state(self.store)
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """
+        Replace the whole state with *state* from :meth:`save_state`, all or nothing: every
+        file is checked (checksums, and authenticity with a secret) before anything changes.
+
+        Raises:
+            DamagedStateError: *state* is not state data, or something in it is damaged.
+            StateFormatError: *state* comes from a newer version of resumable.
+        """
+        files = _history.check_state(state, self.secret)
+        with self._maintenance() as run:
+            _history.load_state(run, files)
 
     def has_output(self, plan: Plan) -> bool:
         """True if *plan*'s slot holds a valid output with its fingerprint."""

@@ -17,10 +17,10 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any
 
-from . import _codehash
+from . import _codehash, _history
 from ._codec import (
     DamagedFileError,
     Stamp,
@@ -35,6 +35,7 @@ from ._codec import (
 from ._codec_types import qualified_name
 from ._fingerprint import StoredOutput, provenance
 from ._journal import Journal, read_header
+from ._render import human_size
 from ._slots import batch_dir, slot_file
 from ._stores import Store
 from .exceptions import ResumableWarning, SerializationError, StepInterruptedError
@@ -53,17 +54,6 @@ _VERIFIED_MAX_TOTAL = (
 RETRY_BASE_DELAY = 0.5  # seconds before the first retry; doubles each attempt
 RETRY_MAX_DELAY = 60.0
 _MAX_TRACEBACK = 20_000
-
-
-def human_size(n: float | None) -> str:
-    """``1.2 MB`` style sizes for messages."""
-    if n is None:
-        return "?"
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"  # pragma: no cover - the loop always returns
 
 
 def _stacklevel() -> int:
@@ -107,7 +97,7 @@ class Found:
 class RunState:
     """One open run: holds the store's lock until it closes."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 - the pipeline's options
         self,
         store: Store,
         *,
@@ -115,9 +105,11 @@ class RunState:
         durable: bool,
         allow_pickle: bool,
         secret: bytes | None,
+        keep_checkpoints: int = 20,
     ) -> None:
         self.store = store
         self.durable = durable
+        self.keep_checkpoints = keep_checkpoints
         self.allow_pickle = allow_pickle
         self.secret = secret
         self.journal = Journal(store, pipeline=pipeline, secret=secret)
@@ -178,18 +170,34 @@ class RunState:
             self._release()
             raise
 
-    def close(self, status: str, error: BaseException | None = None) -> None:
-        """Record how the run ended, write the manifest durably and release the lock."""
+    def close(self, status: str, error: BaseException | None = None, defined: Iterable[str] = ()) -> None:
+        """
+        Record how the run ended (and which steps it had *defined*), drop output versions
+        no retained checkpoint needs, write the manifest durably and release the lock.
+        """
         try:
             self.journal.stop_writer()
             if not self.maintenance:
                 fields: dict[str, Any] = {"status": status}
                 if error is not None and status == "failed" and error is not self.last_failure:
                     fields["error"] = _error_fields(error)
-                self.journal.record("run_finished", **fields)
+                self.journal.record("run_finished", defined=sorted(defined), **fields)
+            if not self.maintenance:  # a maintenance lock (CLI, reset ...) keeps all history
+                self.prune()
             self.journal.flush(durable=self.durable)
         finally:
             self._release()
+
+    def prune(self) -> int:
+        """Delete kept output versions that no retained checkpoint needs any more."""
+        with self.journal.lock:
+            self.journal.flush(durable=False)  # the log must hold every event replayed
+            current = {
+                slot: rec.file
+                for slot, rec in self.journal.manifest.steps.items()
+                if rec.status == "completed" and rec.file is not None
+            }
+        return _history.prune(self.store, self.secret, self.keep_checkpoints, current, durable=False)
 
     def _release(self) -> None:
         closer = getattr(self.store, "close_appends", None)
@@ -251,6 +259,7 @@ class RunState:
         if header["slot"] != plan.slot:
             return self._corrupt(plan, f"it holds slot {header['slot']!r}")
         if header.get("fingerprint") != plan.fingerprint:
+            plan.replaces = header["hsum"]  # the version a rerun replaces: history keeps it
             return self._mismatch(spec, header)
         return None
 
@@ -281,8 +290,9 @@ class RunState:
     ) -> Found:
         """A file already verified in this run and unchanged since: decode it from memory."""
         data, header, head_len = verified
-        if header.get("fingerprint") != plan.fingerprint:
-            return self._mismatch(spec, header)
+        miss = self._check_header(spec, plan, header)
+        if miss is not None:
+            return miss
         value = decode(data, header, head_len, allow_pickle=self.allow_pickle)
         _remember(value, header)
         return self._hit(spec, plan, value, header, head_len)
@@ -294,7 +304,11 @@ class RunState:
         if plan.slot not in self._skipped:  # one log line per slot and run is enough
             self._skipped.add(plan.slot)
             self.journal.record_skip(
-                plan.slot, plan.fingerprint, head_len + header["size"], header.get("created_at")
+                plan.slot,
+                plan.fingerprint,
+                head_len + header["size"],
+                header.get("created_at"),
+                header["hsum"],
             )
         if log.isEnabledFor(logging.INFO):
             log.info("step %r skipped: %s", plan.slot, self._skip_note(spec, header))
@@ -425,6 +439,8 @@ class RunState:
             log.warning(
                 "step %r output is %s; large outputs slow every save and load", plan.slot, human_size(size)
             )
+        if plan.replaces is not None and self.keep_checkpoints > 0:
+            _history.keep_version(self.store, plan.slot, plan.replaces, durable=self.durable)
         try:
             if header_last is not None and framed.hashing:
                 key = slot_file(plan.slot)
@@ -446,6 +462,7 @@ class RunState:
             "step_completed",
             slot=plan.slot,
             fingerprint=plan.fingerprint,
+            file=header["hsum"],
             bytes=size,
             duration_s=round(time.perf_counter() - started, 6),
             attempts=attempts,

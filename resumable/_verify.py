@@ -19,7 +19,8 @@ def find_damage(store: Store, *, secret: bytes | None) -> tuple[int, list[tuple[
     """
     problems: list[tuple[str, str]] = []
     checked = _check_manifest(store, secret, problems) + _check_events(store, secret, problems)
-    for key in sorted(k for k in store.list() if is_output_file(k)):
+    # outputs, and the files behind history and batches: kept versions and row chunks
+    for key in sorted(k for k in store.list() if k.endswith(OUTPUT_SUFFIX) and not _temporary(k)):
         checked += 1
         problem = _check_output(store, key, secret)
         if problem is not None:
@@ -66,6 +67,11 @@ def _check_output(store: Store, key: str, secret: bytes | None) -> str | None:
         return str(exc)
     except OSError as exc:
         return f"unreadable: {exc}"
-    if header["slot"] + OUTPUT_SUFFIX != key:
+    if is_output_file(key) and header["slot"] + OUTPUT_SUFFIX != key:
         return f"holds slot {header['slot']!r}, not the one its path names"
     return None
+
+
+def _temporary(key: str) -> bool:
+    name = key.rsplit("/", 1)[-1]
+    return name.startswith(".") and name.endswith(".tmp")

@@ -10,6 +10,7 @@ already catches ``TypeError`` or ``RuntimeError`` keeps working::
     ├── FingerprintError(ResumableError, TypeError)        an argument with no stable digest
     ├── SerializationError(ResumableError, TypeError)      an output that cannot be stored
     ├── StateFormatError(ResumableError, ValueError)       state written by a newer version
+    ├── DamagedStateError(ResumableError, ValueError)      state data to import is damaged
     ├── StateLockedError(ResumableError, RuntimeError)     another run holds the state directory
     ├── InputChangedError(ResumableError, ValueError)      a batch's input changed under a resume
     └── StepInterruptedError(ResumableError, RuntimeError) a non-idempotent step died mid-run
@@ -25,6 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "DamagedStateError",
     "FingerprintError",
     "InputChangedError",
     "ResumableError",
@@ -99,6 +101,10 @@ class StateFormatError(ResumableError, ValueError):
             f"{supported} at most. Upgrade resumable (pip install -U resumable) to read it, or "
             "point the pipeline at another state directory."
         )
+
+
+class DamagedStateError(ResumableError, ValueError):
+    """State data given to ``load_state`` (or ``resumable import``) is damaged or not state data."""
 
 
 class StateLockedError(ResumableError, RuntimeError):

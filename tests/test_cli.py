@@ -133,3 +133,195 @@ def test_as_a_user_types_it(filled: Path, command: list[str]):
     )
     assert (0, "") == (done.returncode, done.stderr)
     assert "ok: 4 file(s) checked" in done.stdout
+
+
+# --- the whole command line, as a user types it ---------------------------------------
+
+
+def _cli(state: Path, *args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "resumable", "--state-dir", str(state), *args],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=cwd,
+    )
+
+
+AGENT = """
+import sys
+from resumable import Pipeline, step
+
+pipe = Pipeline("agent", state_dir=sys.argv[1])
+
+class Verdict:  # only this script knows this class: `show` must cope without it
+    def __init__(self, ok):
+        self.ok = ok
+
+@pipe.step
+def prompt(text: str) -> str:
+    return "Be brief. " + text
+
+@step(key="{n}")  # not one of the pipeline's own steps: run() leaves it alone
+def page(n: int) -> dict:
+    return {"n": n, "items": list(range(100))}
+
+@pipe.step
+def answer(prompt: str) -> str:
+    return prompt.upper()
+
+@pipe.step
+def verdict(answer: str) -> object:
+    return Verdict(len(answer) > 3)
+
+with pipe:
+    page(1)
+pipe.run(text=sys.argv[2])
+"""
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> tuple[Path, Path]:
+    """A state directory filled by a script run twice (v1, then v2)."""
+    script = tmp_path / "agent.py"
+    script.write_text(AGENT)
+    state = tmp_path / "state"
+    for text in ("v1", "v2"):
+        subprocess.run([sys.executable, str(script), str(state), text], check=True)
+    return script, state
+
+
+def test_show(agent: tuple[Path, Path]):
+    """show prints a stored value, summarised; --json prints JSON; --key picks a slot."""
+    _, state = agent
+    done = _cli(state, "show", "answer")
+    assert 0 == done.returncode
+    assert done.stdout.startswith("answer: stored 20")
+    assert "'BE BRIEF. V2'" in done.stdout
+    done = _cli(state, "show", "page", "--key", "1", "--json")
+    data = json.loads(done.stdout)
+    assert 1 == data["n"]
+    assert "… 80 more items" == data["items"][-1]
+    done = _cli(state, "show", "verdict")
+    assert "__pickled__" in done.stdout  # never unpickled unless asked
+    done = _cli(state, "show", "nope")
+    assert (1, "") == (done.returncode, done.stdout)
+    assert "no stored output for 'nope'" in done.stderr
+
+
+def test_history_and_rollback(agent: tuple[Path, Path]):
+    """history lists checkpoints; rollback STEP restores the earlier outputs."""
+    _, state = agent
+    done = _cli(state, "history")
+    assert 0 == done.returncode
+    assert "snapshot" not in done.stdout
+    assert "step prompt" in done.stdout
+    ids = [c["id"] for c in json.loads(_cli(state, "history", "--json").stdout)]
+    assert list(range(1, len(ids) + 1)) == ids
+    assert 7 <= len(ids)
+    assert ids[-2:] == [c["id"] for c in json.loads(_cli(state, "history", "--json", "--limit", "2").stdout)]
+    done = _cli(state, "rollback", "prompt")
+    assert (0, "") == (done.returncode, done.stderr)
+    assert "rolled back to checkpoint 4" in done.stdout
+    assert "'BE BRIEF. V1'" in _cli(state, "show", "answer").stdout
+    done = _cli(state, "rollback", "99")
+    assert 1 == done.returncode
+    assert "checkpoint 99 does not exist" in done.stderr
+
+
+def test_reset_command(agent: tuple[Path, Path]):
+    """reset forgets steps (downstream unless --only); --all forgets everything."""
+    _, state = agent
+    done = _cli(state, "reset", "answer")
+    assert "forgot 2 slot(s): answer, verdict" == done.stdout.strip()
+    done = _cli(state, "reset", "prompt", "--only")
+    assert "forgot 1 slot(s): prompt" == done.stdout.strip()
+    done = _cli(state, "reset", "--all")
+    assert "forgot 1 slot(s): page/1" == done.stdout.strip()
+    assert 2 == _cli(state, "reset").returncode or 1 == _cli(state, "reset").returncode
+    assert "pass --all" in _cli(state, "reset").stderr
+
+
+def test_export_and_import(agent: tuple[Path, Path], tmp_path: Path):
+    """export writes one file; import into an empty directory resumes with every step skipped."""
+    script, state = agent
+    exported = tmp_path / "state.export"
+    done = _cli(state, "export", "-o", str(exported))
+    assert 0 == done.returncode
+    assert exported.exists()
+    other = tmp_path / "other"
+    done = _cli(other, "import", str(exported))
+    assert (0, "") == (done.returncode, done.stderr)
+    before = {p.name: p.read_bytes() for p in other.glob("*.msgpack")}
+    subprocess.run([sys.executable, str(script), str(other), "v2"], check=True)
+    assert before == {p.name: p.read_bytes() for p in other.glob("*.msgpack")}
+    assert "skipped" not in json.loads(_cli(other, "status", "--json").stdout)["status"]
+    bad = tmp_path / "bad.export"
+    bad.write_bytes(exported.read_bytes()[:500])
+    done = _cli(other, "import", str(bad))
+    assert 1 == done.returncode
+    assert "resumable:" in done.stderr
+    assert before == {p.name: p.read_bytes() for p in other.glob("*.msgpack")}
+
+
+def test_clean(agent: tuple[Path, Path]):
+    """clean drops history beyond --keep, never a current output; --dry-run removes nothing."""
+    _, state = agent
+    outputs = {p.name: p.read_bytes() for p in state.glob("*.msgpack")}
+    objects = state / ".resumable" / "objects"
+    kept = sorted(objects.glob("*.msgpack"))
+    assert kept
+    done = _cli(state, "clean", "--older-than", "0s", "--keep", "1", "--dry-run")
+    assert "would remove" in done.stdout
+    assert kept == sorted(objects.glob("*.msgpack"))
+    done = _cli(state, "clean", "--older-than", "0s", "--keep", "1")
+    assert (0, "") == (done.returncode, done.stderr)
+    assert "removed" in done.stdout
+    assert len(list(objects.glob("*.msgpack"))) < len(kept)
+    assert outputs == {p.name: p.read_bytes() for p in state.glob("*.msgpack")}
+    assert 2 == _cli(state, "clean", "--older-than", "soon").returncode
+
+
+def test_clean_removes_outputs_of_steps_that_no_longer_exist(agent: tuple[Path, Path]):
+    """Once runs stop defining a step, clean removes its outputs, and only those."""
+    script, state = agent
+    script.write_text(
+        AGENT.replace("@pipe.step\ndef verdict", "def verdict").replace(
+            "pipe.run(text=sys.argv[2])", "pipe.run(text=sys.argv[2])\n"
+        )
+    )
+    subprocess.run([sys.executable, str(script), str(state), "v2"], check=True)
+    done = _cli(state, "clean", "--older-than", "0s")
+    assert "verdict.msgpack (output of removed step 'verdict')" in done.stdout
+    assert not (state / "verdict.msgpack").exists()
+    assert (state / "answer.msgpack").exists()
+    assert "verdict" not in json.loads(_cli(state, "status", "--json").stdout)["steps"]
+
+
+HOLD = """
+import sys, time
+from resumable import Pipeline
+with Pipeline(state_dir=sys.argv[1]):
+    print("holding", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_changing_commands_refuse_while_a_run_holds_the_lock(agent: tuple[Path, Path], tmp_path: Path):
+    """reset, rollback, import, clean and export refuse, naming the holder; status still works."""
+    _, state = agent
+    exported = tmp_path / "x.export"
+    assert 0 == _cli(state, "export", "-o", str(exported)).returncode
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(state)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "holding" == holder.stdout.readline().strip()
+        for args in (["reset", "answer"], ["rollback", "1"], ["import", str(exported)], ["clean"]):
+            done = _cli(state, *args)
+            assert 1 == done.returncode, args
+            assert f"pid {holder.pid}" in done.stderr
+        assert 0 == _cli(state, "status").returncode
+        assert 0 == _cli(state, "verify").returncode
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()

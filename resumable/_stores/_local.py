@@ -103,7 +103,31 @@ class LocalStore:
             return f.read(-1 if end is None else max(0, end - start))
 
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
+        self._forget_append_fd(key)  # an appender must not go on writing the replaced file
         self._replace(key, lambda fd: _write_all(fd, chunks), durable=durable)
+
+    def copy(self, src: str, dst: str, *, durable: bool) -> None:
+        """Make *dst* the same file as *src*, atomically: a hard link, no bytes copied."""
+        target = self.path(dst)
+        directory, name = os.path.split(target)
+        tmp = os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")
+        try:
+            os.link(self.path(src), tmp)
+        except FileNotFoundError:
+            if not os.path.exists(self.path(src)):
+                raise
+            self._makedirs(directory, durable=durable)
+            os.link(self.path(src), tmp)
+        os.replace(tmp, target)
+        if durable:
+            _fsync_dir(directory)
+
+    def _forget_append_fd(self, key: str) -> None:
+        if key in self._append_fds:
+            with self._fd_lock:
+                fd = self._append_fds.pop(key, None)
+                if fd is not None:
+                    os.close(fd)
 
     def write_header_last(
         self,
@@ -188,10 +212,7 @@ class LocalStore:
 
     def delete(self, key: str, *, durable: bool) -> None:
         path = self.path(key)
-        with self._fd_lock:
-            fd = self._append_fds.pop(key, None)
-            if fd is not None:
-                os.close(fd)
+        self._forget_append_fd(key)
         try:
             os.unlink(path)
         except FileNotFoundError:

@@ -1,0 +1,81 @@
+"""``resumable clean``: drop old history and the outputs of steps that no longer exist."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import TYPE_CHECKING
+
+import attrs
+
+from . import _history
+from ._slots import batch_dir, is_output_file, slot_file, step_of
+
+if TYPE_CHECKING:
+    from ._pipeline import Pipeline
+
+
+@attrs.define
+class CleanReport:
+    """What clean removed (or, dry, would remove)."""
+
+    lines: list[str] = attrs.field(factory=list)
+    count: int = 0
+    bytes: int = 0
+
+
+def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) -> CleanReport:
+    """
+    Remove, holding the run lock:
+
+    - kept output versions that no checkpoint among the newest ``pipe.keep_checkpoints``, or
+      made within *older_than*, needs;
+    - outputs (and row chunks) of steps that the latest runs no longer define, if the last
+      run defining them is older than *older_than*. Steps never recorded as defined are
+      kept: an output is only removed when runs have shown its step is gone;
+    - temporary files left by killed writers.
+
+    The outputs of existing steps are never removed.
+    """
+    report = CleanReport()
+    cutoff = (dt.datetime.now(dt.UTC) - older_than).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    store = pipe.store
+    with pipe._maintenance() as run:  # noqa: SLF001 - the CLI's own pipeline
+        run.journal.flush(durable=False)
+        manifest = run.journal.manifest
+        current = {s: r.file for s, r in manifest.steps.items() if r.status == "completed" and r.file}
+        for key in _history.unneeded_versions(store, run.secret, pipe.keep_checkpoints, current, cutoff):
+            _remove(store, key, "old version", report, dry_run=dry_run)
+        # gone: not defined by the latest runs, and not defined since the cutoff either
+        latest = max(manifest.defined.values(), default="")
+        gone = sorted(name for name, when in manifest.defined.items() if when < min(latest, cutoff))
+        slots = sorted(
+            {k[: -len(".msgpack")] for k in store.list() if is_output_file(k)} | set(manifest.steps),
+        )
+        dead = [s for s in slots if step_of(s) in gone]
+        for slot in dead:
+            what = f"of removed step {step_of(slot)!r}"
+            _remove(store, slot_file(slot), f"output {what}", report, dry_run=dry_run)
+            for key in store.list(batch_dir(slot)):
+                _remove(store, key, f"row chunk {what}", report, dry_run=dry_run)
+        if not dry_run:
+            if dead or gone:
+                run.journal.record("steps_removed", slots=dead, steps=gone)
+            cleanup = getattr(store, "remove_temp_files", None)
+            if cleanup is not None:
+                count = cleanup()
+                if count:
+                    report.lines.append(f"{count} temporary file(s) left by killed runs")
+                    report.count += count
+    return report
+
+
+def _remove(store: object, key: str, what: str, report: CleanReport, *, dry_run: bool) -> None:
+    try:
+        size = len(store.read_range(key, 0, None))  # type: ignore[attr-defined]
+    except FileNotFoundError:
+        return
+    report.lines.append(f"{key} ({what})")
+    report.count += 1
+    report.bytes += size
+    if not dry_run:
+        store.delete(key, durable=False)  # type: ignore[attr-defined]

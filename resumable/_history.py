@@ -1,0 +1,354 @@
+"""
+Checkpoints, rollback, and the whole state as data.
+
+A checkpoint is a point in the event log: every completed step makes one, and
+``Pipeline.snapshot(label)`` adds a labelled one. The state at a checkpoint is the fold
+of the log up to it, and names each slot's output by its file version (the header
+digest ``hsum``). Output files are never changed in place, so a version that is about to
+be replaced or deleted is kept under ``.resumable/objects/`` (a hard link on a local
+disk: no copy), and only versions are kept, never unchanged outputs: a checkpoint costs
+a log line, whatever the size of the outputs. Versions no retained checkpoint needs are
+pruned when a run closes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ._codec import DamagedFileError, parse_header, utcnow, verify
+from ._journal import _authentic, read_header
+from ._manifest import FORMAT, Fold, Manifest, StepRecord
+from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
+from ._stores import Store
+from .exceptions import DamagedStateError, ResumableError, StateFormatError
+
+if TYPE_CHECKING:
+    from ._run import RunState
+
+STATE_FORMAT = 1
+STATE_KIND = "resumable-state"
+_LOCK_KEY = f"{INTERNAL_DIR}/lock"
+
+
+@attrs.frozen
+class Checkpoint:
+    """A point in a pipeline's history that :meth:`Pipeline.rollback` can restore."""
+
+    id: int
+    created_at: str | None
+    slot: str | None
+    """The slot whose completion made it, or None for a snapshot."""
+    label: str | None
+    """The snapshot's label, or None."""
+    completed_steps: list[str]
+    """The slots completed at that point, in completion order."""
+
+
+def object_key(file: str) -> str:
+    """Where a kept version of an output file lives."""
+    return f"{OBJECTS}/{file}{OUTPUT_SUFFIX}"
+
+
+def copy_object(store: Store, src: str, dst: str, *, durable: bool) -> None:
+    """Make *dst* an exact copy of *src*, atomically (a hard link where the store can)."""
+    copy = getattr(store, "copy", None)
+    if copy is not None:
+        copy(src, dst, durable=durable)
+    else:
+        store.write(dst, [store.read(src)], durable=durable)
+
+
+def keep_version(store: Store, slot: str, file: str | None, *, durable: bool) -> None:
+    """Keep the version *file* of *slot*'s output before it is replaced or deleted."""
+    if file is None:
+        return
+    try:
+        copy_object(store, slot_file(slot), object_key(file), durable=durable)
+    except FileNotFoundError:
+        return
+
+
+def file_version(store: Store, slot: str) -> str | None:
+    """The version (header digest) of the output file of *slot*, None if absent or damaged."""
+    try:
+        header, _ = read_header(store, slot_file(slot))
+    except (FileNotFoundError, DamagedFileError, StateFormatError):
+        return None
+    return str(header.get("hsum")) if header.get("slot") == slot else None
+
+
+# replaying the history -----------------------------------------------------------------
+
+
+@attrs.define
+class _Point:
+    checkpoint: Checkpoint
+    steps: dict[str, StepRecord] | None
+    """The slots' records at this checkpoint (None unless asked for: memory grows with them)."""
+    code: dict[str, dict[str, str]]
+
+
+_EMPTY = Checkpoint(0, None, None, None, [])
+
+
+def _events(store: Store, secret: bytes | None) -> Iterator[dict[str, Any]]:
+    try:
+        log = bytes(store.read(EVENTS))
+    except FileNotFoundError:
+        return
+    for line in log.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and _authentic(event, secret):
+            yield event
+
+
+def replay(store: Store, secret: bytes | None, want: Iterable[int] = ()) -> list[_Point]:
+    """Every checkpoint in the log, in order, with the state of those in *want*."""
+    wanted = set(want)
+    fold = Fold(Manifest(workflow_id="", pipeline=""))
+    points: list[_Point] = []
+    for event in _events(store, secret):
+        fold.apply(event)
+        if event.get("event") not in {"step_completed", "snapshot"}:
+            continue
+        m = fold.manifest
+        checkpoint = Checkpoint(
+            id=m.checkpoints,
+            created_at=event.get("t"),
+            slot=event.get("slot"),
+            label=event.get("label"),
+            completed_steps=list(m.completed_steps),
+        )
+        if checkpoint.id in wanted:
+            steps = {s: attrs.evolve(r) for s, r in m.steps.items()}
+            points.append(_Point(checkpoint, steps, {k: dict(v) for k, v in m.code.items()}))
+        else:
+            points.append(_Point(checkpoint, None, {}))
+    return points
+
+
+def _versions(point: _Point) -> dict[str, str]:
+    return {
+        slot: rec.file
+        for slot, rec in (point.steps or {}).items()
+        if rec.status == "completed" and rec.file is not None
+    }
+
+
+def _kept(store: Store) -> set[str]:
+    return {
+        k[len(OBJECTS) + 1 : -len(OUTPUT_SUFFIX)]
+        for k in store.list(f"{OBJECTS}/")
+        if k.endswith(OUTPUT_SUFFIX)
+    }
+
+
+def current_versions(manifest: Manifest) -> dict[str, str]:
+    """The version of each completed slot's output file now."""
+    return {s: r.file for s, r in manifest.steps.items() if r.status == "completed" and r.file is not None}
+
+
+def _restorable(point: _Point, available: set[str]) -> bool:
+    return set(_versions(point).values()) <= available
+
+
+def checkpoints(
+    store: Store, secret: bytes | None, newest: int, current: Mapping[str, str]
+) -> list[Checkpoint]:
+    """The checkpoints among the *newest* that can still be restored, oldest first."""
+    ids = [p.checkpoint.id for p in replay(store, secret)][-newest:] if newest > 0 else []
+    points = [p for p in replay(store, secret, ids) if p.steps is not None]
+    available = _kept(store) | set(current.values())
+    return [p.checkpoint for p in points if _restorable(p, available)]
+
+
+def unneeded_versions(
+    store: Store, secret: bytes | None, keep: int, current: Mapping[str, str], since: str | None = None
+) -> list[str]:
+    """
+    Kept versions that neither the current state nor one of the newest *keep* checkpoints
+    (nor, with *since*, a checkpoint made since then) needs.
+    """
+    kept = _kept(store)
+    if not kept:
+        return []
+    meta = replay(store, secret)
+    ids = {p.checkpoint.id for p in meta[-keep:]} if keep > 0 else set()
+    if since is not None:
+        ids |= {p.checkpoint.id for p in meta if (p.checkpoint.created_at or "") >= since}
+    needed = set(current.values())
+    for point in replay(store, secret, ids):
+        needed |= set(_versions(point).values())
+    return [object_key(v) for v in sorted(kept - needed)]
+
+
+def prune(store: Store, secret: bytes | None, keep: int, current: Mapping[str, str], *, durable: bool) -> int:
+    """Delete kept versions that neither the current state nor a retained checkpoint needs."""
+    unneeded = unneeded_versions(store, secret, keep, current)
+    for key in unneeded:
+        store.delete(key, durable=durable)
+    return len(unneeded)
+
+
+def find(points: list[_Point], target: int | str) -> int:
+    """
+    The id of the checkpoint *target* names: an id, a snapshot label, or a step (or slot)
+    name, which means the state just before that step last completed (0: the empty state).
+
+    Raises:
+        ResumableError: nothing matches.
+    """
+    if isinstance(target, int) or (isinstance(target, str) and target.isdigit()):
+        number = int(target)
+        if number == 0 or any(p.checkpoint.id == number for p in points):
+            return number
+        msg = f"checkpoint {number} does not exist (the latest is {len(points)})"
+        raise ResumableError(msg)
+    labelled = [p for p in points if p.checkpoint.label == target]
+    if labelled:
+        return labelled[-1].checkpoint.id
+    made_by = [
+        i
+        for i, p in enumerate(points)
+        if p.checkpoint.slot is not None and target in {p.checkpoint.slot, step_of(p.checkpoint.slot)}
+    ]
+    if not made_by:
+        msg = f"no checkpoint, snapshot label or step {target!r} in the history"
+        raise ResumableError(msg)
+    before = made_by[-1] - 1
+    return points[before].checkpoint.id if before >= 0 else 0
+
+
+def rollback(run: RunState, target: int | str) -> Checkpoint:
+    """Restore the state at *target* (see :func:`find`), outputs included, byte for byte."""
+    store, durable = run.store, run.durable
+    number = find(replay(store, run.secret), target)
+    if number == 0:
+        point = _Point(_EMPTY, {}, {})
+    else:
+        point = next(p for p in replay(store, run.secret, [number]) if p.checkpoint.id == number)
+    current = current_versions(run.journal.manifest)
+    wanted = _versions(point)
+    missing = sorted(set(wanted.values()) - _kept(store) - set(current.values()))
+    if missing:
+        msg = (
+            f"checkpoint {number} can no longer be restored: {len(missing)} of its outputs were pruned "
+            "(keep more history with Pipeline(keep_checkpoints=...))"
+        )
+        raise ResumableError(msg)
+    for slot in sorted(set(current) | set(wanted)):
+        now, then = current.get(slot), wanted.get(slot)
+        if now == then:
+            continue
+        keep_version(store, slot, now, durable=durable)
+        if then is not None:
+            copy_object(store, object_key(then), slot_file(slot), durable=durable)
+        else:
+            store.delete(slot_file(slot), durable=durable)
+    state = {
+        "steps": {s: attrs.asdict(r) for s, r in (point.steps or {}).items()},
+        "completed_steps": list(point.checkpoint.completed_steps),
+        "code": point.code,
+    }
+    run.journal.record("rollback", to=number, state=state)
+    return point.checkpoint
+
+
+# the whole state as data ---------------------------------------------------------------
+
+
+def save_state(store: Store) -> dict[str, Any]:
+    """Every file of the state (manifest, log, outputs, kept versions, row chunks) as data."""
+    files = {
+        key: bytes(store.read(key))
+        for key in sorted(store.list())
+        if key != _LOCK_KEY and not key.rsplit("/", 1)[-1].endswith(".tmp")
+    }
+    return {"kind": STATE_KIND, "format": STATE_FORMAT, "created_at": utcnow(), "files": files}
+
+
+def check_state(state: object, secret: bytes | None) -> dict[str, bytes]:
+    """
+    Validate state data from :func:`save_state`; return its files.
+
+    Raises:
+        StateFormatError: it comes from a newer version.
+        DamagedStateError: it is not state data, or a file in it is damaged or not authentic.
+    """
+    if not isinstance(state, Mapping) or state.get("kind") != STATE_KIND:
+        msg = "this is not resumable state data (save_state() or `resumable export` make it)"
+        raise DamagedStateError(msg)
+    found = state.get("format")
+    if not isinstance(found, int):
+        msg = "the state data has no format number"
+        raise DamagedStateError(msg)
+    if found > STATE_FORMAT:
+        raise StateFormatError("the state data", found, STATE_FORMAT)
+    files = state.get("files")
+    if not isinstance(files, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, bytes | bytearray) for k, v in files.items()
+    ):
+        msg = "the state data's files are not a mapping of names to bytes"
+        raise DamagedStateError(msg)
+    problems = [p for key, data in files.items() if (p := _file_problem(key, bytes(data), secret))]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        msg = f"the state data is damaged, nothing was changed: {shown}"
+        raise DamagedStateError(msg)
+    return {k: bytes(v) for k, v in files.items()}
+
+
+def _file_problem(key: str, data: bytes, secret: bytes | None) -> str | None:
+    parts = key.split("/")
+    if key.startswith("/") or "\\" in key or any(p in {"", ".", ".."} for p in parts) or key == _LOCK_KEY:
+        return f"{key!r} is not a valid state file name"
+    if key == MANIFEST:
+        return _manifest_problem(data, secret)
+    if key == EVENTS:
+        return None  # damaged lines are skipped with a warning when replayed, like on disk
+    if key.endswith(OUTPUT_SUFFIX):
+        try:
+            header, head_len = parse_header(data)
+            verify(data, header, head_len, secret)
+        except DamagedFileError as exc:
+            return f"{key}: {exc}"
+        if is_output_file(key) and header["slot"] + OUTPUT_SUFFIX != key:
+            return f"{key}: holds slot {header['slot']!r}"
+    return None
+
+
+def _manifest_problem(data: bytes, secret: bytes | None) -> str | None:
+    try:
+        manifest = json.loads(data)
+    except ValueError:
+        return f"{MANIFEST}: not valid JSON"
+    if not isinstance(manifest, dict):
+        return f"{MANIFEST}: not a JSON object"
+    found = manifest.get("format")
+    if isinstance(found, int) and found > FORMAT:
+        raise StateFormatError(MANIFEST, found, FORMAT)
+    if not _authentic(manifest, secret):
+        return f"{MANIFEST}: not authentic (written without this pipeline's secret)"
+    try:
+        Manifest.from_dict(manifest)
+    except (ValueError, TypeError, KeyError) as exc:
+        return f"{MANIFEST}: malformed ({exc})"
+    return None
+
+
+def load_state(run: RunState, files: Mapping[str, bytes]) -> None:
+    """Replace every file of the state with *files* (already checked by :func:`check_state`)."""
+    store = run.store
+    for key in store.list():
+        if key != _LOCK_KEY and key not in files:
+            store.delete(key, durable=False)
+    for key, data in sorted(files.items(), key=lambda kv: kv[0] == MANIFEST):
+        store.write(key, [data], durable=run.durable)
+    run.journal.load()

@@ -1,0 +1,245 @@
+"""Checkpoints, rollback, and the whole state as data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+
+from resumable import (
+    Checkpoint,
+    DamagedStateError,
+    Pipeline,
+    ResumableError,
+    StateFormatError,
+    StateLockedError,
+)
+
+
+def _prompt_pipeline(state_dir: Path, calls: list[str] | None = None, **options) -> Pipeline:
+    """prompt -> answer -> score, like iterating on an agent's prompt."""
+    pipe = Pipeline("agent", state_dir=state_dir, **options)
+    calls = calls if calls is not None else []
+
+    @pipe.step
+    def prompt(text: str) -> str:
+        calls.append("prompt")
+        return f"You are helpful. {text}"
+
+    @pipe.step
+    def answer(prompt: str) -> str:
+        calls.append("answer")
+        return prompt.upper() * 50
+
+    @pipe.step
+    def score(answer: str) -> int:
+        calls.append("score")
+        return len(answer)
+
+    return pipe
+
+
+def _files(state_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in state_dir.glob("*.msgpack")}
+
+
+def test_a_checkpoint_per_completed_step(state_dir: Path):
+    """Each completed step makes a checkpoint with the slots completed by then."""
+    pipe = _prompt_pipeline(state_dir)
+    pipe.run(text="v1")
+    points = pipe.checkpoints()
+    assert [1, 2, 3] == [c.id for c in points]
+    assert ["prompt", "answer", "score"] == [c.slot for c in points]
+    assert [["prompt"], ["prompt", "answer"], ["prompt", "answer", "score"]] == [c.completed_steps for c in points]
+    assert all(isinstance(c, Checkpoint) and c.created_at for c in points)
+
+
+def test_rollback_by_step_restores_overwritten_outputs_byte_for_byte(state_dir: Path):
+    """Rolling back before a step's last run brings its earlier output back, exactly."""
+    calls: list[str] = []
+    pipe = _prompt_pipeline(state_dir, calls)
+    pipe.run(text="v1")
+    before = _files(state_dir)
+    pipe.run(text="v2")
+    assert before["answer.msgpack"] != (state_dir / "answer.msgpack").read_bytes()
+    restored = pipe.rollback("prompt")
+    assert 3 == restored.id
+    assert before == _files(state_dir)
+    run = pipe.run(text="v1")
+    assert ([], ["prompt", "answer", "score"]) == (run.executed, run.skipped)
+    assert 50 * len("YOU ARE HELPFUL. V1") == run.outputs["score"]
+    assert ["prompt", "answer", "score"] * 2 == calls
+
+
+def test_rollback_by_id_and_label(state_dir: Path):
+    """A checkpoint id or a snapshot label names the state to restore."""
+    pipe = _prompt_pipeline(state_dir)
+    pipe.run(text="v1")
+    label = pipe.snapshot("before-prompt-change")
+    assert (4, "before-prompt-change", None) == (label.id, label.label, label.slot)
+    v1 = _files(state_dir)
+    pipe.run(text="v2")
+    v2 = _files(state_dir)
+    assert v1 == _files_after(pipe.rollback("before-prompt-change"), state_dir)
+    assert v2 == _files_after(pipe.rollback(7), state_dir)
+    assert v1 == _files_after(pipe.rollback("4"), state_dir)
+    assert {} == _files_after(pipe.rollback(0), state_dir)
+    assert [] == pipe.status().completed_steps
+
+
+def _files_after(_checkpoint: Checkpoint, state_dir: Path) -> dict[str, bytes]:
+    return _files(state_dir)
+
+
+def test_rollback_errors(state_dir: Path):
+    """Unknown or pruned targets are clear errors and change nothing."""
+    pipe = _prompt_pipeline(state_dir, keep_checkpoints=2)
+    pipe.run(text="v1")
+    pipe.run(text="v2")
+    before = _files(state_dir)
+    with pytest.raises(ResumableError, match="no checkpoint, snapshot label or step 'nope'"):
+        pipe.rollback("nope")
+    with pytest.raises(ResumableError, match=r"checkpoint 1 can no longer be restored.*keep_checkpoints"):
+        pipe.rollback(1)  # prompt's v1 output was pruned: only the two newest checkpoints are kept
+    with pytest.raises(ResumableError, match="checkpoint 9 does not exist"):
+        pipe.rollback(9)
+    assert [5, 6] == [c.id for c in pipe.checkpoints()]
+    with pytest.raises(ResumableError, match="label"):
+        pipe.snapshot("")
+    assert before == _files(state_dir)
+
+
+def test_keep_checkpoints_prunes_old_versions(state_dir: Path):
+    """Versions only pruned checkpoints needed are deleted when a run closes."""
+    pipe = _prompt_pipeline(state_dir, keep_checkpoints=3)
+    for i in range(6):
+        pipe.run(text=f"v{i}")
+    objects = state_dir / ".resumable" / "objects"
+    assert 3 == len(pipe.checkpoints())
+    # The three newest checkpoints are the last run's. The first of them (prompt v5 done)
+    # still has answer and score of v4: those two versions stay, the other twelve went.
+    assert 2 == len(list(objects.glob("*.msgpack")))
+    pipe.rollback(pipe.checkpoints()[0].id)
+    assert "You are helpful. v5" == pipe.run(text="v5").outputs["prompt"]
+
+
+def test_checkpoints_share_unchanged_outputs(state_dir: Path):
+    """50 checkpoints of a pipeline with a 100 MB unchanged output add less than 1% disk."""
+    pipe = Pipeline("big", state_dir=state_dir, keep_checkpoints=100, durable=False)
+    array = np.arange(100 * 1024 * 1024 // 8, dtype=np.float64)
+
+    @pipe.step
+    def big() -> np.ndarray:
+        return array
+
+    @pipe.step
+    def small(n: int) -> int:
+        return n
+
+    with pipe:
+        big()
+
+    def disk() -> int:
+        return sum(p.stat().st_blocks * 512 for p in state_dir.rglob("*") if p.is_file())
+
+    first = disk()
+    for n in range(50):
+        with pipe:
+            big()
+            small(n)
+    assert 50 <= len(pipe.checkpoints())
+    assert disk() - first < first / 100
+
+
+def test_reset_keeps_the_version_for_rollback(state_dir: Path):
+    """A reset output can be brought back by rolling back."""
+    pipe = _prompt_pipeline(state_dir)
+    pipe.run(text="v1")
+    before = _files(state_dir)
+    pipe.reset("answer")
+    assert {"prompt.msgpack"} == set(_files(state_dir))
+    pipe.rollback(3)
+    assert before == _files(state_dir)
+
+
+def test_save_and_load_state_between_directories(tmp_path: Path):
+    """save_state is plain data; load_state elsewhere resumes with every step skipped."""
+    calls: list[str] = []
+    source = _prompt_pipeline(tmp_path / "a", calls)
+    source.run(text="v1")
+    state = source.save_state()
+    data = msgpack.unpackb(msgpack.packb(state), raw=False)  # survives msgpack as is
+    target = _prompt_pipeline(tmp_path / "b", calls)
+    target.load_state(data)
+    run = target.run(text="v1")
+    assert ([], ["prompt", "answer", "score"]) == (run.executed, run.skipped)
+    assert ["prompt", "answer", "score"] == calls
+    assert [c.id for c in source.checkpoints()] == [c.id for c in target.checkpoints()]
+
+
+def test_load_state_refuses_damaged_data_and_changes_nothing(tmp_path: Path):
+    """A truncated or damaged state is refused; the current state stays as it was."""
+    source = _prompt_pipeline(tmp_path / "a")
+    source.run(text="v1")
+    state = source.save_state()
+    target = _prompt_pipeline(tmp_path / "b")
+    target.run(text="other")
+    before = _files(tmp_path / "b")
+    damaged = dict(state, files=dict(state["files"]))
+    answer = bytearray(damaged["files"]["answer.msgpack"])
+    answer[-3] ^= 0xFF
+    damaged["files"]["answer.msgpack"] = bytes(answer)
+    truncated = dict(state, files=dict(state["files"]))
+    truncated["files"]["prompt.msgpack"] = truncated["files"]["prompt.msgpack"][:40]
+    for bad, match in [
+        (damaged, "answer.msgpack: checksum mismatch"),
+        (truncated, "prompt.msgpack"),
+        ({"files": {}}, "not resumable state data"),
+        ("nonsense", "not resumable state data"),
+        (dict(state, files={"../escape.msgpack": b"x"}), "not a valid state file name"),
+    ]:
+        with pytest.raises(DamagedStateError, match=match):
+            target.load_state(bad)
+        assert before == _files(tmp_path / "b")
+    with pytest.raises(StateFormatError):
+        target.load_state(dict(state, format=99))
+
+
+def test_load_state_with_another_secret_is_refused(tmp_path: Path):
+    """State signed with one secret does not load into a pipeline with another."""
+    source = _prompt_pipeline(tmp_path / "a", secret="one")
+    source.run(text="v1")
+    target = _prompt_pipeline(tmp_path / "b", secret="two")
+    with pytest.raises(DamagedStateError, match="authentication failed"):
+        target.load_state(source.save_state())
+
+
+def test_history_operations_refuse_while_another_run_holds_the_lock(state_dir: Path):
+    """rollback, snapshot, save_state and load_state need the lock."""
+    pipe = _prompt_pipeline(state_dir)
+    pipe.run(text="v1")
+    other = Pipeline("agent", state_dir=state_dir)
+    with other:
+        for call in (
+            lambda: pipe.rollback(1),
+            lambda: pipe.snapshot("x"),
+            lambda: pipe.save_state(),
+            lambda: pipe.checkpoints(),
+        ):
+            with pytest.raises(StateLockedError, match=f"pid {os.getpid()}"):
+                call()
+
+
+def test_rollback_inside_an_open_run(state_dir: Path):
+    """Inside a with block the run's own lock is used, and later calls see the rolled-back state."""
+    calls: list[str] = []
+    pipe = _prompt_pipeline(state_dir, calls)
+    with pipe:
+        pipe.run(text="v1")
+        pipe.run(text="v2")
+        pipe.rollback("prompt")
+        run = pipe.run(text="v1")
+    assert [] == run.executed
