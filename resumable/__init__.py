@@ -5,6 +5,7 @@ Decorate the expensive functions of a script with :func:`step`; run it again aft
 crash and completed steps return their stored outputs instantly.
 """
 
+from ._batch import RowFailure, checkpointed, checkpointed_map
 from ._codec import load
 from ._history import Checkpoint
 from ._manifest import BatchRecord, ErrorRecord, Manifest, StepRecord
@@ -37,6 +38,7 @@ __all__ = [
     "Pipeline",
     "ResumableError",
     "ResumableWarning",
+    "RowFailure",
     "Run",
     "SerializationError",
     "StateFormatError",
@@ -47,6 +49,8 @@ __all__ = [
     "StepRecord",
     "Store",
     "StoreLock",
+    "checkpointed",
+    "checkpointed_map",
     "load",
     "step",
 ]

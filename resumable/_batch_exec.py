@@ -1,0 +1,350 @@
+"""
+Running a batch's rows: in this thread, on an executor, or on the event loop.
+
+Every runner takes the pieces still to do from :meth:`Ledger.pieces` and commits each
+finished piece as one chunk. When an exception (or Ctrl-C, or a cancellation) stops it,
+the rows already finished are committed before the exception goes on, unchanged. Only
+the calling process writes state: executors return results, they commit nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from ._batch_ledger import Ledger, RowFailure, Source
+
+if TYPE_CHECKING:
+    import asyncio
+    from concurrent.futures import Executor, Future
+
+log = logging.getLogger("resumable")
+
+DEFAULT_CONCURRENCY = 16  # async calls in flight when concurrency= is not given
+_OFF = frozenset({"0", "false", "no", "off"})
+_ON = frozenset({"1", "true", "yes", "on"})
+_PENDING: Any = object()  # a row not finished yet (its result may be None)
+
+
+class Job:
+    """What one ``checkpointed_map`` call runs, and how."""
+
+    __slots__ = ("concurrency", "executor", "fn", "progress", "record", "window")
+
+    def __init__(  # noqa: PLR0913 - plain data
+        self,
+        fn: Callable[[Any], Any],
+        *,
+        record: bool,
+        progress: bool | None,
+        executor: Executor | None = None,
+        window: int = 0,
+        concurrency: int = 0,
+    ) -> None:
+        self.fn = fn
+        self.record = record  # on_error="record"
+        self.progress = progress
+        self.executor = executor
+        self.window = window  # pieces submitted to the executor at once
+        self.concurrency = concurrency  # async calls in flight
+
+
+class Progress:
+    """A tqdm bar on stderr, or nothing: see :func:`wanted`."""
+
+    def __init__(self, setting: bool | None, ledger: Ledger) -> None:
+        self.bar: Any = None
+        if not wanted(setting):
+            return
+        from tqdm import tqdm  # type: ignore[import-untyped] # noqa: PLC0415 - only when a bar is shown
+
+        self.bar = tqdm(
+            total=ledger.total,
+            initial=ledger.resumed,
+            desc=f"batch {ledger.display}",
+            unit="row",
+            unit_scale=True,
+            dynamic_ncols=True,
+            smoothing=0.1,
+            file=sys.stderr,
+        )
+        self._resumed = ledger.resumed
+        self._failed = ledger.failures
+        self._postfix()
+
+    def _postfix(self) -> None:
+        parts = [f"resumed {self._resumed:,}"] if self._resumed else []
+        parts += [f"failed {self._failed:,}"] if self._failed else []
+        if parts:
+            self.bar.set_postfix_str(", ".join(parts), refresh=False)
+
+    def update(self, n: int = 1) -> None:
+        self.bar.update(n)
+
+    def failed(self, n: int) -> None:
+        if n and self.bar is not None:
+            self._failed += n
+            self._postfix()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def wanted(setting: bool | None) -> bool:
+    """
+    Whether to show a bar: never with ``RESUMABLE_PROGRESS=0``; else as *setting* says;
+    else with ``RESUMABLE_PROGRESS=1`` or when stderr is a terminal.
+    """
+    env = os.environ.get("RESUMABLE_PROGRESS", "").strip().lower()
+    if env in _OFF:
+        return False
+    if setting is not None:
+        return bool(setting)
+    if env in _ON:
+        return True
+    stream = sys.stderr
+    return stream is not None and stream.isatty()
+
+
+def run_chunk(fn: Callable[[Any], Any], rows: list[Any], start: int, record: bool) -> list[Any]:
+    """Apply *fn* to a piece of rows (on an executor's worker, or here)."""
+    if not record:
+        return [fn(row) for row in rows]
+    out = []
+    for index, row in enumerate(rows, start):
+        try:
+            out.append(fn(row))
+        except Exception as exc:  # noqa: BLE001 - on_error="record": every failure becomes a value
+            out.append(RowFailure.of(index, exc))
+    return out
+
+
+# sequential --------------------------------------------------------------------------------
+
+
+def run_sequential(ledger: Ledger, source: Source, job: Job, progress: Progress) -> None:
+    """Apply the job's function row after row, committing every piece."""
+    fn, record, bar = job.fn, job.record, progress.bar
+    for start, rows in ledger.pieces(source):
+        results: list[Any] = []
+        append = results.append
+        try:
+            if record or bar is not None:
+                for index, row in enumerate(rows, start):
+                    try:
+                        value = fn(row)
+                    except Exception as exc:
+                        if not record:
+                            raise
+                        value = RowFailure.of(index, exc)
+                        progress.failed(1)
+                    append(value)
+                    if bar is not None:
+                        bar.update(1)
+            else:
+                for row in rows:  # the hot loop: nothing but the call
+                    append(fn(row))
+        except BaseException:
+            ledger.salvage(start, rows[: len(results)], results)
+            raise
+        ledger.commit(start, rows, results)
+
+
+def run_each(ledger: Ledger, source: Source, setting: bool | None) -> Iterator[Any]:
+    """Yield the rows still to do; a row is done when the consumer asks for the next one."""
+    ledger.open()
+    progress = Progress(setting, ledger)
+    try:
+        for start, rows in ledger.pieces(source):
+            done = 0
+            try:
+                for row in rows:
+                    yield row
+                    done += 1
+                    if progress.bar is not None:
+                        progress.bar.update(1)
+            except BaseException:  # the loop was left (GeneratorExit), or an exception thrown in
+                ledger.salvage(start, rows[:done], None)
+                raise
+            ledger.commit(start, rows, None)
+        ledger.finish()
+    finally:
+        progress.close()
+
+
+# executors ---------------------------------------------------------------------------------
+
+
+def workers_of(executor: Executor) -> int:
+    """How many tasks *executor* runs at once (a guess for executors that do not say)."""
+    count = getattr(executor, "_max_workers", None)
+    if isinstance(count, int) and count > 0:
+        return count
+    client = getattr(executor, "_client", None)  # a dask.distributed ClientExecutor
+    if client is not None:
+        try:
+            return max(1, int(sum(client.nthreads().values())))
+        except Exception as exc:  # noqa: BLE001 - only a sizing hint
+            log.debug("cannot count the workers of %r: %s", executor, exc)
+    return os.cpu_count() or 1
+
+
+def run_executor(ledger: Ledger, source: Source, job: Job, progress: Progress) -> None:
+    """Run pieces on the job's executor, committing each as it finishes, in any order."""
+    executor = job.executor
+    assert executor is not None  # noqa: S101 - the caller chose this runner for it
+    pending: dict[Future[list[Any]], tuple[int, list[Any]]] = {}
+    try:
+        for start, rows in ledger.pieces(source):
+            pending[executor.submit(run_chunk, job.fn, rows, start, job.record)] = (start, rows)
+            if len(pending) >= job.window:
+                _drain(pending, ledger, job, progress)
+        while pending:
+            _drain(pending, ledger, job, progress)
+    except BaseException:
+        for future in pending:
+            future.cancel()
+        for future, (start, rows) in pending.items():
+            if future.done() and not future.cancelled() and future.exception() is None:
+                ledger.salvage(start, rows, future.result())
+        raise
+
+
+def _drain(
+    pending: dict[Future[list[Any]], tuple[int, list[Any]]], ledger: Ledger, job: Job, progress: Progress
+) -> None:
+    """Wait for at least one piece; commit every piece that finished; raise a row's error."""
+    from concurrent.futures import FIRST_COMPLETED, wait  # noqa: PLC0415 - only executors need it
+
+    done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
+    failed = None
+    for future in done:
+        if future.exception() is not None:
+            failed = failed or future
+            continue
+        start, rows = pending.pop(future)
+        results = future.result()
+        ledger.commit(start, rows, results)
+        if progress.bar is not None:
+            progress.failed(sum(type(r) is RowFailure for r in results) if job.record else 0)
+            progress.bar.update(len(rows))
+    if failed is not None:
+        pending.pop(failed)
+        failed.result()  # raises the row's exception
+
+
+# async -------------------------------------------------------------------------------------
+
+
+class _Open:
+    """A piece whose rows are running: its results so far."""
+
+    __slots__ = ("left", "results", "rows")
+
+    def __init__(self, rows: list[Any]) -> None:
+        self.rows = rows
+        self.results: list[Any] = [_PENDING] * len(rows)
+        self.left = len(rows)
+
+    def finished_runs(self, start: int) -> Iterator[tuple[int, list[Any], list[Any]]]:
+        """Each run of consecutive finished rows: (its start, its rows, their results)."""
+        i = 0
+        n = len(self.rows)
+        while i < n:
+            if self.results[i] is _PENDING:
+                i += 1
+                continue
+            j = i
+            while j < n and self.results[j] is not _PENDING:
+                j += 1
+            yield start + i, self.rows[i:j], self.results[i:j]
+            i = j
+
+
+async def _call(fn: Callable[[Any], Any], row: Any, index: int, record: bool) -> Any:
+    try:
+        return await fn(row)
+    except Exception as exc:
+        if not record:
+            raise
+        return RowFailure.of(index, exc)
+
+
+async def run_async(ledger: Ledger, source: Source, job: Job, progress: Progress) -> None:  # noqa: C901, PLR0912, PLR0915 - one scheduling loop, kept in one piece
+    """
+    Keep at most ``job.concurrency`` calls of the async function in flight; commit each
+    piece when its last row finishes. At most a few pieces are open at once, so a crash
+    loses at most their rows.
+    """
+    import asyncio  # noqa: PLC0415 - kept out of `import resumable`
+
+    fn, record, concurrency = job.fn, job.record, job.concurrency
+    pieces = ledger.pieces(source)
+    max_open = max(2, -(-concurrency // ledger.every) + 1)
+    open_: dict[int, _Open] = {}
+    queue: list[tuple[int, int]] = []  # (piece start, row offset) not started yet, reversed
+    running: dict[asyncio.Future[Any], tuple[int, int]] = {}
+    exhausted = False
+    try:
+        while True:
+            while len(running) < concurrency:
+                if not queue:
+                    if exhausted or len(open_) >= max_open:
+                        break
+                    piece = next(pieces, None)
+                    if piece is None:
+                        exhausted = True
+                        break
+                    start, rows = piece
+                    open_[start] = _Open(rows)
+                    queue = [(start, i) for i in reversed(range(len(rows)))]
+                start, i = queue.pop()
+                row = open_[start].rows[i]
+                running[asyncio.ensure_future(_call(fn, row, start + i, record))] = (start, i)
+            if not running:
+                break
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            error: BaseException | None = None
+            complete = []
+            for task in done:
+                start, i = running.pop(task)
+                if task.exception() is not None:
+                    error = error or task.exception()
+                    continue
+                piece_ = open_[start]
+                piece_.results[i] = task.result()
+                piece_.left -= 1
+                if progress.bar is not None:
+                    progress.failed(type(piece_.results[i]) is RowFailure)
+                    progress.bar.update(1)
+                if not piece_.left:
+                    complete.append(start)
+            for start in sorted(complete):
+                finished = open_.pop(start)
+                if ledger.where is not None and ledger.where.run.durable:
+                    # an fsync takes milliseconds: keep the event loop serving the calls in flight
+                    await asyncio.to_thread(ledger.commit, start, finished.rows, finished.results)
+                else:
+                    ledger.commit(start, finished.rows, finished.results)
+            if error is not None:
+                _reraise(error)
+    except BaseException:
+        for task in running:
+            task.cancel()
+        if running:
+            await asyncio.wait(running)
+        for task, (start, i) in running.items():
+            if not task.cancelled() and task.exception() is None and start in open_:
+                open_[start].results[i] = task.result()  # finished before it could be cancelled
+        for start, piece_ in open_.items():
+            for run_start, rows, results in piece_.finished_runs(start):
+                ledger.salvage(run_start, rows, results)
+        raise
+
+
+def _reraise(error: BaseException) -> None:
+    raise error

@@ -1,0 +1,585 @@
+"""
+Row chunks on disk: which rows of a batch are committed, and committing more.
+
+A batch lives in one directory of the store (see :func:`resumable._slots.batch_dir`)::
+
+    batch.msgpack                                         the batch record (kind, every, total, owner)
+    000000000000-000000000100-0-m5f0c...a1.msgpack        rows 0 to 99: their results
+    000000000100-000000000200-2-m77ab...03.msgpack        rows 100 to 199, two of them RowFailure values
+
+A chunk's name says which rows it holds, how many of them failed, and a digest of the
+rows' *inputs*; its content (framed like an output file: checksum, HMAC with a secret)
+holds their results. Listing the directory therefore tells which rows are committed
+without reading any chunk, and a resume checks its input by digesting the committed
+rows' inputs again. Chunks are only ever added: a commit writes one new file, so the
+cost of a commit does not grow with the rows committed before it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+import re
+import threading
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Sequence, Sized
+from typing import Any, NamedTuple
+
+import attrs
+import msgpack
+
+from ._codec import DamagedFileError, decode, encode, frame, parse_header, verify
+from ._codec_types import qualified_name
+from ._fingerprint import _Unhashable, digest_value
+from ._run import RunState, _stacklevel
+from .exceptions import InputChangedError, ResumableError, ResumableWarning
+
+log = logging.getLogger("resumable")
+
+RECORD = "batch.msgpack"
+_CHUNK = re.compile(r"(\d{12})-(\d{12})-(\d+)-([mf][0-9a-f]{24})\.msgpack")
+_DIGEST_BYTES = 12
+# The manifest's batch progress is written at most this often (and at the end).
+REPORT_INTERVAL = 0.5
+
+
+@attrs.frozen
+class RowFailure:
+    """
+    What ``checkpointed_map(..., on_error="record")`` puts in place of a row that raised.
+
+    ``type`` is the exception's class name (qualified with its module unless built in) and
+    ``message`` its text; ``index`` is the row's position in the input.
+    """
+
+    index: int
+    type: str
+    message: str
+
+    @classmethod
+    def of(cls, index: int, exc: BaseException) -> RowFailure:
+        """The failure of row *index*, which raised *exc*."""
+        return cls(index, qualified_name(type(exc)), str(exc)[:2000])
+
+
+class Chunk(NamedTuple):
+    """Committed rows ``start`` to ``end`` (exclusive), as a chunk file names them."""
+
+    start: int
+    end: int
+    failures: int
+    digest: str
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.start:012d}-{self.end:012d}-{self.failures}-{self.digest}.msgpack"
+
+    @property
+    def rows(self) -> str:
+        """``rows 100 to 199`` style, for messages."""
+        return f"rows {self.start:,} to {self.end - 1:,}"
+
+
+class Where:
+    """Where a batch lives, what it is called, and (inside a step) whose it is."""
+
+    __slots__ = ("args", "directory", "display", "identity", "label", "remedy", "run")
+
+    def __init__(  # noqa: PLR0913 - plain data
+        self,
+        run: RunState,
+        directory: str,
+        *,
+        label: str,
+        display: str,
+        remedy: str,
+        identity: str | None = None,
+        args: str | None = None,
+    ) -> None:
+        self.run = run
+        self.directory = directory
+        self.label = label  # the manifest's key: the step's slot, or the batch's name
+        self.display = display  # the batch's name in messages
+        self.remedy = remedy  # how to start over, for InputChangedError
+        self.identity = identity  # the owning step's code or version identity
+        self.args = args  # the digest of the owning step's arguments
+
+
+class Source:
+    """The batch's input, read once, front to back, in slices."""
+
+    def __init__(self, items: Iterable[Any]) -> None:
+        if hasattr(items, "__aiter__") and not hasattr(items, "__iter__"):
+            msg = "batch input must be an iterable (a list, a range, a generator ...), not an async iterable"
+            raise TypeError(msg)
+        self.items = items
+        self.pos = 0
+        self._seq: Sequence[Any] | None = items if isinstance(items, Sequence) else None
+        self._iter: Iterator[Any] = iter(()) if self._seq is not None else iter(items)
+        sized = isinstance(items, Sized)
+        self.total: int | None = len(items) if isinstance(items, Sized) else None
+        # a sized container that is not an iterator can be iterated again
+        self.rereadable = self._seq is not None or (sized and self._iter is not items)
+
+    def take(self, n: int) -> list[Any]:
+        """The next *n* rows (fewer at the end of the input)."""
+        rows: list[Any]
+        if self._seq is not None:
+            part = self._seq[self.pos : self.pos + n]
+            rows = part if type(part) is list else list(part)
+        else:
+            rows = list(itertools.islice(self._iter, n))
+        self.pos += len(rows)
+        return rows
+
+    def again(self) -> Source:
+        """The same input from its first row (only if :attr:`rereadable`)."""
+        return Source(self.items)
+
+
+class DamagedChunksError(Exception):
+    """Some committed chunks were damaged (and have been deleted): their rows must be redone."""
+
+
+class Ledger:
+    """
+    The committed chunks of one batch, and the commits of one call.
+
+    With *where* None (``RESUMABLE_DISABLE=1``) nothing is read or written: results only
+    pass through memory.
+    """
+
+    def __init__(
+        self,
+        where: Where | None,
+        *,
+        kind: str,
+        every: int,
+        total: int | None,
+        record_failures: bool = False,
+    ) -> None:
+        self.where = where
+        self.kind = kind
+        self.every = every
+        self.total = total
+        self.record_failures = record_failures
+        self.chunks: list[Chunk] = []  # committed, sorted by start once opened
+        self.fresh: dict[int, Any] = {}  # start -> results committed by this call
+        self.done = 0
+        self.failures = 0
+        self.resumed = 0
+        self._stored: dict[str, Any] | None = None  # the batch record as stored
+        self._lenient = False  # the owning step's arguments changed: drop what no longer matches
+        self._lock = threading.Lock()
+        self._reported = 0.0
+        self._unhashable_noted = False
+
+    @property
+    def display(self) -> str:
+        return self.where.display if self.where is not None else "batch"
+
+    # opening -----------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """List the committed chunks, and drop them if they belong to something else."""
+        where = self.where
+        if where is None:
+            return
+        store = where.run.store
+        prefix = where.directory
+        chunks: list[Chunk] = []
+        has_record = False
+        for key in store.list(prefix):
+            name = key[len(prefix) :]
+            if name == RECORD:
+                has_record = True
+            elif (m := _CHUNK.fullmatch(name)) is not None:
+                chunks.append(Chunk(int(m[1]), int(m[2]), int(m[3]), m[4]))
+        record = self._read_record() if has_record else None
+        stale = self._stale(record, has_record=has_record, chunks=chunks)
+        if stale is not None:
+            log.info("batch %r: starting over (%s)", where.display, stale)
+            self._delete(chunks)
+            if has_record:
+                store.delete(prefix + RECORD, durable=False)
+            chunks, record = [], None
+        self._stored = record
+        self.chunks = self._without_overlaps(sorted(chunks))
+        self.done = self.resumed = sum(c.end - c.start for c in self.chunks)
+        self.failures = sum(c.failures for c in self.chunks)
+        if self.done:
+            self._log_resume()
+            self.report(force=True)
+
+    def _read_record(self) -> dict[str, Any] | None:
+        where = self.where
+        assert where is not None  # noqa: S101 - only called with storage
+        key = where.directory + RECORD
+        try:
+            data = where.run.store.read(key)
+            header, head_len = parse_header(data)
+            verify(data, header, head_len, where.run.secret)
+            record = decode(data, header, head_len, allow_pickle=False)
+        except (DamagedFileError, FileNotFoundError) as exc:
+            warnings.warn(
+                ResumableWarning(
+                    f"{where.run.store.location}/{key} cannot be used ({exc}); "
+                    f"batch {where.display!r} starts over."
+                ),
+                stacklevel=_stacklevel(),
+            )
+            return None
+        return record if isinstance(record, dict) else None
+
+    def _stale(self, record: dict[str, Any] | None, *, has_record: bool, chunks: list[Chunk]) -> str | None:
+        """Why the committed chunks cannot be used at all (None if they can)."""
+        where = self.where
+        assert where is not None  # noqa: S101 - only called with storage
+        if record is None:
+            if has_record:
+                return "its batch record was damaged"
+            return f"{len(chunks)} chunk(s) without a batch record" if chunks else None
+        if record.get("kind") != self.kind:
+            old, new = (_API.get(str(k), str(k)) for k in (record.get("kind"), self.kind))
+            msg = (
+                f"batch {where.display!r} was started by {old}() and is now used by {new}(); "
+                "they cannot share rows: give one of them another name=."
+            )
+            raise ResumableError(msg)
+        if record.get("identity") != where.identity:
+            return "the step's code or version changed since its rows were committed"
+        if record.get("args") != where.args:
+            # The step reruns because its arguments changed: committed rows whose input is
+            # unchanged are kept, the others are redone (no InputChangedError).
+            self._lenient = True
+            log.info(
+                "batch %r: the step's arguments changed; committed rows whose input is unchanged are kept",
+                where.display,
+            )
+            return None
+        old_total = record.get("total")
+        if self.total is not None and old_total is not None and old_total != self.total:
+            raise InputChangedError(
+                where.display, f"it had {old_total:,} rows, now {self.total:,}", where.remedy
+            )
+        if record.get("every") != self.every and chunks:
+            log.info(
+                "batch %r: every=%s now (committed chunks have every=%s); committed rows are kept",
+                where.display, self.every, record.get("every"),
+            )  # fmt: skip
+        return None
+
+    def _without_overlaps(self, chunks: list[Chunk]) -> list[Chunk]:
+        kept: list[Chunk] = []
+        end = 0
+        for chunk in chunks:
+            if chunk.start < end or chunk.end <= chunk.start:
+                # never written by resumable: chunks are only made for rows not yet committed
+                warnings.warn(
+                    ResumableWarning(
+                        f"batch {self.display!r}: chunk {chunk.file_name} overlaps another one; "
+                        f"it is deleted and its rows are done again."
+                    ),
+                    stacklevel=_stacklevel(),
+                )
+                self._delete([chunk])
+                continue
+            kept.append(chunk)
+            end = chunk.end
+        return kept
+
+    def _log_resume(self) -> None:
+        where = self.where
+        assert where is not None  # noqa: S101 - only called with storage
+        first = 0
+        for chunk in self.chunks:
+            if chunk.start != first:
+                break
+            first = chunk.end
+        if self.total is not None and first >= self.total:
+            log.info("batch %r: all %s rows were already done", where.display, f"{self.total:,}")
+            return
+        of = f" of {self.total:,}" if self.total is not None else ""
+        extra = f" ({self.done:,} rows done)" if self.done != first else ""
+        log.info("resuming batch %r at row %s%s%s", where.display, f"{first:,}", of, extra)
+
+    # walking the input -------------------------------------------------------------------
+
+    def pieces(self, source: Source) -> Iterator[tuple[int, list[Any]]]:
+        """
+        Yield ``(start, rows)`` for the rows still to do, at most :attr:`every` at a time,
+        checking on the way that the committed rows' input has not changed.
+
+        Raises:
+            InputChangedError: it has (named batches, or a step whose arguments are the same).
+        """
+        committed = list(self.chunks)
+        limit = source.total
+        if limit is None and not self._lenient and self._stored is not None:
+            limit = self._stored.get("total")
+        for i, chunk in enumerate(committed):
+            yield from self._gap(source, chunk.start)
+            rows = source.take(chunk.end - chunk.start) if source.pos == chunk.start else []
+            if len(rows) == chunk.end - chunk.start and self._digest(rows) == chunk.digest:
+                continue
+            short = len(rows) < chunk.end - chunk.start
+            if not self._lenient:
+                detail = (
+                    f"it now ends at row {source.pos:,}, but {chunk.rows} were committed"
+                    if short
+                    else f"{chunk.rows} differ from those committed"
+                )
+                where = self.where
+                assert where is not None  # noqa: S101 - chunks exist only with storage
+                raise InputChangedError(where.display, detail, where.remedy)
+            self._drop(committed[i:] if short else [chunk])
+            yield from self._split(chunk.start, rows)
+            if short:
+                break
+        yield from self._gap(source, limit)
+        self._ended(source, limit)
+
+    def _gap(self, source: Source, until: int | None) -> Iterator[tuple[int, list[Any]]]:
+        every = self.every
+        while until is None or source.pos < until:
+            n = every if until is None else min(every, until - source.pos)
+            start = source.pos
+            rows = source.take(n)
+            if rows:
+                yield start, rows
+            if len(rows) < n:
+                return
+
+    def _split(self, start: int, rows: list[Any]) -> Iterator[tuple[int, list[Any]]]:
+        for i in range(0, len(rows), self.every):
+            yield start + i, rows[i : i + self.every]
+
+    def _ended(self, source: Source, limit: int | None) -> None:
+        where = self.where
+        if where is not None and limit is not None and not self._lenient:
+            more = source.pos == limit and source.total is None and source.take(1)
+            if source.pos != limit or more:
+                detail = f"it had {limit:,} rows, now {'more' if more else f'{source.pos:,}'}"
+                raise InputChangedError(where.display, detail, where.remedy)
+        self.total = source.pos
+
+    def _digest(self, rows: list[Any]) -> str:
+        """A digest of a chunk's input rows: their msgpack bytes when they are plain data."""
+        try:
+            packed = msgpack.packb(rows, strict_types=True)
+        except (TypeError, ValueError, OverflowError):
+            return "f" + self._fingerprint(rows)
+        return "m" + hashlib.blake2b(packed, digest_size=_DIGEST_BYTES).hexdigest()
+
+    def _fingerprint(self, rows: list[Any]) -> str:
+        try:
+            return digest_value(rows)[: 2 * _DIGEST_BYTES]
+        except (_Unhashable, RecursionError):
+            pass
+        # Rows without a stable digest are compared by their type only: a change inside
+        # them is not noticed (they would need __resumable_fingerprint__).
+        parts = []
+        for row in rows:
+            try:
+                parts.append(digest_value(row))
+            except (_Unhashable, RecursionError):
+                parts.append("?" + qualified_name(type(row)))
+                if not self._unhashable_noted:
+                    self._unhashable_noted = True
+                    log.warning(
+                        "batch %r: rows of type %s cannot be fingerprinted, so a change to them "
+                        "between runs is not detected (give the class a __resumable_fingerprint__() method)",
+                        self.display, qualified_name(type(row)),
+                    )  # fmt: skip
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[: 2 * _DIGEST_BYTES]
+
+    # committing --------------------------------------------------------------------------
+
+    def commit(self, start: int, rows: Sequence[Any], results: Any) -> None:
+        """
+        Store the results of ``rows`` (input rows ``start`` on) as one new chunk.
+
+        Raises:
+            SerializationError: a result cannot be stored.
+        """
+        size = len(rows)
+        if not size:
+            return
+        where = self.where
+        failures = sum(type(r) is RowFailure for r in results) if self.record_failures else 0
+        if where is None:
+            with self._lock:
+                self.fresh[start] = results
+                self.done += size
+                self.failures += failures
+            return
+        run = where.run
+        digest = self._digest(rows if type(rows) is list else list(rows))
+        chunk = Chunk(start, start + size, failures, digest)
+        encoded = encode(
+            results,
+            allow_pickle=run.allow_pickle,
+            what=f"the results of batch {where.display!r}, {chunk.rows}",
+        )
+        meta = {
+            "slot": where.label,
+            "batch": where.directory,
+            "rows": [chunk.start, chunk.end],
+            "digest": digest,
+        }
+        framed = frame(encoded, meta, secret=run.secret)
+        with self._lock:
+            if self._stored is None:
+                self._save_record()  # before the first chunk: chunks never exist without it
+            run.store.write(where.directory + chunk.file_name, framed.chunks(), durable=run.durable)
+            self.chunks.append(chunk)
+            self.fresh[start] = results
+            self.done += size
+            self.failures += failures
+            self.report()
+
+    def salvage(self, start: int, rows: Sequence[Any], results: Any) -> None:
+        """Commit the rows finished before an exception; a failure here is only logged."""
+        if not rows:
+            return
+        if self.where is not None and not _is_open(self.where.run):
+            log.warning(
+                "batch %r: the run was already closed; %d finished rows are not committed",
+                self.display,
+                len(rows),
+            )
+            return
+        try:
+            self.commit(start, rows, results)
+        except Exception as exc:  # noqa: BLE001 - the exception being raised matters more
+            log.warning("batch %r: could not commit %d finished rows: %s", self.display, len(rows), exc)
+
+    def finish(self) -> None:
+        """The input is exhausted and every piece committed: update the record and the manifest."""
+        if self.where is None:
+            return
+        wanted = self._record()
+        with self._lock:
+            if self._stored is not None and self._stored != wanted and self.done:
+                self._save_record()
+        self.report(force=True)
+        if self.failures:
+            log.info(
+                "batch %r: %s of %s rows failed (RowFailure values in the result)",
+                self.display, f"{self.failures:,}", f"{self.total:,}",
+            )  # fmt: skip
+
+    def _record(self) -> dict[str, Any]:
+        where = self.where
+        assert where is not None  # noqa: S101 - only called with storage
+        total = self.total
+        if total is None and self._stored is not None and not self._lenient:
+            total = self._stored.get("total")
+        return {
+            "kind": self.kind,
+            "every": self.every,
+            "total": total,
+            "identity": where.identity,
+            "args": where.args,
+        }
+
+    def _save_record(self) -> None:
+        where = self.where
+        assert where is not None  # noqa: S101 - only called with storage
+        # In lenient mode the stored record keeps the old arguments until finish(): a crash
+        # before every chunk committed under them was checked checks them again, leniently.
+        record = self._record()
+        run = where.run
+        encoded = encode(record, allow_pickle=False, what="a batch record")
+        framed = frame(encoded, {"slot": where.label, "batch": where.directory}, secret=run.secret)
+        run.store.write(where.directory + RECORD, framed.chunks(), durable=run.durable)
+        self._stored = record
+
+    def report(self, *, force: bool = False) -> None:
+        """Record the batch's progress in the manifest (at most every :data:`REPORT_INTERVAL`)."""
+        where = self.where
+        now = time.monotonic()
+        if where is None or (not force and now - self._reported < REPORT_INTERVAL):
+            return
+        if not _is_open(where.run):
+            return
+        self._reported = now
+        progress = {"done": self.done, "every": self.every, "total": self.total, "failures": self.failures}
+        where.run.journal.record("batch", defer=True, batch=where.label, progress=progress)
+
+    def _drop(self, chunks: list[Chunk]) -> None:
+        self._delete(chunks)
+        dropped = set(chunks)
+        self.chunks = [c for c in self.chunks if c not in dropped]
+        self.done -= sum(c.end - c.start for c in chunks)
+        self.failures -= sum(c.failures for c in chunks)
+
+    def _delete(self, chunks: Iterable[Chunk]) -> None:
+        where = self.where
+        assert where is not None  # noqa: S101 - only called with storage
+        for chunk in chunks:
+            where.run.store.delete(where.directory + chunk.file_name, durable=False)
+
+    # assembling --------------------------------------------------------------------------
+
+    def assemble(self) -> list[Any]:
+        """
+        The results of every row, in input order: this call's from memory, earlier ones
+        read (and verified) from their chunks.
+
+        Raises:
+            DamagedChunksError: some chunks were damaged; they have been deleted.
+        """
+        out: list[Any] = []
+        damaged: list[str] = []
+        for chunk in sorted(self.chunks):
+            results = self.fresh.get(chunk.start)
+            if results is None:
+                try:
+                    results = self._load(chunk)
+                except DamagedFileError as exc:
+                    damaged.append(f"{chunk.file_name} ({exc})")
+                    self._drop([chunk])
+                    continue
+            out.extend(results)
+        if damaged:
+            where = self.where
+            assert where is not None  # noqa: S101 - only stored chunks can be damaged
+            warnings.warn(
+                ResumableWarning(
+                    f"batch {where.display!r}: damaged chunk(s) in {where.run.store.location}/"
+                    f"{where.directory}: {'; '.join(damaged)}. Their rows are done again."
+                ),
+                stacklevel=_stacklevel(),
+            )
+            raise DamagedChunksError(where.display)
+        if not self.chunks:  # RESUMABLE_DISABLE: everything is in memory
+            for start in sorted(self.fresh):
+                out.extend(self.fresh[start])
+        return out
+
+    def _load(self, chunk: Chunk) -> list[Any]:
+        where = self.where
+        assert where is not None  # noqa: S101 - only stored chunks are loaded
+        run = where.run
+        data = run.store.read(where.directory + chunk.file_name)
+        header, head_len = parse_header(data)
+        verify(data, header, head_len, run.secret)
+        if header.get("rows") != [chunk.start, chunk.end] or header.get("digest") != chunk.digest:
+            msg = "it holds other rows than its name says"
+            raise DamagedFileError(msg)
+        value = decode(data, header, head_len, allow_pickle=run.allow_pickle)
+        if not isinstance(value, list) or len(value) != chunk.end - chunk.start:
+            msg = "it does not hold one result per row"
+            raise DamagedFileError(msg)
+        return value
+
+
+_API = {"map": "checkpointed_map", "each": "checkpointed"}
+
+
+def _is_open(run: RunState) -> bool:
+    # A generator closed late (at interpreter exit) must not write into a closed run.
+    return getattr(run, "_lock", True) is not None
