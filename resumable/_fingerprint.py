@@ -56,21 +56,33 @@ class StoredOutput:
     """
     A skipped step's output that has not been loaded (the pipeline runner's lazy value).
 
-    Its digest is the stored output's checksum, so a step taking it as an argument gets
-    the same fingerprint as with the loaded value, without loading or rehashing it.
+    A step taking it as an argument gets the same fingerprint as with the loaded value,
+    without loading or rehashing it: small outputs carry their value's digest (taken when
+    they were stored), larger ones are known by their stored checksum, exactly as when a
+    step is called with the output another step returned.
     """
 
-    __slots__ = ("_load", "_loaded", "_value", "digest", "slot")
+    __slots__ = ("_load", "_loaded", "_value", "digest", "slot", "value_digest")
 
-    def __init__(self, slot: str, digest: str, load: Callable[[], Any]) -> None:
+    def __init__(
+        self, slot: str, digest: str, load: Callable[[], Any], value_digest: str | None = None
+    ) -> None:
         self.slot = slot
         self.digest = digest
+        self.value_digest = value_digest
         self._load = load
         self._loaded = False
         self._value: Any = None
 
     def __repr__(self) -> str:
         return f"<stored output of {self.slot!r}>"
+
+    @property
+    def arg_digest(self) -> str:
+        """What this output contributes to the fingerprint of a step it is passed to."""
+        if self.value_digest is not None:
+            return self.value_digest
+        return hashlib.sha256(b"@" + self.digest.encode()).hexdigest()
 
     def get(self) -> Any:
         """Load (once) and return the value."""
@@ -189,7 +201,7 @@ class _Feeder:
             out += simple(obj)
             return
         if tp is StoredOutput:
-            out += b"@" + obj.digest.encode()
+            out += b"&" + bytes.fromhex(obj.arg_digest)
             return
         origin = provenance.lookup(obj)
         if origin is not None:
@@ -379,8 +391,14 @@ def digest_arguments(step: str, arguments: Mapping[str, Any], ignore: frozenset[
         if name in ignore:
             continue
         out += _text(name)
+        if type(value) is StoredOutput:
+            out += bytes.fromhex(value.arg_digest)
+            continue
+        # Each argument adds the digest of its value (digest_value), which is what a stored
+        # small output records, so the runner can fingerprint it without loading it.
+        item = bytearray()
         try:
-            feeder.feed(out, value, name)
+            feeder.feed(item, value, name)
         except _Unhashable as exc:
             tp = qualified_name(type(exc.obj))
             raise FingerprintError(step, name, exc.where, tp, exc.detail) from None
@@ -388,6 +406,7 @@ def digest_arguments(step: str, arguments: Mapping[str, Any], ignore: frozenset[
             raise FingerprintError(
                 step, name, name, qualified_name(type(value)), "nested too deeply"
             ) from None
+        out += hashlib.sha256(item).digest()
     if provenance.changed != changed:
         warnings.warn(
             ResumableWarning(

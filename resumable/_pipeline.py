@@ -366,17 +366,12 @@ class Pipeline:
         found = run.peek(spec, plan)
         if found.hit:
             stored: StoredOutput = found.value
-            return (
-                StoredOutput(
-                    plan.slot, stored.digest, lambda: self._load_or_redo(run, spec, plan, args, kwargs)
-                ),
-                False,
-                plan.slot,
-            )
+            redo = functools.partial(self._load_or_redo, run, spec, plan, args, kwargs)
+            return StoredOutput(plan.slot, stored.digest, redo, stored.value_digest), False, plan.slot
         value = _execute(run, spec, plan, found, _call(spec, args, kwargs))
-        # downstream steps see the stored digest, exactly as when this step is skipped
+        # downstream steps see the stored digests, exactly as when this step is skipped
         digest = plan.output_digest or ""
-        return StoredOutput(plan.slot, digest, lambda: value), True, plan.slot
+        return StoredOutput(plan.slot, digest, lambda: value, plan.output_value_digest), True, plan.slot
 
     def _load_or_redo(
         self, run: RunState, spec: StepSpec[Any, Any], plan: Plan, args: list[Any], kwargs: dict[str, Any]

@@ -33,7 +33,7 @@ from ._codec import (
     verify,
 )
 from ._codec_types import qualified_name
-from ._fingerprint import StoredOutput, provenance
+from ._fingerprint import StoredOutput, _Unhashable, digest_value, provenance
 from ._journal import Journal, read_header
 from ._render import human_size
 from ._slots import batch_dir, slot_file
@@ -252,7 +252,9 @@ class RunState:
         miss = self._check_header(spec, plan, header)
         if miss is not None:
             return miss
-        value = StoredOutput(plan.slot, value_digest(header), lambda: self.load(spec, plan))
+        value = StoredOutput(
+            plan.slot, value_digest(header), lambda: self.load(spec, plan), header.get("vdigest")
+        )
         return self._hit(spec, plan, value, header, head_len)
 
     def _check_header(self, spec: StepSpec[Any, Any], plan: Plan, header: dict[str, Any]) -> Found | None:
@@ -432,6 +434,10 @@ class RunState:
             "code": ident.code,
             "args": plan.args,
         }
+        if len(encoded.body) + sum(b.nbytes for b in encoded.buffers) < PROVENANCE_MIN_SIZE:
+            # A small output records its value's digest: the runner can then pass it on
+            # unloaded, with the fingerprint a call with the value itself would have.
+            meta["vdigest"] = plan.output_value_digest = _value_digest_or_none(value)
         header_last = getattr(self.store, "write_header_last", None)
         framed = frame(encoded, meta, secret=self.secret)
         header, size = framed.header, framed.size
@@ -567,6 +573,13 @@ class RunState:
                 self.failed(spec, plan, exc, started, attempt)
                 raise
             attempt += 1
+
+
+def _value_digest_or_none(value: object) -> str | None:
+    try:
+        return digest_value(value)
+    except (_Unhashable, RecursionError):
+        return None  # not a valid argument anyway: passing it on fails the same way
 
 
 def _remember(value: object, header: dict[str, Any]) -> None:

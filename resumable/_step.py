@@ -81,7 +81,7 @@ class Identity:
 class Plan:
     """One call of a step, resolved: its slot and fingerprint."""
 
-    __slots__ = ("args", "fingerprint", "key", "output_digest", "replaces", "slot")
+    __slots__ = ("args", "fingerprint", "key", "output_digest", "output_value_digest", "replaces", "slot")
 
     def __init__(self, slot: str, key: str | None, fingerprint: str, args: str) -> None:
         self.slot = slot
@@ -89,6 +89,7 @@ class Plan:
         self.fingerprint = fingerprint
         self.args = args
         self.output_digest: str | None = None  # set once the output is stored
+        self.output_value_digest: str | None = None  # and for small outputs, this too
         self.replaces: str | None = None  # the version of the output a rerun replaces
 
 

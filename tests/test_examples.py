@@ -167,3 +167,18 @@ def test_etl_reruns_only_what_changed(tmp_path):
     # the same rows, grouped another way: the grand totals agree
     grand_total = sum(float(line.split()[1]) for line in by_region)
     assert pytest.approx(grand_total, abs=0.05) == sum(float(line.split()[1]) for line in by_product)
+
+
+def test_rollback_example(tmp_path):
+    """rollback.py: v1, then v2 compared with v1, then a rollback restores v1 without model calls."""
+    first = run_example("rollback", tmp_path)
+    assert 0 == first.returncode, first.stderr
+    assert "model calls this run: 3" in first.stdout
+    second = run_example("rollback", tmp_path, "--prompt", "v2")
+    assert "was: A checkpoint: the short answer." in second.stdout
+    back = run_example("rollback", tmp_path, "--rollback")
+    assert 0 == back.returncode, back.stderr
+    assert "rolled back to checkpoint 3 (answers-v1)" in back.stdout
+    again = run_example("rollback", tmp_path)
+    assert "model calls this run: 0" in again.stdout
+    assert "What is a checkpoint? -> A checkpoint: the short answer." in again.stdout

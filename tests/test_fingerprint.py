@@ -597,8 +597,10 @@ def test_ignore_accepts_a_single_name(pipe):
 
 
 def _expected_args(name: str, checksum: str) -> str:
+    """The argument digest of one parameter holding a step output known by its checksum."""
     text = name.encode()
-    return hashlib.sha256(len(text).to_bytes(8, "little") + text + b"@" + checksum.encode()).hexdigest()[:32]
+    value = hashlib.sha256(b"@" + checksum.encode()).digest()
+    return hashlib.sha256(len(text).to_bytes(8, "little") + text + value).hexdigest()[:32]
 
 
 @pytest.fixture

@@ -387,3 +387,17 @@ def test_state_written_with_a_secret_opens_without_one(state_dir: Path):
         other.step(g.__wrapped__)()
         assert ["g"] == other.status().completed_steps
     assert [1] == calls
+
+
+def test_runner_and_direct_calls_agree_on_small_outputs(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
+    """After run(), calling a step with an equal small value is a skip, and the runner needs no load."""
+    calls: list[str] = []
+    _, parse, count = _etl(pipe, calls)
+    pipe.run(url="x")
+    assert parse.is_cached("data from x")
+    assert count.is_cached(["data", "from", "x"])
+    decoded: list[int] = []
+    real_decode = resumable._run.decode
+    monkeypatch.setattr(resumable._run, "decode", lambda *a, **k: decoded.append(1) or real_decode(*a, **k))
+    assert ["download", "parse", "count"] == pipe.run(url="x").skipped
+    assert [] == decoded
