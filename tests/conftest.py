@@ -50,3 +50,25 @@ def pipe(state_dir: Path) -> Iterator[Pipeline]:
     yield pipeline
     _exit_hooks.forget(pipeline)
     pipeline._close("completed", None)
+
+
+# remote stores ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """A local S3-compatible server (moto) with a bucket, for the whole session."""
+    pytest.importorskip("s3fs", reason="the remote extra (fsspec, s3fs) is not installed")
+    pytest.importorskip("moto.server", reason="moto[server] (in the test extra) is not installed")
+    from s3_server import running_server
+
+    with running_server(tmp_path_factory.mktemp("aws")) as server:
+        yield server
+
+
+@pytest.fixture
+def s3(s3_server, monkeypatch: pytest.MonkeyPatch):
+    """The S3 server, with the standard AWS variables pointing at it for this test."""
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)
+    return s3_server

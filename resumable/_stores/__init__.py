@@ -12,8 +12,6 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-from ..exceptions import ResumableError
-
 Buffer = bytes | bytearray | memoryview
 
 
@@ -67,14 +65,15 @@ class Store(Protocol):
 
 def open_store(
     location: str | os.PathLike[str] | Store,
-    storage_options: Mapping[str, Any] | None = None,  # noqa: ARG001 - for fsspec stores
+    storage_options: Mapping[str, Any] | None = None,
 ) -> Store:
     """
     Return the store for a directory, a URL or an existing :class:`Store`.
 
     ``memory://name`` is an in-process store shared by every pipeline using the same name
     (``memory://`` alone is a fresh private one); ``file://path`` and plain paths are local
-    directories. *storage_options* are for stores reached through fsspec.
+    directories. Any other URL (``s3://bucket/prefix`` ...) is opened with fsspec, passing
+    it *storage_options* (needs ``pip install "resumable[remote]"``).
     """
     if isinstance(location, Store):
         return location
@@ -92,8 +91,6 @@ def open_store(
         from ._memory import MemoryStore  # noqa: PLC0415 - keep import light
 
         return MemoryStore.named(rest)
-    msg = (
-        f"cannot open store {text!r}: resumable supports local directories, file:// and "
-        "memory:// URLs, or a Store object."
-    )
-    raise ResumableError(msg)
+    from ._fsspec import FsspecStore  # noqa: PLC0415 - fsspec is optional and slow to import
+
+    return FsspecStore(text, storage_options)

@@ -1,0 +1,628 @@
+"""
+Stores reached through fsspec: ``s3://bucket/prefix`` and any other fsspec URL.
+
+Every object is written whole. On object stores (S3, GCS, Azure, fsspec's memory file
+system) one PUT is atomic: a reader sees the old object or the new one, and a writer
+killed mid-upload leaves no object at all (a multipart upload becomes visible only when it
+completes). On other fsspec file systems an object is written under a temporary name and
+moved over its key.
+
+Object stores cannot append, so an appended key (the event log) is kept as numbered
+*segments*, ``.resumable/segments/<key>/<start>-<end>.<level>``: each append writes one
+segment named by the byte range it holds, and reading the key joins the segments from
+byte 0. Every 16 segments of one level at the end of the log are merged into one of the
+next level, so a log of *n* appends has O(log n) segments and each byte is rewritten
+O(log n) times. While two segments cover the same bytes (a merge not yet cleaned up),
+the longer one is read. If the key also exists as a plain object (written with ``write``,
+or a log copied from a local state directory), that object is the key's content and its
+segments are leftovers; the first append copies it into a segment and then deletes it.
+
+Layout under the store's root, besides the keys resumable writes::
+
+    .resumable/lease.json                the run lock (see _lease.py)
+    .resumable/segments/<key>/...        appended keys, in segments
+    <dir>/.<name>.<token>.tmp            objects being written (non-object-store file systems)
+
+``list`` shows appended keys as one key each and never shows the lease, segments or
+temporary objects. While this store holds the run's lease, no other process writes to it,
+so it lists the root once and keeps that listing up to date itself: ``list``, a read of a
+missing key and an append then cost no round trip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import re
+import threading
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+from .._slots import INTERNAL_DIR
+from ..exceptions import ResumableError
+from . import Buffer
+from ._lease import LEASE_KEY, Lease, LeaseConflict, ttl_from_env
+
+SEGMENTS = f"{INTERNAL_DIR}/segments"
+FANOUT = 16  # segments of one level merged into one of the next
+_COPY_LEVEL = 99  # a plain object turned into a segment: never merged again
+_RECENT_MAX = 8 * 1024 * 1024  # bytes of recently written segments kept for merging
+_READ_ATTEMPTS = 4
+# Protocols where writing an object in one request is atomic.
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"})
+_SEGMENT_NAME = re.compile(r"([0-9a-f]{16})-([0-9a-f]{16})\.(\d+)")
+INSTALL_HINT = 'install the remote extra: pip install "resumable[remote]"'
+
+
+class Segment(NamedTuple):
+    """Bytes ``start`` to ``end`` of an appended key; merged ``level`` times."""
+
+    start: int
+    end: int
+    level: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.start:016x}-{self.end:016x}.{self.level}"
+
+    @classmethod
+    def parse(cls, name: str) -> Segment | None:
+        m = _SEGMENT_NAME.fullmatch(name)
+        if m is None:
+            return None
+        return cls(int(m[1], 16), int(m[2], 16), int(m[3]))
+
+
+def chain_of(segments: Iterable[Segment]) -> tuple[list[Segment], list[Segment], int | None]:
+    """
+    The segments that make up the key from byte 0 (the longest one at each offset), the
+    leftovers they cover, and the offset of a gap if some segment lies beyond it.
+    """
+    segments = list(segments)
+    best: dict[int, Segment] = {}
+    for s in segments:
+        if s.end > s.start and (s.start not in best or s.end > best[s.start].end):
+            best[s.start] = s
+    chain: list[Segment] = []
+    pos = 0
+    while pos in best:
+        chain.append(best[pos])
+        pos = best[pos].end
+    used = set(chain)
+    stale = [s for s in segments if s not in used and s.end <= pos]
+    gap = any(s not in used and s.end > pos for s in segments)
+    return chain, stale, pos if gap else None
+
+
+class _Index:
+    """What the store holds: plain objects, and the segments of appended keys."""
+
+    def __init__(self) -> None:
+        self.objects: set[str] = set()
+        self.logs: dict[str, set[Segment]] = {}
+
+    def keys(self) -> set[str]:
+        return self.objects | {k for k, segs in self.logs.items() if segs}
+
+
+def _named(exc: OSError, where: str) -> OSError:
+    """The same kind of error, naming *where* (errors from object stores often name nothing)."""
+    if exc.filename is not None:
+        return exc
+    try:
+        return type(exc)(exc.errno or errno.EIO, exc.strerror or str(exc), where)
+    except TypeError:  # pragma: no cover - an OSError subclass with its own signature
+        return OSError(exc.errno or errno.EIO, exc.strerror or str(exc), where)
+
+
+def _is_precondition_failure(exc: OSError) -> bool:
+    if isinstance(exc, FileExistsError):
+        return True
+    cause = exc.__cause__
+    response = getattr(cause, "response", None)
+    code = response.get("Error", {}).get("Code") if isinstance(response, dict) else None
+    if code in {"PreconditionFailed", "ConditionalRequestConflict"}:
+        return True
+    return "pre-condition" in str(exc).lower() or "precondition" in str(exc).lower()
+
+
+class FsspecStore:
+    """
+    A store at any fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``memory://...``).
+
+    Args:
+        url: where the state lives.
+        storage_options: passed to fsspec (endpoint, credentials, ...).
+        lease_ttl: seconds the run's lease lives without renewal (default
+            ``$RESUMABLE_LEASE_TTL``, else 30); it is renewed every third of that.
+    """
+
+    slow_appends = True  # the journal appends in batches: each append is one PUT
+
+    def __init__(
+        self, url: str, storage_options: Mapping[str, Any] | None = None, *, lease_ttl: float | None = None
+    ) -> None:
+        try:
+            import fsspec  # noqa: PLC0415 - an optional dependency, imported when used
+        except ImportError:
+            msg = f"cannot open store {url!r}: fsspec is not installed; {INSTALL_HINT}"
+            raise ResumableError(msg) from None
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
+        except ImportError as exc:
+            msg = f"cannot open store {url!r}: {exc}; {INSTALL_HINT}"
+            raise ResumableError(msg) from None
+        except (ValueError, OSError, TypeError) as exc:
+            msg = f"cannot open store {url!r}: {type(exc).__name__}: {exc}"
+            raise ResumableError(msg) from None
+        self.fs: Any = fs
+        self.location = url.rstrip("/") or url
+        self._prefix = root if root.endswith("/") else f"{root}/"
+        protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+        self.atomic_put = bool(protocols & _OBJECT_STORES)
+        self._s3 = bool(protocols & {"s3", "s3a"})
+        self._one_request: dict[str, Any] = {"max_concurrency": 1} if self._s3 else {}
+        self.lease_ttl = ttl_from_env() if lease_ttl is None else float(lease_ttl)
+        self._mutex = threading.RLock()
+        self._append_lock = threading.Lock()
+        self._lease: Lease | None = None
+        self._index: _Index | None = None
+        self._tails: dict[str, list[Segment]] = {}
+        self._recent: dict[str, bytes] = {}
+
+    def __repr__(self) -> str:
+        return f"FsspecStore({self.location!r})"
+
+    # paths ------------------------------------------------------------------------------
+
+    def _path(self, key: str) -> str:
+        return self._prefix + key
+
+    def _where(self, key: str) -> str:
+        return f"{self.location}/{key}"
+
+    def _seg_path(self, key: str, seg: Segment) -> str:
+        return self._path(f"{SEGMENTS}/{key}/{seg.name}")
+
+    def _classify(self, path: str, index: _Index) -> None:
+        if not path.startswith(self._prefix):
+            return
+        rel = path[len(self._prefix) :]
+        if rel.startswith(SEGMENTS + "/"):
+            key, _, name = rel[len(SEGMENTS) + 1 :].rpartition("/")
+            seg = Segment.parse(name)
+            if key and seg is not None:
+                index.logs.setdefault(key, set()).add(seg)
+            return
+        name = rel.rpartition("/")[2]
+        if rel == LEASE_KEY or (name.startswith(".") and name.endswith(".tmp")):
+            return
+        index.objects.add(rel)
+
+    def _scan(self, base: str) -> _Index:
+        """List the objects under directory *base* ("" for all), and the segments of keys there."""
+        index = _Index()
+        dirs = [base, f"{SEGMENTS}/{base}"] if base else [""]
+        for d in dirs:
+            path = self._path(d).rstrip("/")
+            with contextlib.suppress(AttributeError):
+                self.fs.invalidate_cache(path)
+            try:
+                found = self.fs.find(path)
+            except FileNotFoundError:
+                continue
+            for p in found:
+                self._classify(p, index)
+        return index
+
+    def _known(self) -> _Index | None:
+        """The listing kept while this store holds the lease (built on first use), else None."""
+        with self._mutex:
+            lease = self._lease
+            if lease is None or lease.lost:
+                return None
+            if self._index is None:
+                self._index = self._scan("")
+            return self._index
+
+    def _segments(self, key: str) -> set[Segment]:
+        known = self._known()
+        if known is not None:
+            with self._mutex:
+                return set(known.logs.get(key, ()))
+        return self._scan(key.rpartition("/")[0]).logs.get(key, set())
+
+    def _check_fence(self) -> None:
+        lease = self._lease
+        if lease is not None and lease.lost:
+            raise lease.lost_error()
+
+    # reading ----------------------------------------------------------------------------
+
+    def _cat(self, path: str, where: str, start: int = 0, end: int | None = None) -> bytes:
+        try:
+            if start == 0 and end is None:
+                # one GET: s3fs would send a HEAD first to split a large object into parts
+                return bytes(self.fs.cat_file(path, **self._one_request))
+            return bytes(self.fs.cat_file(path, start=start, end=end))
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "No such object", where) from None
+        except OSError as exc:
+            if start == 0 and end is None:
+                raise _named(exc, where) from exc
+            # a range past the end is an error on S3; locally it reads nothing
+            try:
+                size = int(self.fs.info(path)["size"])
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, "No such object", where) from None
+            if start >= size or (end is not None and end <= start):
+                return b""
+            raise _named(exc, where) from exc
+
+    def read(self, key: str) -> bytearray:
+        # a fresh writable buffer, as from a local file: arrays decoded from it are writable
+        return bytearray(self._read(key, 0, None))
+
+    def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
+        return self._read(key, start, end)
+
+    def _read(self, key: str, start: int, end: int | None) -> bytes:
+        if end is not None and end <= start:
+            self._read(key, 0, 1)  # nothing to read, but a missing key is still an error
+            return b""
+        known = self._known()
+        if known is not None:
+            with self._mutex:
+                plain, appended = key in known.objects, bool(known.logs.get(key))
+            if plain or not appended:
+                if not plain:
+                    raise FileNotFoundError(errno.ENOENT, "No such object", self._where(key))
+                return self._cat(self._path(key), self._where(key), start, end)
+            return self._read_log(key, start, end)
+        try:
+            return self._cat(self._path(key), self._where(key), start, end)
+        except FileNotFoundError:
+            return self._read_log(key, start, end)
+
+    def _read_log(self, key: str, start: int, end: int | None) -> bytes:
+        where = self._where(key)
+        for _ in range(_READ_ATTEMPTS):
+            segments = self._segments(key)
+            if not segments:
+                raise FileNotFoundError(errno.ENOENT, "No such object", where)
+            chain, _, gap = chain_of(segments)
+            if gap is not None:
+                continue  # listed while a merge was being cleaned up, or damaged: look again
+            paths, starts, ends = [], [], []
+            for seg in chain:
+                if seg.end <= start or (end is not None and seg.start >= end):
+                    continue
+                paths.append(self._seg_path(key, seg))
+                starts.append(max(start - seg.start, 0))
+                ends.append(None if end is None or end >= seg.end else end - seg.start)
+            if not paths:
+                return b""
+            try:
+                return b"".join(self._cat_many(paths, starts, ends))
+            except FileNotFoundError:
+                continue  # merged and deleted since the listing: look again
+            except OSError as exc:
+                raise _named(exc, where) from exc
+        raise self._damaged_log(key, gap)
+
+    def _cat_many(self, paths: list[str], starts: list[int], ends: list[int | None]) -> list[bytes]:
+        """Byte ranges of several objects, fetched concurrently."""
+        if not paths:
+            return []
+        parts = self.fs.cat_ranges(paths, starts, ends)
+        for p in parts:
+            if isinstance(p, BaseException):
+                raise p
+        return [bytes(p) for p in parts]
+
+    def _damaged_log(self, key: str, gap: int | None) -> OSError:
+        return OSError(
+            errno.EIO,
+            f"the appended segments of this object are incomplete (missing bytes from offset {gap}); "
+            f"delete the objects under {self._where(SEGMENTS)}/{key}/ to drop it",
+            self._where(key),
+        )
+
+    # writing ----------------------------------------------------------------------------
+
+    def _put(self, path: str, data: bytes | bytearray, where: str) -> None:
+        """Write one object atomically: one PUT on object stores, else a temp object and a move."""
+        try:
+            if self.atomic_put:
+                self.fs.pipe_file(path, data)
+                return
+            directory, _, name = path.rpartition("/")
+            tmp = f"{directory}/.{name}.{uuid.uuid4().hex[:16]}.tmp"
+            try:
+                self.fs.pipe_file(tmp, data)
+            except FileNotFoundError:
+                self.fs.makedirs(directory, exist_ok=True)
+                self.fs.pipe_file(tmp, data)
+            try:
+                self.fs.mv(tmp, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    self.fs.rm_file(tmp)
+                raise
+        except OSError as exc:
+            raise _named(exc, where) from exc
+
+    def _rm(self, paths: Sequence[str]) -> None:
+        """Delete objects; absent ones are no error."""
+        if not paths:
+            return
+        if self._s3:
+            self.fs.rm(list(paths))  # one bulk request per 1,000 keys; missing keys are fine
+            return
+        for p in paths:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(p)
+
+    def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:  # noqa: ARG002 - a PUT is durable once it returns
+        self._check_fence()
+        data = b"".join(chunks)
+        self._put(self._path(key), data, self._where(key))
+        with self._mutex:
+            if self._index is not None:
+                self._index.objects.add(key)
+        # the plain object now wins over any segments: drop them
+        self._drop_log(key)
+
+    def copy(self, src: str, dst: str, *, durable: bool) -> None:
+        """Make *dst* a copy of *src*, atomically; on object stores the server copies it."""
+        self._check_fence()
+        if not self.atomic_put or self._segments(src):
+            self.write(dst, [self._read(src, 0, None)], durable=durable)
+            return
+        try:
+            self.fs.cp_file(self._path(src), self._path(dst))
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, "No such object", self._where(src)) from None
+        except OSError as exc:
+            raise _named(exc, self._where(dst)) from exc
+        with self._mutex:
+            if self._index is not None:
+                self._index.objects.add(dst)
+        self._drop_log(dst)
+
+    def _drop_log(self, key: str) -> None:
+        segments = self._segments(key)
+        with self._mutex:
+            self._tails.pop(key, None)
+        if segments:
+            self._rm([self._seg_path(key, s) for s in segments])
+            self._forget_segments(key, segments)
+
+    def _forget_segments(self, key: str, segments: Iterable[Segment]) -> None:
+        with self._mutex:
+            for s in segments:
+                self._recent.pop(self._seg_path(key, s), None)
+                if self._index is not None:
+                    self._index.logs.get(key, set()).discard(s)
+
+    def _add_segment(self, key: str, seg: Segment, data: bytes) -> None:
+        path = self._seg_path(key, seg)
+        self._put(path, data, self._where(key))
+        with self._mutex:
+            if self._index is not None:
+                self._index.logs.setdefault(key, set()).add(seg)
+            if len(data) <= _RECENT_MAX:
+                self._recent[path] = data
+                while sum(map(len, self._recent.values())) > _RECENT_MAX:
+                    del self._recent[next(iter(self._recent))]
+
+    def append(self, key: str, data: bytes, *, durable: bool) -> None:  # noqa: ARG002 - a PUT is durable once it returns
+        self._check_fence()
+        with self._append_lock:
+            chain = self._tail(key)
+            if not data:
+                if not chain and not self._exists_plain(key):
+                    self._put(self._path(key), b"", self._where(key))
+                    with self._mutex:
+                        if self._index is not None:
+                            self._index.objects.add(key)
+                return
+            start = chain[-1].end if chain else 0
+            seg = Segment(start, start + len(data), 0)
+            self._add_segment(key, seg, bytes(data))
+            chain.append(seg)
+            self._merge(key, chain)
+            with self._mutex:
+                if self._known() is not None:
+                    self._tails[key] = chain  # only this run writes: the tail stays true
+                else:
+                    self._tails.pop(key, None)
+
+    def _exists_plain(self, key: str) -> bool:
+        known = self._known()
+        if known is not None:
+            with self._mutex:
+                return key in known.objects
+        try:
+            self.fs.info(self._path(key))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _tail(self, key: str) -> list[Segment]:
+        """The chain of segments *key* consists of, turning a plain object into one first."""
+        with self._mutex:
+            cached = self._tails.get(key)
+            if cached is not None and self._known() is not None:
+                return cached
+        segments = self._segments(key)
+        if self._exists_plain(key):
+            # the plain object is the content: its segments are leftovers of an interrupted
+            # write or conversion; copy it into a segment, then delete it
+            self._rm([self._seg_path(key, s) for s in segments])
+            self._forget_segments(key, segments)
+            data = self._cat(self._path(key), self._where(key))
+            chain = []
+            if data:
+                chain = [Segment(0, len(data), _COPY_LEVEL)]
+                self._add_segment(key, chain[0], data)
+            self._rm([self._path(key)])
+            with self._mutex:
+                if self._index is not None:
+                    self._index.objects.discard(key)
+            return chain
+        chain, stale, gap = chain_of(segments)
+        if gap is not None:
+            raise self._damaged_log(key, gap)
+        if stale:  # leftovers of a merge cut short
+            self._rm([self._seg_path(key, s) for s in stale])
+            self._forget_segments(key, stale)
+        return chain
+
+    def _merge(self, key: str, chain: list[Segment]) -> None:
+        """Merge every FANOUT segments of one level at the end of *chain* into one."""
+        while len(chain) >= FANOUT:
+            group = chain[-FANOUT:]
+            level = group[-1].level
+            if level >= _COPY_LEVEL or any(s.level != level for s in group):
+                return
+            paths = [self._seg_path(key, s) for s in group]
+            with self._mutex:
+                cached = [self._recent.get(p) for p in paths]
+            missing = [p for p, c in zip(paths, cached, strict=True) if c is None]
+            fetched = iter(self._cat_many(missing, [0] * len(missing), [None] * len(missing)))
+            data = b"".join(c if c is not None else next(fetched) for c in cached)
+            merged = Segment(group[0].start, group[-1].end, level + 1)
+            self._add_segment(key, merged, data)
+            chain[-FANOUT:] = [merged]
+            self._rm(paths)
+            self._forget_segments(key, group)
+
+    def delete(self, key: str, *, durable: bool) -> None:  # noqa: ARG002 - a DELETE is durable once it returns
+        self._check_fence()
+        segments = self._segments(key)
+        if segments:
+            # an empty plain object wins over the segments while they are deleted, so no
+            # reader ever sees some of them
+            self._put(self._path(key), b"", self._where(key))
+            self._drop_log(key)
+        try:
+            self._rm([self._path(key)])
+        except OSError as exc:
+            raise _named(exc, self._where(key)) from exc
+        with self._mutex:
+            self._tails.pop(key, None)
+            if self._index is not None:
+                self._index.objects.discard(key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        known = self._known()
+        if known is not None:
+            with self._mutex:
+                keys = known.keys()
+        else:
+            keys = self._scan(prefix.rpartition("/")[0]).keys()
+        return sorted(k for k in keys if k.startswith(prefix))
+
+    def remove_temp_files(self) -> int:
+        """Delete what a killed writer left: temp objects, unfinished S3 multipart uploads."""
+        removed = 0
+        if not self.atomic_put:
+            path = self._path("").rstrip("/")
+            with contextlib.suppress(AttributeError):
+                self.fs.invalidate_cache(path)
+            with contextlib.suppress(FileNotFoundError):
+                for p in self.fs.find(path):
+                    name = p.rpartition("/")[2]
+                    if name.startswith(".") and name.endswith(".tmp"):
+                        self._rm([p])
+                        removed += 1
+        if self._s3:
+            removed += self._abort_uploads()
+        return removed
+
+    def _abort_uploads(self) -> int:
+        bucket, _, prefix = self._prefix.partition("/")
+        try:
+            found = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
+            uploads = found.get("Uploads", [])
+            for up in uploads:
+                self.fs.call_s3(
+                    "abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"]
+                )
+        except OSError:
+            return 0  # e.g. not allowed by the bucket policy: a lifecycle rule cleans them up
+        return len(uploads)
+
+    # the lease ----------------------------------------------------------------------------
+
+    def lock(self, holder: Mapping[str, Any]) -> Lease:
+        lease = Lease(self, holder, ttl=self.lease_ttl)
+        lease.acquire()
+        with self._mutex:
+            self._lease, self._index = lease, None
+            self._tails.clear()
+        lease.on_release.append(self._released)
+        return lease
+
+    def _released(self, lease: Lease) -> None:
+        with self._mutex:
+            if self._lease is lease:
+                self._lease, self._index = None, None
+                self._tails.clear()
+
+    def lease_read(self) -> bytes | None:
+        try:
+            return self._cat(self._path(LEASE_KEY), self._where(LEASE_KEY))
+        except FileNotFoundError:
+            return None
+
+    def lease_tag(self) -> str | None:
+        path = self._path(LEASE_KEY)
+        try:
+            if self._s3:
+                return str(self.fs.info(path, refresh=True)["ETag"])
+            return hashlib.sha256(self.fs.cat_file(path)).hexdigest()
+        except FileNotFoundError:
+            return None
+
+    def lease_write(self, data: bytes, *, expect: str | None) -> str:
+        path = self._path(LEASE_KEY)
+        if not self._s3:
+            # no conditional writes: check, then write (the lease reads its write back)
+            if self.lease_tag() != expect:
+                raise LeaseConflict
+            self._put(path, data, self._where(LEASE_KEY))
+            return hashlib.sha256(data).hexdigest()
+        try:
+            if expect is None:
+                out = self.fs.pipe_file(path, data, mode="create")
+            else:
+                out = self.fs.pipe_file(path, data, IfMatch=expect)
+        except FileNotFoundError:
+            raise LeaseConflict from None  # deleted since: If-Match has nothing to match
+        except OSError as exc:
+            if _is_precondition_failure(exc):
+                raise LeaseConflict from None
+            raise _named(exc, self._where(LEASE_KEY)) from exc
+        return str(out["ETag"])
+
+    def lease_delete(self, *, expect: str) -> None:
+        path = self._path(LEASE_KEY)
+        if self.lease_tag() != expect:
+            raise LeaseConflict
+        if self._s3:
+            bucket, _, key = path.partition("/")
+            try:
+                self.fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=expect)
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                if _is_precondition_failure(exc):
+                    raise LeaseConflict from None
+                # a server without conditional deletes: checked just above, delete plainly
+                self._rm([path])
+            return
+        self._rm([path])

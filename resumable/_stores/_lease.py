@@ -1,0 +1,267 @@
+"""
+The run lock of remote stores: a lease with an owner and an expiry.
+
+A remote store has no process-scoped lock that dies with its holder, so the lock is an
+object, ``.resumable/lease.json``, holding an owner token, the holder's pid, host and start
+time, and an expiry. A thread of the holder renews it every third of its time to live; a
+holder that dies stops renewing, and once its lease has expired the next run takes it over.
+
+Taking, renewing and releasing the lease are conditional writes where the backend has them
+(S3: ``If-None-Match: *`` to create it, ``If-Match: <ETag>`` to replace or delete it), so
+two runs racing for a free or expired lease cannot both win. Elsewhere a condition is
+emulated by reading first, and the lease is read back after writing it; two runs starting
+in the same few milliseconds could then both write it, but the later writer's token is the
+one read back, so only one goes on (and a holder that finds a foreign token at a renewal
+stops writing).
+
+Expiry times are wall-clock times of the holder's machine: the machines sharing a store
+need clocks within a few seconds of each other (any NTP-synchronised machine is).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+from .._slots import INTERNAL_DIR
+from ..exceptions import ResumableError, StateLockedError
+
+log = logging.getLogger("resumable")
+
+LEASE_KEY = f"{INTERNAL_DIR}/lease.json"
+DEFAULT_TTL = 30.0
+TTL_VARIABLE = "RESUMABLE_LEASE_TTL"
+
+
+class LeaseConflict(Exception):  # noqa: N818 - an outcome, not an error to show anyone
+    """A conditional write or delete of the lease found another version than expected."""
+
+
+class LeaseIO(Protocol):
+    """What a lease needs from its store: the lease object, read and written conditionally."""
+
+    location: str
+
+    def lease_read(self) -> bytes | None:
+        """The lease object, or ``None`` if there is none."""
+
+    def lease_tag(self) -> str | None:
+        """The version tag (ETag) of the lease object now, or ``None`` if there is none."""
+
+    def lease_write(self, data: bytes, *, expect: str | None) -> str:
+        """
+        Write the lease if its current version is *expect* (``None``: if there is none);
+        return the new version's tag. Raises :class:`LeaseConflict` otherwise.
+        """
+
+    def lease_delete(self, *, expect: str) -> None:
+        """Delete the lease if its current version is *expect*, else raise :class:`LeaseConflict`."""
+
+
+def ttl_from_env() -> float:
+    """The lease time to live: ``$RESUMABLE_LEASE_TTL`` seconds, else :data:`DEFAULT_TTL`."""
+    text = os.environ.get(TTL_VARIABLE)
+    if not text:
+        return DEFAULT_TTL
+    try:
+        ttl = float(text)
+    except ValueError:
+        ttl = 0.0
+    if not ttl > 0:
+        msg = f"${TTL_VARIABLE} must be a number of seconds > 0, got {text!r}"
+        raise ResumableError(msg)
+    return ttl
+
+
+def _iso(t: float) -> str:
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def parse_lease(data: bytes | None) -> dict[str, Any] | None:
+    """The lease's fields; ``{}`` for an unreadable lease (treated as expired)."""
+    if data is None:
+        return None
+    try:
+        info = json.loads(data)
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def expired(info: Mapping[str, Any], now: float | None = None) -> bool:
+    """True if the lease described by *info* may be taken over."""
+    expires_at = info.get("expires_at")
+    if isinstance(expires_at, bool) or not isinstance(expires_at, int | float):
+        return True
+    return float(expires_at) <= (time.time() if now is None else now)
+
+
+def locked_error(location: str, info: Mapping[str, Any]) -> StateLockedError:
+    """:class:`StateLockedError` naming the holder and when its lease expires."""
+    holder = {k: v for k, v in info.items() if k != "token"}
+    exc = StateLockedError(location, holder)
+    expires_at = info.get("expires_at")
+    if isinstance(expires_at, int | float) and not isinstance(expires_at, bool):
+        left = max(0.0, float(expires_at) - time.time())
+        when = info.get("expires", _iso(float(expires_at)))
+        msg = (
+            f"{exc} Its lease expires at {when} (in {left:.0f} s) unless that run renews it: "
+            "if that process died, the next run after then takes over."
+        )
+        exc.args = (msg,)
+    return exc
+
+
+class Lease:
+    """A held (or lost) lease; :meth:`release` gives it up."""
+
+    def __init__(self, io: LeaseIO, holder: Mapping[str, Any], *, ttl: float) -> None:
+        if not ttl > 0:
+            msg = f"the lease time to live must be > 0 seconds, got {ttl!r}"
+            raise ResumableError(msg)
+        self._io = io
+        self.holder = dict(holder)
+        self.ttl = float(ttl)
+        self.token = uuid.uuid4().hex
+        self.expires_at = 0.0
+        self._tag: str | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._mutex = threading.Lock()
+        # who holds the lease after we lost it (None while we hold it)
+        self.taken_by: dict[str, Any] | None = None
+        self.on_release: list[Callable[[Lease], None]] = []
+
+    @property
+    def lost(self) -> bool:
+        """True once another run holds the lease (or ours expired without renewal)."""
+        return self.taken_by is not None
+
+    def lost_error(self) -> StateLockedError:
+        """The error for a write attempted after the lease was lost."""
+        exc = locked_error(self._io.location, self.taken_by or {})
+        msg = (
+            f"{exc.args[0]} This run's lease on it could not be renewed in time and was lost, so "
+            "this run stops writing to keep the state consistent; run the script again once "
+            "the other run is done."
+        )
+        exc.args = (msg,)
+        return exc
+
+    def _body(self, now: float) -> bytes:
+        self.expires_at = now + self.ttl
+        info = {
+            **self.holder,
+            "token": self.token,
+            "ttl": self.ttl,
+            "renewed": _iso(now),
+            "expires": _iso(self.expires_at),
+            "expires_at": self.expires_at,
+        }
+        return json.dumps(info).encode()
+
+    # taking the lease ----------------------------------------------------------------------
+
+    def acquire(self) -> None:
+        """Take the lease, or raise :class:`StateLockedError` naming its holder."""
+        for _ in range(5):
+            info = parse_lease(self._io.lease_read())
+            expect: str | None = None
+            if info is not None:
+                if not expired(info):
+                    raise locked_error(self._io.location, info)
+                # the tag first, then the content: a condition on this tag can only be met
+                # by the version read now or an older one, never a newer, renewed lease
+                expect = self._io.lease_tag()
+                info = parse_lease(self._io.lease_read())
+                if expect is None or info is None:
+                    continue  # released meanwhile: look again
+                if not expired(info):
+                    raise locked_error(self._io.location, info)
+            try:
+                self._tag = self._io.lease_write(self._body(time.time()), expect=expect)
+            except LeaseConflict:
+                continue  # another run moved first: look again
+            mine = parse_lease(self._io.lease_read())
+            if mine is None or mine.get("token") != self.token:
+                if mine and not expired(mine):
+                    raise locked_error(self._io.location, mine)
+                continue
+            if info:
+                log.warning(
+                    "%s: took over the expired lease of pid %s on host %s (expired %s)",
+                    self._io.location, info.get("pid", "?"), info.get("host", "?"), info.get("expires", "?"),
+                )  # fmt: skip
+            self._start()
+            return
+        info = parse_lease(self._io.lease_read()) or {}
+        raise locked_error(self._io.location, info)
+
+    def _start(self) -> None:
+        self._thread = threading.Thread(target=self._renew_loop, name="resumable-lease", daemon=True)
+        self._thread.start()
+
+    # keeping it -----------------------------------------------------------------------------
+
+    def _renew_loop(self) -> None:
+        while not self._stop.wait(self.ttl / 3):
+            self.renew()
+            if self.lost:
+                return
+
+    def renew(self) -> None:
+        """Push the expiry forward; on a conflict the lease is lost."""
+        with self._mutex:
+            if self.lost or self._stop.is_set() or self._tag is None:
+                return
+            try:
+                self._tag = self._io.lease_write(self._body(time.time()), expect=self._tag)
+            except LeaseConflict:
+                self._lose()
+            except OSError as exc:
+                # a network hiccup: try again at the next tick, unless it is too late already
+                if time.time() >= self.expires_at:
+                    self._lose()
+                else:
+                    log.warning("%s: could not renew the run's lease (%s); retrying", self._io.location, exc)
+
+    def _lose(self) -> None:
+        try:
+            info = parse_lease(self._io.lease_read()) or {}
+        except OSError:
+            info = {}
+        self.taken_by = {k: v for k, v in info.items() if k != "token"}
+        log.error(
+            "%s: this run lost its lease (now held by pid %s on host %s); it stops writing",
+            self._io.location, info.get("pid", "?"), info.get("host", "?"),
+        )  # fmt: skip
+
+    # giving it up ---------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Stop renewing and delete the lease if it is still ours. Calling it twice is harmless."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._mutex:
+            tag, self._tag = self._tag, None
+            if tag is not None and not self.lost:
+                try:
+                    self._io.lease_delete(expect=tag)
+                except LeaseConflict:
+                    pass  # taken over after it expired: it is not ours to delete
+                except OSError as exc:
+                    log.warning(
+                        "%s: could not delete the lease (%s); it expires by itself", self._io.location, exc
+                    )
+        callbacks, self.on_release = self.on_release, []
+        for callback in callbacks:
+            callback(self)
