@@ -147,7 +147,7 @@ def pretty(value: Any) -> str:
     """A summarised value, pretty-printed (NumPy and pandas summarise themselves)."""
     import pprint  # noqa: PLC0415 - only the command line shows values
 
-    return pprint.pformat(summarise(value), width=100, sort_dicts=False)
+    return pprint.pformat(summarise(value), width=100, sort_dicts=False, compact=True)
 
 
 def as_json(value: Any) -> str:
