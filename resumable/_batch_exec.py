@@ -61,33 +61,28 @@ class Progress:
             return
         from tqdm import tqdm  # type: ignore[import-untyped] # noqa: PLC0415 - only when a bar is shown
 
+        self._resumed = ledger.resumed
+        self._failed = ledger.failures
         self.bar = tqdm(
             total=ledger.total,
             initial=ledger.resumed,
             desc=f"batch {ledger.display}",
             unit="row",
-            unit_scale=True,
             dynamic_ncols=True,
             smoothing=0.1,
             file=sys.stderr,
+            postfix=self._text(),
         )
-        self._resumed = ledger.resumed
-        self._failed = ledger.failures
-        self._postfix()
 
-    def _postfix(self) -> None:
+    def _text(self) -> str | None:
         parts = [f"resumed {self._resumed:,}"] if self._resumed else []
         parts += [f"failed {self._failed:,}"] if self._failed else []
-        if parts:
-            self.bar.set_postfix_str(", ".join(parts), refresh=False)
-
-    def update(self, n: int = 1) -> None:
-        self.bar.update(n)
+        return ", ".join(parts) or None
 
     def failed(self, n: int) -> None:
         if n and self.bar is not None:
             self._failed += n
-            self._postfix()
+            self.bar.set_postfix_str(self._text(), refresh=False)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -211,6 +206,7 @@ def run_executor(ledger: Ledger, source: Source, job: Job, progress: Progress) -
         for future, (start, rows) in pending.items():
             if future.done() and not future.cancelled() and future.exception() is None:
                 ledger.salvage(start, rows, future.result())
+        ledger.report(force=True)
         raise
 
 
@@ -343,6 +339,7 @@ async def run_async(ledger: Ledger, source: Source, job: Job, progress: Progress
         for start, piece_ in open_.items():
             for run_start, rows, results in piece_.finished_runs(start):
                 ledger.salvage(run_start, rows, results)
+        ledger.report(force=True)
         raise
 
 

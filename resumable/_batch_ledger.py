@@ -327,7 +327,7 @@ class Ledger:
             short = len(rows) < chunk.end - chunk.start
             if not self._lenient:
                 detail = (
-                    f"it now ends at row {source.pos:,}, but {chunk.rows} were committed"
+                    f"it now ends after {source.pos:,} rows, but {chunk.rows} were committed"
                     if short
                     else f"{chunk.rows} differ from those committed"
                 )
@@ -405,8 +405,6 @@ class Ledger:
             SerializationError: a result cannot be stored.
         """
         size = len(rows)
-        if not size:
-            return
         where = self.where
         failures = sum(type(r) is RowFailure for r in results) if self.record_failures else 0
         if where is None:
@@ -442,19 +440,19 @@ class Ledger:
 
     def salvage(self, start: int, rows: Sequence[Any], results: Any) -> None:
         """Commit the rows finished before an exception; a failure here is only logged."""
-        if not rows:
-            return
         if self.where is not None and not _is_open(self.where.run):
-            log.warning(
-                "batch %r: the run was already closed; %d finished rows are not committed",
-                self.display,
-                len(rows),
-            )
+            if rows:
+                log.warning(
+                    "batch %r: the run was already closed; %d finished rows are not committed",
+                    self.display, len(rows),
+                )  # fmt: skip
             return
-        try:
-            self.commit(start, rows, results)
-        except Exception as exc:  # noqa: BLE001 - the exception being raised matters more
-            log.warning("batch %r: could not commit %d finished rows: %s", self.display, len(rows), exc)
+        if rows:
+            try:
+                self.commit(start, rows, results)
+            except Exception as exc:  # noqa: BLE001 - the exception being raised matters more
+                log.warning("batch %r: could not commit %d finished rows: %s", self.display, len(rows), exc)
+        self.report(force=True)
 
     def finish(self) -> None:
         """The input is exhausted and every piece committed: update the record and the manifest."""
@@ -474,13 +472,10 @@ class Ledger:
     def _record(self) -> dict[str, Any]:
         where = self.where
         assert where is not None  # noqa: S101 - only called with storage
-        total = self.total
-        if total is None and self._stored is not None and not self._lenient:
-            total = self._stored.get("total")
         return {
             "kind": self.kind,
             "every": self.every,
-            "total": total,
+            "total": self.total,  # None until an iterator's end is reached
             "identity": where.identity,
             "args": where.args,
         }
@@ -502,8 +497,6 @@ class Ledger:
         where = self.where
         now = time.monotonic()
         if where is None or (not force and now - self._reported < REPORT_INTERVAL):
-            return
-        if not _is_open(where.run):
             return
         self._reported = now
         progress = {"done": self.done, "every": self.every, "total": self.total, "failures": self.failures}
