@@ -182,3 +182,19 @@ def test_rollback_example(tmp_path):
     again = run_example("rollback", tmp_path)
     assert "model calls this run: 0" in again.stdout
     assert "What is a checkpoint? -> A checkpoint: the short answer." in again.stdout
+
+
+def test_s3_resume_on_another_machine(tmp_path, s3):
+    """--crash on one machine leaves pages 1-3 in S3; a run in another empty directory skips them."""
+    store = s3.url("example")
+    crashed = run_example("s3_resume", tmp_path / "machine-a", "--store", store, "--crash")
+    assert 1 == crashed.returncode
+    assert "RuntimeError: simulated crash fetching page 4" in crashed.stderr
+
+    resumed = run_example("s3_resume", tmp_path / "machine-b", "--store", store)
+    assert 0 == resumed.returncode, resumed.stderr
+    expected = {f"fetch_page/{page}": "skipped" if page <= 3 else "running" for page in range(1, 7)}
+    assert {**expected, "total": "running"} == step_log(resumed.stdout)
+    assert "total: 1125.0" in resumed.stdout.splitlines()
+    # nothing of the state is on either machine's disk
+    assert ([], []) == (list((tmp_path / "machine-a").iterdir()), list((tmp_path / "machine-b").iterdir()))
