@@ -99,7 +99,7 @@ def test_chain_prefers_the_longest_segment_and_reports_gaps():
     assert ([small[0]], [], 10) == chain_of([small[0], small[2]])
 
 
-def test_appends_stay_logarithmic():
+def test_appends_stay_logarithmic(monkeypatch):
     """1,000 appends leave few segments, and each byte is rewritten only a few times."""
     store = memory_store()
     written = Counter[str]()
@@ -109,7 +109,7 @@ def test_appends_stay_logarithmic():
         written["bytes"] += len(data)
         return real_pipe(path, data, **kwargs)
 
-    store.fs.pipe_file = counting
+    monkeypatch.setattr(store.fs, "pipe_file", counting)  # the file system object is shared
     expected = b""
     for i in range(1000):
         line = f'{{"event": {i}}}\n'.encode()
@@ -178,7 +178,7 @@ def test_missing_segment_is_an_error_naming_the_key():
     assert f"{store.location}/events.jsonl" == info.value.filename
 
 
-def test_deleting_a_log_hides_it_at_once():
+def test_deleting_a_log_hides_it_at_once(monkeypatch):
     """While a log's segments are deleted, readers see an empty object, never a part of the log."""
     store = memory_store()
     for i in range(20):
@@ -190,7 +190,7 @@ def test_deleting_a_log_hides_it_at_once():
         seen.append(bytes(FsspecStore(store.location).read("events.jsonl")))
         return real_rm(path)
 
-    store.fs.rm_file = watching
+    monkeypatch.setattr(store.fs, "rm_file", watching)
     store.delete("events.jsonl", durable=True)
     assert len(seen) >= 5  # the segments (and the empty placeholder)
     assert {b""} == set(seen)
@@ -306,16 +306,31 @@ def test_lost_lease_stops_writes(s3):
     time.sleep(0.7)
     b = FsspecStore(a.location, lease_ttl=30)
     lock_b = b.lock({"pid": 2, "host": "b"})
-    lock_a._stop.clear()
-    lock_a.renew()  # a wakes up: its conditional renewal fails
-    assert lock_a.lost
+    # a wakes up and writes: its lease is past its expiry, so it renews first, and fails
     with pytest.raises(StateLockedError, match=r"pid 2 on host b.*lost") as info:
         a.write("a.msgpack", [b"late"], durable=True)
+    assert lock_a.lost
     assert "b" == info.value.holder["host"]
+    with pytest.raises(FileNotFoundError):
+        b.read("a.msgpack")
     lock_a.release()
     with pytest.raises(StateLockedError):
         FsspecStore(a.location).lock({"pid": 3})
     lock_b.release()
+
+
+def test_late_write_renews_a_lease_nobody_took(s3):
+    """A write after a stall longer than the lease renews it, if no other run took it meanwhile."""
+    store = FsspecStore(s3.url(), lease_ttl=0.5)
+    lock = store.lock({"pid": 1, "host": "a"})
+    lock._stop.set()  # no renewals
+    time.sleep(0.6)
+    store.write("a.msgpack", [b"on time after all"], durable=True)
+    assert not lock.lost
+    assert lock.expires_at > time.time()
+    with pytest.raises(StateLockedError):
+        FsspecStore(store.location).lock({"pid": 2})
+    lock.release()
 
 
 def test_racing_runs_get_one_lease(s3):

@@ -236,8 +236,8 @@ class FsspecStore:
 
     def _check_fence(self) -> None:
         lease = self._lease
-        if lease is not None and lease.lost:
-            raise lease.lost_error()
+        if lease is not None:
+            lease.check()
 
     # reading ----------------------------------------------------------------------------
 

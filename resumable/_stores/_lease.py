@@ -133,6 +133,7 @@ class Lease:
         self.expires_at = 0.0
         self._tag: str | None = None
         self._stop = threading.Event()
+        self._released = False
         self._thread: threading.Thread | None = None
         self._mutex = threading.Lock()
         # who holds the lease after we lost it (None while we hold it)
@@ -216,10 +217,21 @@ class Lease:
             if self.lost:
                 return
 
+    def check(self) -> None:
+        """
+        Before a write: raise :class:`StateLockedError` if the lease is lost. A lease past its
+        expiry (the renewing thread was held up) is renewed first, which shows whether
+        another run took it over meanwhile.
+        """
+        if not self.lost and time.time() >= self.expires_at:
+            self.renew()
+        if self.lost:
+            raise self.lost_error()
+
     def renew(self) -> None:
         """Push the expiry forward; on a conflict the lease is lost."""
         with self._mutex:
-            if self.lost or self._stop.is_set() or self._tag is None:
+            if self.lost or self._released or self._tag is None:
                 return
             try:
                 self._tag = self._io.lease_write(self._body(time.time()), expect=self._tag)
@@ -247,6 +259,7 @@ class Lease:
 
     def release(self) -> None:
         """Stop renewing and delete the lease if it is still ours. Calling it twice is harmless."""
+        self._released = True
         self._stop.set()
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
