@@ -198,3 +198,46 @@ def test_s3_resume_on_another_machine(tmp_path, s3):
     assert "total: 1125.0" in resumed.stdout.splitlines()
     # nothing of the state is on either machine's disk
     assert ([], []) == (list((tmp_path / "machine-a").iterdir()), list((tmp_path / "machine-b").iterdir()))
+
+
+def _summary(output: str, prefix: str) -> str:
+    return next(line for line in output.splitlines() if line.startswith(prefix))
+
+
+def test_batch_rows_resumes_at_the_row_it_was_killed(tmp_path):
+    """Killed at row 140,000 of 200,000, the rerun processes only the last 60,000 rows and ends identical."""
+    full = run_example("batch_rows", tmp_path / "full", "--rows", "200000")
+    assert 0 == full.returncode, full.stderr
+    expected = _summary(full.stdout, "rows:").rpartition("checksum: ")[2]
+
+    killed = run_example("batch_rows", tmp_path / "killed", "--rows", "200000", "--kill-at", "140000")
+    assert -signal.SIGKILL == killed.returncode
+    rerun = run_example("batch_rows", tmp_path / "killed", "--rows", "200000")
+    assert 0 == rerun.returncode, rerun.stderr
+    assert f"rows: 200,000; processed in this run: 60,000; checksum: {expected}" == _summary(
+        rerun.stdout, "rows:"
+    )
+    assert "resuming batch 'enrich' at row 140,000 of 200,000" in rerun.stderr
+    assert not list((tmp_path / "killed" / "state" / ".resumable" / "batches").rglob("*.msgpack"))
+
+
+def test_async_llm_batch_records_failures_and_resumes(tmp_path):
+    """Killed after 300 answers, the rerun asks only the rest, with the failures of an uninterrupted run."""
+    full = run_example("async_llm_batch", tmp_path / "full", "--prompts", "600")
+    assert 0 == full.returncode, full.stderr
+    expected = _summary(full.stdout, "answers:")
+    assert "failed: 0;" not in expected
+    assert "RateLimitedError: 429 Too Many Requests" in full.stdout
+
+    killed = run_example("async_llm_batch", tmp_path / "killed", "--prompts", "600", "--kill-after", "300")
+    assert -signal.SIGKILL == killed.returncode
+    batch = manifest(tmp_path / "killed")["batches"]["summarize"]
+    assert (600, 100) == (batch["total"], batch["every"])
+    assert batch["done"] > 0
+    rerun = run_example("async_llm_batch", tmp_path / "killed", "--prompts", "600")
+    assert 0 == rerun.returncode, rerun.stderr
+    assert expected == _summary(rerun.stdout, "answers:")
+    answered = int(_summary(rerun.stdout, "API calls").rpartition(" ")[2])
+    # 600 prompts minus the ~12 refused ones: the first run's answers were not asked again,
+    # except those of the two pieces that were still open when it died
+    assert answered <= 600 - 300 + 2 * 100
