@@ -422,3 +422,118 @@ def test_read_copy_is_writable_and_private():
     assert isinstance(data, bytearray)
     data[0] = 0
     assert b"abc" == bytes(store.read("a.msgpack"))
+
+
+# copies, edge cases, lease failures ----------------------------------------------------------
+
+
+def test_copy_is_done_by_the_server(s3):
+    """copy() on S3 is one server-side copy; it copies appended keys too, and names a missing source."""
+    store = FsspecStore(s3.url())
+    store.write("a.msgpack", [b"version 1"], durable=True)
+    ops: list[str] = []
+    real = store.fs._call_s3
+
+    async def counting(method, *args, **kwargs):
+        ops.append(method)
+        return await real(method, *args, **kwargs)
+
+    store.fs._call_s3 = counting
+    try:
+        store.copy("a.msgpack", ".resumable/objects/v1.msgpack", durable=True)
+    finally:
+        del store.fs._call_s3
+    assert "copy_object" in ops
+    assert "get_object" not in ops
+    assert b"version 1" == bytes(store.read(".resumable/objects/v1.msgpack"))
+    for i in range(3):
+        store.append("events.jsonl", f"{i}\n".encode(), durable=False)
+    store.copy("events.jsonl", "events-copy.jsonl", durable=True)
+    assert b"0\n1\n2\n" == bytes(store.read("events-copy.jsonl"))
+    with pytest.raises(FileNotFoundError) as info:
+        store.copy("missing.msgpack", "b.msgpack", durable=True)
+    assert f"{store.location}/missing.msgpack" == info.value.filename
+
+
+def test_copy_on_a_file_system(tmp_path):
+    """Where writes are temp-and-move, copy() reads and writes the object."""
+    store = FsspecStore(f"file://{tmp_path}/state")
+    store.write("a.msgpack", [b"x" * 100], durable=True)
+    store.copy("a.msgpack", "deep/b.msgpack", durable=True)
+    assert b"x" * 100 == (tmp_path / "state" / "deep" / "b.msgpack").read_bytes()
+    assert ["a.msgpack", "deep/b.msgpack"] == store.list()
+
+
+def test_empty_appends():
+    """An empty append creates an empty object; appending to an empty plain object works."""
+    store = memory_store()
+    store.append("events.jsonl", b"", durable=False)
+    assert b"" == bytes(store.read("events.jsonl"))
+    store.append("events.jsonl", b"", durable=False)
+    store.append("events.jsonl", b"first\n", durable=False)
+    assert b"first\n" == bytes(FsspecStore(store.location).read("events.jsonl"))
+    assert ["events.jsonl"] == store.list()
+
+
+def test_append_after_a_gap_is_refused():
+    """A writer never appends after a hole in the log: the next offset would be wrong."""
+    store = memory_store()
+    for i in range(3):
+        store.append("events.jsonl", f"line {i}\n".encode(), durable=False)
+    store.fs.rm_file(store._path(sorted(segments(store, "events.jsonl"))[1]))
+    with pytest.raises(OSError, match="incomplete") as info:
+        FsspecStore(store.location).append("events.jsonl", b"more\n", durable=False)
+    assert errno.EIO == info.value.errno
+
+
+def test_unreadable_lease_is_taken_over():
+    """A lease object that is not a lease (damaged, foreign) counts as expired."""
+    store = memory_store()
+    store.fs.pipe_file(store._path(LEASE_KEY), b"not json")
+    lock = store.lock({"pid": 1, "host": "here"})
+    assert 1 == json.loads(store.fs.cat_file(store._path(LEASE_KEY)))["pid"]
+    lock.release()
+
+
+def test_failed_renewal_is_retried_and_blocks_late_writes(caplog, monkeypatch):
+    """A renewal that fails is retried later; a write past the expiry needs a renewal to succeed."""
+    store = memory_store(lease_ttl=0.3)
+    lock = store.lock({"pid": 1})
+    lock._stop.set()  # renewals by hand only
+    real_write = store.lease_write
+
+    def unreachable(data, *, expect):
+        raise ConnectionError(errno.ECONNRESET, "connection reset")
+
+    monkeypatch.setattr(store, "lease_write", unreachable)
+    with caplog.at_level(logging.WARNING, logger="resumable"):
+        lock.renew()
+    assert "could not renew the run's lease" in caplog.text
+    assert not lock.lost
+    time.sleep(0.35)
+    with pytest.raises(ConnectionError):
+        store.write("a.msgpack", [b"x"], durable=True)
+    monkeypatch.setattr(store, "lease_write", real_write)
+    store.write("a.msgpack", [b"x"], durable=True)  # the lease could be renewed: go on
+    assert b"x" == bytes(store.read("a.msgpack"))
+    lock.release()
+
+
+def test_release_without_conditional_deletes(s3, monkeypatch):
+    """A server that rejects conditional deletes still gets its lease deleted on release."""
+    store = FsspecStore(s3.url())
+    lock = store.lock({"pid": 1})
+    real = store.fs.call_s3
+
+    def no_conditions(method, **kwargs):
+        if "IfMatch" in kwargs:
+            raise OSError(
+                errno.ENOSYS,
+                "NotImplemented: A header you provided implies functionality that is not implemented",
+            )
+        return real(method, **kwargs)
+
+    monkeypatch.setattr(store.fs, "call_s3", no_conditions)
+    lock.release()
+    monkeypatch.undo()
+    assert LEASE_KEY not in raw_keys(store)

@@ -21,6 +21,7 @@ class TestLocalStore(StoreConformance):
     """A directory on the local disk."""
 
     listed_internal_keys = frozenset({".resumable/lock"})
+    concurrency_seconds = 0.5
 
     @pytest.fixture(autouse=True)
     def _directory(self, tmp_path: Path) -> None:

@@ -156,17 +156,20 @@ class Lease:
         exc.args = (msg,)
         return exc
 
-    def _body(self, now: float) -> bytes:
-        self.expires_at = now + self.ttl
+    def _write(self, expect: str | None) -> None:
+        """Write the lease with a new expiry, if its current version is *expect*."""
+        # the expiry counts from before the request: the lease is surely valid until then
+        now = time.time()
         info = {
             **self.holder,
             "token": self.token,
             "ttl": self.ttl,
             "renewed": _iso(now),
-            "expires": _iso(self.expires_at),
-            "expires_at": self.expires_at,
+            "expires": _iso(now + self.ttl),
+            "expires_at": now + self.ttl,
         }
-        return json.dumps(info).encode()
+        self._tag = self._io.lease_write(json.dumps(info).encode(), expect=expect)
+        self.expires_at = now + self.ttl
 
     # taking the lease ----------------------------------------------------------------------
 
@@ -187,7 +190,7 @@ class Lease:
                 if not expired(info):
                     raise locked_error(self._io.location, info)
             try:
-                self._tag = self._io.lease_write(self._body(time.time()), expect=expect)
+                self._write(expect)
             except LeaseConflict:
                 continue  # another run moved first: look again
             mine = parse_lease(self._io.lease_read())
@@ -224,25 +227,26 @@ class Lease:
         another run took it over meanwhile.
         """
         if not self.lost and time.time() >= self.expires_at:
-            self.renew()
+            self.renew(strict=True)
         if self.lost:
             raise self.lost_error()
 
-    def renew(self) -> None:
-        """Push the expiry forward; on a conflict the lease is lost."""
+    def renew(self, *, strict: bool = False) -> None:
+        """
+        Push the expiry forward; on a conflict the lease is lost. A failed request is
+        retried at the next renewal, or raised if *strict* (a write waits on it).
+        """
         with self._mutex:
             if self.lost or self._released or self._tag is None:
                 return
             try:
-                self._tag = self._io.lease_write(self._body(time.time()), expect=self._tag)
+                self._write(self._tag)
             except LeaseConflict:
                 self._lose()
             except OSError as exc:
-                # a network hiccup: try again at the next tick, unless it is too late already
-                if time.time() >= self.expires_at:
-                    self._lose()
-                else:
-                    log.warning("%s: could not renew the run's lease (%s); retrying", self._io.location, exc)
+                if strict:
+                    raise
+                log.warning("%s: could not renew the run's lease (%s); retrying", self._io.location, exc)
 
     def _lose(self) -> None:
         try:
