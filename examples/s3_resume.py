@@ -9,7 +9,7 @@ an empty disk and goes on where it stopped. Try it against a local S3-compatible
     export AWS_ENDPOINT_URL=http://127.0.0.1:5000 AWS_DEFAULT_REGION=us-east-1
     export AWS_ACCESS_KEY_ID=test AWS_SECRET_ACCESS_KEY=test
     python examples/s3_resume.py --crash       # pages 1-3 are fetched, page 4 fails
-    cd "$(mktemp -d)" && python OLDPWD/examples/s3_resume.py   # another "machine": pages 1-3 skipped
+    cd "$(mktemp -d)" && python "$OLDPWD/examples/s3_resume.py"   # elsewhere: pages 1-3 skipped
     resumable --state-dir s3://resumable-example/s3-resume status
 
 Kill it with ``kill -9`` instead of ``--crash``: the killed run's lease (the lock on the

@@ -164,6 +164,7 @@ class FsspecStore:
         self.atomic_put = bool(protocols & _OBJECT_STORES)
         self._s3 = bool(protocols & {"s3", "s3a"})
         self._one_request: dict[str, Any] = {"max_concurrency": 1} if self._s3 else {}
+        self._fresh: dict[str, Any] = {"refresh": True} if self._s3 else {}  # not from s3fs's cache
         self.lease_ttl = ttl_from_env() if lease_ttl is None else float(lease_ttl)
         self._mutex = threading.RLock()
         self._append_lock = threading.Lock()
@@ -232,7 +233,15 @@ class FsspecStore:
         if known is not None:
             with self._mutex:
                 return set(known.logs.get(key, ()))
-        return self._scan(key.rpartition("/")[0]).logs.get(key, set())
+        # only this key's segments: one narrow listing, not the key's whole directory
+        index = _Index()
+        path = self._path(f"{SEGMENTS}/{key}")
+        with contextlib.suppress(AttributeError):
+            self.fs.invalidate_cache(path)
+        with contextlib.suppress(FileNotFoundError):
+            for p in self.fs.find(path):
+                self._classify(p, index)
+        return index.logs.get(key, set())
 
     def _check_fence(self) -> None:
         lease = self._lease
@@ -254,7 +263,7 @@ class FsspecStore:
                 raise _named(exc, where) from exc
             # a range past the end is an error on S3; locally it reads nothing
             try:
-                size = int(self.fs.info(path)["size"])
+                size = int(self.fs.info(path, **self._fresh)["size"])
             except FileNotFoundError:
                 raise FileNotFoundError(errno.ENOENT, "No such object", where) from None
             if start >= size or (end is not None and end <= start):
@@ -446,7 +455,7 @@ class FsspecStore:
             with self._mutex:
                 return key in known.objects
         try:
-            self.fs.info(self._path(key))
+            self.fs.info(self._path(key), **self._fresh)
         except FileNotFoundError:
             return False
         return True
@@ -583,7 +592,7 @@ class FsspecStore:
         path = self._path(LEASE_KEY)
         try:
             if self._s3:
-                return str(self.fs.info(path, refresh=True)["ETag"])
+                return str(self.fs.info(path, **self._fresh)["ETag"])
             return hashlib.sha256(self.fs.cat_file(path)).hexdigest()
         except FileNotFoundError:
             return None
