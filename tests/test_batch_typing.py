@@ -32,7 +32,7 @@ pending = checkpointed_map(ask, [1, 2], name="d")
 _ = assert_type(pending, Coroutine[Any, Any, list[str]])
 pending.close()
 recorded = checkpointed_map(ask, [1], name="e", on_error="record")
-_ = assert_type(recorded, Coroutine[Any, Any, list[str | RowFailure]])
+__ = assert_type(recorded, Coroutine[Any, Any, list[str | RowFailure]])
 recorded.close()
 assert_type(checkpointed(["x", "y"], every=5, name="f"), Iterator[str])
 
