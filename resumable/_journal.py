@@ -28,7 +28,7 @@ from ._manifest import FORMAT, Fold, Manifest, StepRecord
 from ._manifest import dumps as dumps_manifest
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
 from ._stores import Store
-from .exceptions import ResumableWarning, StateFormatError
+from .exceptions import ResumableError, ResumableWarning, StateFormatError
 
 FLUSH_INTERVAL = 0.2
 _MAX_INTERVAL = 10.0
@@ -276,7 +276,11 @@ class Journal:
                 data = _skip_event(item, _stamp(item[0])) if isinstance(item, tuple) else item
                 lines.append(_dumps(_signed(data, self.secret)) + "\n")
             chunk = "".join(lines).encode()
-            self.store.append(EVENTS, chunk, durable=durable)
+            try:
+                self.store.append(EVENTS, chunk, durable=durable)
+            except BaseException:
+                self._pending[:0] = pending  # nothing is lost: retried with the next write
+                raise
             self._offset += len(chunk)
             self.manifest.events_offset = self._offset
 
@@ -327,7 +331,7 @@ class Journal:
                     self._dirty = False
                 self.flush(durable=False)
                 last_manifest = time.monotonic()
-            except OSError:
+            except (OSError, ResumableError):  # retried later; a lost lease stops the steps
                 continue
 
     def stop_writer(self) -> None:

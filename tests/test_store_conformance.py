@@ -20,7 +20,6 @@ _names = itertools.count()
 class TestLocalStore(StoreConformance):
     """A directory on the local disk."""
 
-    listed_internal_keys = frozenset({".resumable/lock"})
     concurrency_seconds = 0.5
 
     @pytest.fixture(autouse=True)

@@ -35,7 +35,7 @@ class Store(Protocol):
       power loss once ``write`` returns.
     - ``read`` returns the whole object or raises ``FileNotFoundError``.
     - ``lock`` lets one holder at a time in, raises :class:`StateLockedError` naming the
-      holder otherwise, and never stays held after its holder died.
+      holder otherwise, and never stays held after its holder died (a lease: once it expired).
     """
 
     location: str

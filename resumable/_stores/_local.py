@@ -254,8 +254,10 @@ class LocalStore:
                 key = f"{rel}/{entry.name}" if rel else entry.name
                 if entry.is_dir(follow_symlinks=False):
                     stack.append((entry.path, key))
-                elif key.startswith(prefix) and not (
-                    entry.name.startswith(".") and entry.name.endswith(".tmp")
+                elif (
+                    key.startswith(prefix)
+                    and key != _LOCK_FILE
+                    and not (entry.name.startswith(".") and entry.name.endswith(".tmp"))
                 ):
                     keys.append(key)
         return keys
