@@ -24,7 +24,8 @@ from ._batch_exec import (
     run_sequential,
     workers_of,
 )
-from ._batch_ledger import DamagedChunksError, Ledger, RowFailure, Source, Where
+from ._batch_input import Source
+from ._batch_ledger import DamagedChunksError, Ledger, RowFailure, Where
 from ._pipeline import current_pipeline
 from ._run import Execution, current_execution
 from ._slots import batch_dir, check_name

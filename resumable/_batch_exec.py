@@ -15,7 +15,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._batch_ledger import Ledger, RowFailure, Source
+from ._batch_input import Source
+from ._batch_ledger import Ledger, RowFailure
 
 if TYPE_CHECKING:
     import asyncio

@@ -17,22 +17,19 @@ cost of a commit does not grow with the rows committed before it.
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import logging
 import re
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Sequence, Sized
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import attrs
-import msgpack
 
+from ._batch_input import Digester, Source
 from ._codec import DamagedFileError, decode, encode, frame, parse_header, verify
 from ._codec_types import qualified_name
-from ._fingerprint import _Unhashable, digest_value
 from ._run import RunState, _stacklevel
 from .exceptions import InputChangedError, ResumableError, ResumableWarning
 
@@ -40,7 +37,6 @@ log = logging.getLogger("resumable")
 
 RECORD = "batch.msgpack"
 _CHUNK = re.compile(r"(\d{12})-(\d{12})-(\d+)-([mf][0-9a-f]{24})\.msgpack")
-_DIGEST_BYTES = 12
 # The manifest's batch progress is written at most this often (and at the end).
 REPORT_INTERVAL = 0.5
 
@@ -107,38 +103,6 @@ class Where:
         self.args = args  # the digest of the owning step's arguments
 
 
-class Source:
-    """The batch's input, read once, front to back, in slices."""
-
-    def __init__(self, items: Iterable[Any]) -> None:
-        if hasattr(items, "__aiter__") and not hasattr(items, "__iter__"):
-            msg = "batch input must be an iterable (a list, a range, a generator ...), not an async iterable"
-            raise TypeError(msg)
-        self.items = items
-        self.pos = 0
-        self._seq: Sequence[Any] | None = items if isinstance(items, Sequence) else None
-        self._iter: Iterator[Any] = iter(()) if self._seq is not None else iter(items)
-        sized = isinstance(items, Sized)
-        self.total: int | None = len(items) if isinstance(items, Sized) else None
-        # a sized container that is not an iterator can be iterated again
-        self.rereadable = self._seq is not None or (sized and self._iter is not items)
-
-    def take(self, n: int) -> list[Any]:
-        """The next *n* rows (fewer at the end of the input)."""
-        rows: list[Any]
-        if self._seq is not None:
-            part = self._seq[self.pos : self.pos + n]
-            rows = part if type(part) is list else list(part)
-        else:
-            rows = list(itertools.islice(self._iter, n))
-        self.pos += len(rows)
-        return rows
-
-    def again(self) -> Source:
-        """The same input from its first row (only if :attr:`rereadable`)."""
-        return Source(self.items)
-
-
 class DamagedChunksError(Exception):
     """Some committed chunks were damaged (and have been deleted): their rows must be redone."""
 
@@ -174,7 +138,7 @@ class Ledger:
         self._lenient = False  # the owning step's arguments changed: drop what no longer matches
         self._lock = threading.Lock()
         self._reported = 0.0
-        self._unhashable_noted = False
+        self._digester = Digester(self.display)
 
     @property
     def display(self) -> str:
@@ -322,7 +286,7 @@ class Ledger:
         for i, chunk in enumerate(committed):
             yield from self._gap(source, chunk.start)
             rows = source.take(chunk.end - chunk.start) if source.pos == chunk.start else []
-            if len(rows) == chunk.end - chunk.start and self._digest(rows) == chunk.digest:
+            if len(rows) == chunk.end - chunk.start and self._digester.digest(rows) == chunk.digest:
                 continue
             short = len(rows) < chunk.end - chunk.start
             if not self._lenient:
@@ -365,36 +329,6 @@ class Ledger:
                 raise InputChangedError(where.display, detail, where.remedy)
         self.total = source.pos
 
-    def _digest(self, rows: list[Any]) -> str:
-        """A digest of a chunk's input rows: their msgpack bytes when they are plain data."""
-        try:
-            packed = msgpack.packb(rows, strict_types=True)
-        except (TypeError, ValueError, OverflowError):
-            return "f" + self._fingerprint(rows)
-        return "m" + hashlib.blake2b(packed, digest_size=_DIGEST_BYTES).hexdigest()
-
-    def _fingerprint(self, rows: list[Any]) -> str:
-        try:
-            return digest_value(rows)[: 2 * _DIGEST_BYTES]
-        except (_Unhashable, RecursionError):
-            pass
-        # Rows without a stable digest are compared by their type only: a change inside
-        # them is not noticed (they would need __resumable_fingerprint__).
-        parts = []
-        for row in rows:
-            try:
-                parts.append(digest_value(row))
-            except (_Unhashable, RecursionError):
-                parts.append("?" + qualified_name(type(row)))
-                if not self._unhashable_noted:
-                    self._unhashable_noted = True
-                    log.warning(
-                        "batch %r: rows of type %s cannot be fingerprinted, so a change to them "
-                        "between runs is not detected (give the class a __resumable_fingerprint__() method)",
-                        self.display, qualified_name(type(row)),
-                    )  # fmt: skip
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[: 2 * _DIGEST_BYTES]
-
     # committing --------------------------------------------------------------------------
 
     def commit(self, start: int, rows: Sequence[Any], results: Any) -> None:
@@ -414,7 +348,7 @@ class Ledger:
                 self.failures += failures
             return
         run = where.run
-        digest = self._digest(rows if type(rows) is list else list(rows))
+        digest = self._digester.digest(rows if type(rows) is list else list(rows))
         chunk = Chunk(start, start + size, failures, digest)
         encoded = encode(
             results,

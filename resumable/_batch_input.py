@@ -1,0 +1,96 @@
+"""
+A batch's input: read once, front to back, in slices; and how its rows are identified.
+
+A chunk's file name carries a digest of its *input* rows, so that a resume can check,
+without reading any chunk, that the rows it would skip are the rows that were committed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import logging
+from collections.abc import Iterable, Iterator, Sequence, Sized
+from typing import Any
+
+import msgpack
+
+from ._codec_types import qualified_name
+from ._fingerprint import _Unhashable, digest_value
+
+log = logging.getLogger("resumable")
+
+DIGEST_BYTES = 12
+
+
+class Source:
+    """The batch's input, read once, front to back, in slices."""
+
+    def __init__(self, items: Iterable[Any]) -> None:
+        if hasattr(items, "__aiter__") and not hasattr(items, "__iter__"):
+            msg = "batch input must be an iterable (a list, a range, a generator ...), not an async iterable"
+            raise TypeError(msg)
+        self.items = items
+        self.pos = 0
+        self._seq: Sequence[Any] | None = items if isinstance(items, Sequence) else None
+        self._iter: Iterator[Any] = iter(()) if self._seq is not None else iter(items)
+        sized = isinstance(items, Sized)
+        self.total: int | None = len(items) if isinstance(items, Sized) else None
+        # a sized container that is not an iterator can be iterated again
+        self.rereadable = self._seq is not None or (sized and self._iter is not items)
+
+    def take(self, n: int) -> list[Any]:
+        """The next *n* rows (fewer at the end of the input)."""
+        rows: list[Any]
+        if self._seq is not None:
+            part = self._seq[self.pos : self.pos + n]
+            rows = part if type(part) is list else list(part)
+        else:
+            rows = list(itertools.islice(self._iter, n))
+        self.pos += len(rows)
+        return rows
+
+    def again(self) -> Source:
+        """The same input from its first row (only if :attr:`rereadable`)."""
+        return Source(self.items)
+
+
+class Digester:
+    """Digests of input rows, for one batch (which it names in its one warning)."""
+
+    def __init__(self, batch: str) -> None:
+        self.batch = batch
+        self._noted = False
+
+    def digest(self, rows: list[Any]) -> str:
+        """
+        A digest of a chunk's input rows: ``m`` + BLAKE2b of their msgpack bytes when they
+        are plain data (fast; dict key order counts), else ``f`` + their argument fingerprint.
+        """
+        try:
+            packed = msgpack.packb(rows, strict_types=True)
+        except (TypeError, ValueError, OverflowError):
+            return "f" + self._fingerprint(rows)
+        return "m" + hashlib.blake2b(packed, digest_size=DIGEST_BYTES).hexdigest()
+
+    def _fingerprint(self, rows: list[Any]) -> str:
+        try:
+            return digest_value(rows)[: 2 * DIGEST_BYTES]
+        except (_Unhashable, RecursionError):
+            pass
+        # Rows without a stable digest are compared by their type only: a change inside
+        # them is not noticed (they would need __resumable_fingerprint__).
+        parts = []
+        for row in rows:
+            try:
+                parts.append(digest_value(row))
+            except (_Unhashable, RecursionError):
+                parts.append("?" + qualified_name(type(row)))
+                if not self._noted:
+                    self._noted = True
+                    log.warning(
+                        "batch %r: rows of type %s cannot be fingerprinted, so a change to them "
+                        "between runs is not detected (give the class a __resumable_fingerprint__() method)",
+                        self.batch, qualified_name(type(row)),
+                    )  # fmt: skip
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[: 2 * DIGEST_BYTES]
