@@ -53,7 +53,9 @@ def test_a_checkpoint_per_completed_step(state_dir: Path):
     points = pipe.checkpoints()
     assert [1, 2, 3] == [c.id for c in points]
     assert ["prompt", "answer", "score"] == [c.slot for c in points]
-    assert [["prompt"], ["prompt", "answer"], ["prompt", "answer", "score"]] == [c.completed_steps for c in points]
+    assert [["prompt"], ["prompt", "answer"], ["prompt", "answer", "score"]] == [
+        c.completed_steps for c in points
+    ]
     assert all(isinstance(c, Checkpoint) and c.created_at for c in points)
 
 
