@@ -261,9 +261,7 @@ def _locate(name: str | None, api: str) -> Where | None:
             raise ResumableError(msg)
         run = current_pipeline().open_run()
         directory = batch_dir(None, name)
-        remedy = (
-            f"To start it over, delete {run.store.location}/{directory.rstrip('/')} (or pass another name=)."
-        )
+        remedy = f"To start it over, reset it: resumable reset {name} (or pipe.reset({name!r}))."
         return Where(run, directory, label=name, display=name, remedy=remedy)
     plan = execution.plan
     if name is None:

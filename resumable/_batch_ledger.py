@@ -509,4 +509,4 @@ _API = {"map": "checkpointed_map", "each": "checkpointed"}
 
 def _is_open(run: RunState) -> bool:
     # A generator closed late (at interpreter exit) must not write into a closed run.
-    return getattr(run, "_lock", True) is not None
+    return not run.closed

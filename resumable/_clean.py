@@ -32,6 +32,7 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
     - outputs (and row chunks) of steps that the latest runs no longer define, if the last
       run defining them is older than *older_than*. Steps never recorded as defined are
       kept: an output is only removed when runs have shown its step is gone;
+    - row chunks of steps that completed (left when a process died in between);
     - temporary files left by killed writers.
 
     The outputs of existing steps are never removed.
@@ -52,6 +53,10 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
             {k[: -len(".msgpack")] for k in store.list() if is_output_file(k)} | set(manifest.steps),
         )
         dead = [s for s in slots if step_of(s) in gone]
+        for slot in sorted(current):
+            # a step whose process died between writing its output and deleting its chunks
+            for key in store.list(batch_dir(slot)):
+                _remove(store, key, f"row chunk of completed step {slot!r}", report, dry_run=dry_run)
         for slot in dead:
             what = f"of removed step {step_of(slot)!r}"
             _remove(store, slot_file(slot), f"output {what}", report, dry_run=dry_run)

@@ -29,7 +29,7 @@ from ._history import Checkpoint
 from ._journal import read_state
 from ._manifest import Manifest
 from ._run import Found, RunState
-from ._slots import is_output_file, slot_file, step_of
+from ._slots import BATCHES, is_output_file, slot_file, step_of
 from ._step import KeySpec, Plan, Step, StepSpec, step
 from ._stores import Store, open_store
 from .exceptions import ResumableError, ResumableWarning, SerializationError, StepDefinitionError
@@ -396,7 +396,8 @@ class Pipeline:
         """
         Forget the outputs of *steps* (step names or slots such as ``fetch_page/3``), and by
         default of every step completed after them; with no arguments, forget everything.
-        Returns the slots forgotten.
+        A name may also be that of a batch run outside steps (``checkpointed(..., name=)``),
+        whose committed rows are then forgotten. Returns the slots (and batches) forgotten.
 
         Raises:
             ResumableError: a name matches no step or slot.
@@ -406,14 +407,19 @@ class Pipeline:
             manifest = run.journal.manifest
             on_disk = {k[: -len(".msgpack")] for k in self.store.list() if is_output_file(k)}
             known = {s for s, rec in manifest.steps.items() if rec.status != "reset"} | on_disk
+            batches = {k.split("/")[3] for k in self.store.list(f"{BATCHES}/named/")}
+            forgotten = []
             if not steps:
                 slots = known
+                forgotten = sorted(batches)
             else:
                 slots = set()
                 names = {step_of(s) for s in known} | set(self._registry())
                 for target in steps:
                     matched = {s for s in known if s == target or step_of(s) == target}
-                    if not matched and target not in names and "/" not in target:
+                    if target in batches:
+                        forgotten.append(target)
+                    elif not matched and target not in names and "/" not in target:
                         msg = (
                             f"nothing to reset: no step or slot {target!r} in {self.store.location} "
                             f"(steps: {', '.join(sorted(names)) or 'none'})"
@@ -425,8 +431,10 @@ class Pipeline:
                     positions = [i for i, s in enumerate(done) if s in slots]
                     if positions:
                         slots |= set(done[min(positions) :])
+            for name in forgotten:
+                run.forget_batches(None, name)
             rank = {s: i for i, s in enumerate(manifest.completed_steps)}
-            return self._forget(run, sorted(slots, key=lambda s: (rank.get(s, len(rank)), s)))
+            return self._forget(run, sorted(slots, key=lambda s: (rank.get(s, len(rank)), s))) + forgotten
 
     def _forget(self, run: RunState, slots: list[str]) -> list[str]:
         for slot in slots:

@@ -479,9 +479,15 @@ class RunState:
             "step %r completed in %.3fs, %s", plan.slot, time.perf_counter() - started, human_size(size)
         )
 
+    @property
+    def closed(self) -> bool:
+        """True once the run has released its lock: nothing may be written for it any more."""
+        return self._lock is None
+
     def forget_batches(self, slot: str | None, name: str | None = None) -> int:
         """Delete the row chunks of a step slot's batches (or of a named batch)."""
-        keys = self.store.list(batch_dir(slot, name))
+        # deepest first, so that emptied sub-directories go too
+        keys = sorted(self.store.list(batch_dir(slot, name)), key=lambda k: -k.count("/"))
         for key in keys:
             self.store.delete(key, durable=False)
         batch = slot if slot is not None else name

@@ -354,7 +354,12 @@ def test_named_batch_with_changed_input_raises(pipe: Pipeline, new_rows: list[in
         checkpointed_map(Counter(), new_rows, every=10, name="scores")
     assert "scores" == info.value.batch
     assert detail in str(info.value)
-    assert "batches/named/scores" in str(info.value)  # where to delete it to start over
+    assert "resumable reset scores" in str(info.value)  # how to start over
+    assert ["scores"] == pipe.reset("scores")
+    with pipe:
+        assert [r * 2 for r in new_rows] == checkpointed_map(
+            lambda r: r * 2, new_rows, every=10, name="scores"
+        )
 
 
 def test_iterator_input_resumes_and_detects_changes(pipe: Pipeline):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from resumable import Pipeline
+from resumable import Pipeline, load
 from resumable._cli import main
 
 
@@ -300,7 +300,7 @@ def test_clean_removes_outputs_of_steps_that_no_longer_exist(agent: tuple[Path, 
 
 HOLD = """
 import sys, time
-from resumable import Pipeline
+from resumable import Pipeline, load
 with Pipeline(state_dir=sys.argv[1]):
     print("holding", flush=True)
     time.sleep(60)
@@ -325,3 +325,25 @@ def test_changing_commands_refuse_while_a_run_holds_the_lock(agent: tuple[Path, 
         holder.kill()
         holder.wait()
         holder.stdout.close()
+
+
+def test_clean_removes_row_chunks_left_by_a_completed_step(tmp_path: Path):
+    """Chunks left behind by a step that completed (a death in between) are removed by clean."""
+    from resumable import checkpointed_map
+
+    state = tmp_path / "state"
+    pipe = Pipeline("p", state_dir=state)
+
+    @pipe.step
+    def enrich(rows: list[int]) -> list[int]:
+        return checkpointed_map(lambda r: r + 1, rows, every=2)
+
+    with pipe:
+        enrich([1, 2, 3])
+    leftover = state / ".resumable" / "batches" / "steps" / "enrich" / "000000000000-000000000002-0-x.msgpack"
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(b"left by a killed process")
+    done = _cli(state, "clean")
+    assert "row chunk of completed step 'enrich'" in done.stdout
+    assert not leftover.exists()
+    assert [2, 3, 4] == load(state / "enrich.msgpack")
