@@ -9,7 +9,8 @@ from ._batch import RowFailure, checkpointed, checkpointed_map
 from ._codec import load
 from ._history import Checkpoint
 from ._manifest import BatchRecord, ErrorRecord, Manifest, StepRecord
-from ._pipeline import Pipeline, Run
+from ._pipeline import Pipeline
+from ._runner import Run
 from ._step import Step, step
 from ._stores import Store, StoreLock
 from .exceptions import (

@@ -9,14 +9,10 @@ pipeline of the innermost ``with`` block, else in the default pipeline.
 
 from __future__ import annotations
 
-import atexit
 import contextvars
-import functools
 import os
-import signal
 import sys
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
@@ -24,97 +20,20 @@ from typing import Any, ParamSpec, Self, TypeVar, overload
 
 from . import _history
 from ._codec import DamagedFileError, parse_header, secret_bytes, verify
-from ._fingerprint import StoredOutput
+from ._context import _current, _entered, _registry_lock, _unbound
+from ._exit import _exit_hooks, status_for
 from ._history import Checkpoint
 from ._journal import read_state
 from ._manifest import Manifest
-from ._run import Found, RunState
+from ._run import RunState
+from ._runner import Run, run_steps
 from ._slots import BATCHES, is_output_file, slot_file, step_of
 from ._step import KeySpec, Plan, Step, StepSpec, step
 from ._stores import Store, open_store
-from .exceptions import ResumableError, ResumableWarning, SerializationError, StepDefinitionError
+from .exceptions import ResumableError, StepDefinitionError
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-_unbound: dict[str, StepSpec[Any, Any]] = {}
-_registry_lock = threading.RLock()
-_current: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar("resumable_pipeline", default=None)
-# Pipelines entered by `with`, for threads started inside the block (threads do not
-# inherit context variables).
-_entered: list[Pipeline] = []
-_default: Pipeline | None = None
-
-
-def register(spec: StepSpec[Any, Any]) -> None:
-    """Add a step to its pipeline's registry, refusing a second function with its name."""
-    registry = spec.pipeline._steps if spec.pipeline is not None else _unbound  # noqa: SLF001
-    with _registry_lock:
-        existing = registry.get(spec.name)
-        if existing is not None and existing.qualname != spec.qualname:
-            msg = (
-                f"step name {spec.name!r} is already used by {existing.qualname}; "
-                f"{spec.qualname} needs another one: pass name='...' to @step."
-            )
-            raise StepDefinitionError(msg, step=spec.name)
-        for other in registry:
-            if other != spec.name and other.lower() == spec.name.lower():
-                msg = (
-                    f"step names {other!r} and {spec.name!r} differ only by case, so their files "
-                    "would collide on case-insensitive file systems; rename one with name=."
-                )
-                raise StepDefinitionError(msg, step=spec.name)
-        # re-running a definition (a notebook cell, a reload) replaces it in place
-        registry[spec.name] = spec
-
-
-def default_pipeline() -> Pipeline:
-    """The pipeline of script mode (state in ``$RESUMABLE_STATE_DIR`` or ``./state``)."""
-    global _default  # noqa: PLW0603 - created on first use, so importing stays cheap
-    with _registry_lock:
-        if _default is None:
-            _default = Pipeline()
-        return _default
-
-
-def current_pipeline() -> Pipeline:
-    """The pipeline unbound steps run in: the innermost ``with`` block's, else the default."""
-    pipe = _current.get()
-    if pipe is not None:
-        return pipe
-    if _entered:
-        return _entered[-1]
-    return default_pipeline()
-
-
-class Run:
-    """What :meth:`Pipeline.run` did: outputs (loaded on access), executed and skipped slots."""
-
-    def __init__(self, outputs: Mapping[str, Any], executed: list[str], skipped: list[str]) -> None:
-        self.outputs: Mapping[str, Any] = _LazyOutputs(outputs)
-        self.executed = executed
-        self.skipped = skipped
-
-    def __repr__(self) -> str:
-        return f"Run(executed={self.executed!r}, skipped={self.skipped!r})"
-
-
-class _LazyOutputs(Mapping[str, Any]):
-    def __init__(self, data: Mapping[str, Any]) -> None:
-        self._data = data
-
-    def __getitem__(self, name: str) -> Any:
-        value = self._data[name]
-        return value.get() if isinstance(value, StoredOutput) else value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __repr__(self) -> str:
-        return f"<outputs {list(self._data)}>"
 
 
 class Pipeline:
@@ -342,45 +261,9 @@ class Pipeline:
             msg = f"{self!r}.run(): no step has a parameter named {', '.join(map(repr, unused))}"
             raise StepDefinitionError(msg)
         if self._run is not None:
-            return self._run_steps(self.open_run(), specs, inputs)
+            return run_steps(repr(self), self.open_run(), specs, inputs)
         with self:
-            return self._run_steps(self.open_run(), specs, inputs)
-
-    def _run_steps(self, run: RunState, specs: list[StepSpec[Any, Any]], inputs: Mapping[str, Any]) -> Run:
-        outputs: dict[str, Any] = {}
-        executed: list[str] = []
-        skipped: list[str] = []
-        for spec in specs:
-            args, kwargs = _arguments(self, spec, outputs, inputs)
-            value, ran, slot = self._run_one(run, spec, args, kwargs)
-            outputs[spec.name] = value
-            (executed if ran else skipped).append(slot)
-        return Run(outputs, executed, skipped)
-
-    def _run_one(
-        self, run: RunState, spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]
-    ) -> tuple[Any, bool, str]:
-        if spec.key is not None:  # the key may need the values themselves
-            args, kwargs = _resolved(args), _resolved(kwargs)
-        plan = spec.plan(tuple(args), kwargs)
-        found = run.peek(spec, plan)
-        if found.hit:
-            stored: StoredOutput = found.value
-            redo = functools.partial(self._load_or_redo, run, spec, plan, args, kwargs)
-            return StoredOutput(plan.slot, stored.digest, redo, stored.value_digest), False, plan.slot
-        value = _execute(run, spec, plan, found, _call(spec, args, kwargs))
-        # downstream steps see the stored digests, exactly as when this step is skipped
-        digest = plan.output_digest or ""
-        return StoredOutput(plan.slot, digest, lambda: value, plan.output_value_digest), True, plan.slot
-
-    def _load_or_redo(
-        self, run: RunState, spec: StepSpec[Any, Any], plan: Plan, args: list[Any], kwargs: dict[str, Any]
-    ) -> Any:
-        try:
-            return run.load(spec, plan)
-        except (SerializationError, FileNotFoundError) as exc:
-            warnings.warn(ResumableWarning(f"{exc}; recomputing it."), stacklevel=3)
-            return _execute(run, spec, plan, Found(hit=False, reason="corrupt"), _call(spec, args, kwargs))
+            return run_steps(repr(self), self.open_run(), specs, inputs)
 
     # state -------------------------------------------------------------------------------
 
@@ -519,120 +402,3 @@ class Pipeline:
         except (FileNotFoundError, DamagedFileError):
             return False
         return True
-
-
-def status_for(exc: BaseException | None) -> str:
-    """How a run ends, given the exception leaving it (if any)."""
-    if exc is None:
-        return "completed"
-    if isinstance(exc, SystemExit) and exc.code in {None, 0}:
-        return "completed"
-    if not isinstance(exc, Exception):  # Ctrl-C, SIGTERM, a cancelled task ...
-        return "interrupted"
-    return "failed"
-
-
-def _resolved(values: Any) -> Any:
-    if isinstance(values, dict):
-        return {k: v.get() if isinstance(v, StoredOutput) else v for k, v in values.items()}
-    return [v.get() if isinstance(v, StoredOutput) else v for v in values]
-
-
-def _arguments(
-    pipe: Pipeline, spec: StepSpec[Any, Any], outputs: Mapping[str, Any], inputs: Mapping[str, Any]
-) -> tuple[list[Any], dict[str, Any]]:
-    args: list[Any] = []
-    kwargs: dict[str, Any] = {}
-    for name, param in spec.signature.parameters.items():
-        if param.kind in {param.VAR_POSITIONAL, param.VAR_KEYWORD}:
-            continue
-        if name in outputs:
-            value = outputs[name]
-        elif name in inputs:
-            value = inputs[name]
-        elif param.default is not param.empty:
-            continue
-        else:
-            msg = (
-                f"{pipe!r}.run(): step {spec.name!r} needs {name!r}, but no earlier step is "
-                f"called {name!r} and no input {name}=... was given"
-            )
-            raise StepDefinitionError(msg, step=spec.name)
-        if param.kind is param.POSITIONAL_ONLY:
-            args.append(value)
-        else:
-            kwargs[name] = value
-    return args, kwargs
-
-
-def _call(spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
-    return functools.partial(spec.fn, *_resolved(args), **_resolved(kwargs))
-
-
-def _execute(run: RunState, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Any) -> Any:
-    if not spec.is_async:
-        return run.execute(spec, plan, found, call)
-    import asyncio  # noqa: PLC0415 - only async steps need it
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(run.execute_async(spec, plan, found, call))
-    msg = (
-        f"Pipeline.run() cannot run async step {spec.name!r} inside a running event loop; "
-        "call the step and await it instead"
-    )
-    raise ResumableError(msg)
-
-
-class _ExitHooks:
-    """Closes runs opened in script mode when the interpreter exits."""
-
-    def __init__(self) -> None:
-        self._pipelines: list[Pipeline] = []
-        self._installed = False
-        self._error: BaseException | None = None
-        self._terminated = False
-
-    def watch(self, pipe: Pipeline) -> None:
-        if pipe not in self._pipelines:
-            self._pipelines.append(pipe)
-        if not self._installed:
-            self._installed = True
-            atexit.register(self._at_exit)
-            previous = sys.excepthook
-
-            def excepthook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
-                self._error = value
-                previous(tp, value, tb)
-
-            sys.excepthook = excepthook
-            main = threading.current_thread() is threading.main_thread()
-            if main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-                signal.signal(signal.SIGTERM, self._on_sigterm)
-
-    def forget(self, pipe: Pipeline) -> None:
-        if pipe in self._pipelines:
-            self._pipelines.remove(pipe)
-
-    def _on_sigterm(self, signum: int, _frame: object) -> None:
-        # Unwind like Ctrl-C does, so the run (and a running step) is recorded as interrupted.
-        self._terminated = True
-        raise SystemExit(128 + signum)
-
-    def _at_exit(self) -> None:
-        error = self._error
-        status = "interrupted" if self._terminated else status_for(error)
-        for pipe in list(self._pipelines):
-            run = pipe._run  # noqa: SLF001
-            ended = status
-            if ended == "completed" and run is not None and run.last_outcome == "interrupted":
-                ended = "interrupted"  # Ctrl-C in a step, caught by the script, which then exited
-            try:
-                pipe._close(ended, error)  # noqa: SLF001
-            except Exception as exc:  # noqa: BLE001 - report, and close the other pipelines
-                print(f"resumable: could not close {pipe!r} cleanly: {exc}", file=sys.stderr)  # noqa: T201
-        self._pipelines.clear()
-
-
-_exit_hooks = _ExitHooks()

@@ -271,7 +271,7 @@ class StepSpec(Generic[P, R]):
     def pipeline_for_call(self) -> Pipeline:
         if self.pipeline is not None:
             return self.pipeline
-        from ._pipeline import current_pipeline  # noqa: PLC0415 - circular at import time
+        from ._context import current_pipeline  # noqa: PLC0415 - circular at import time
 
         return current_pipeline()
 
@@ -333,7 +333,7 @@ def _make(fn: Callable[P, R], options: dict[str, Any]) -> Step[P, R]:
     wrapper.__resumable_step__ = spec
     wrapper.is_cached = spec.is_cached
     wrapper.forget = spec.forget
-    from ._pipeline import register  # noqa: PLC0415 - circular at import time
+    from ._context import register  # noqa: PLC0415 - circular at import time
 
     register(spec)
     result: Step[P, R] = wrapper

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from resumable import Pipeline
+from resumable._exit import _exit_hooks
 from resumable._fingerprint import provenance
-from resumable._pipeline import _exit_hooks
 
 settings.register_profile(
     "default",

@@ -17,7 +17,7 @@ from resumable import (
     StepDefinitionError,
     step,
 )
-from resumable._pipeline import current_pipeline, default_pipeline
+from resumable._context import current_pipeline, default_pipeline
 
 
 def _etl(pipe: Pipeline, calls: list[str]):

@@ -1,0 +1,141 @@
+"""
+The pipeline runner: a pipeline's steps in order, outputs passed on by parameter name.
+
+A skipped step's output is passed on unloaded (a :class:`StoredOutput`, fingerprinted from
+its stored digests); it is read only when a step that runs needs its value.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ._fingerprint import StoredOutput
+from ._run import Found, RunState
+from ._step import Plan, StepSpec
+from .exceptions import ResumableError, ResumableWarning, SerializationError, StepDefinitionError
+
+
+class Run:
+    """What :meth:`Pipeline.run` did: outputs (loaded on access), executed and skipped slots."""
+
+    def __init__(self, outputs: Mapping[str, Any], executed: list[str], skipped: list[str]) -> None:
+        self.outputs: Mapping[str, Any] = _LazyOutputs(outputs)
+        self.executed = executed
+        self.skipped = skipped
+
+    def __repr__(self) -> str:
+        return f"Run(executed={self.executed!r}, skipped={self.skipped!r})"
+
+
+class _LazyOutputs(Mapping[str, Any]):
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = data
+
+    def __getitem__(self, name: str) -> Any:
+        value = self._data[name]
+        return value.get() if isinstance(value, StoredOutput) else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"<outputs {list(self._data)}>"
+
+
+def run_steps(owner: str, run: RunState, specs: list[StepSpec[Any, Any]], inputs: Mapping[str, Any]) -> Run:
+    """Run *specs* in order, passing outputs on by parameter name (see ``Pipeline.run``)."""
+    outputs: dict[str, Any] = {}
+    executed: list[str] = []
+    skipped: list[str] = []
+    for spec in specs:
+        args, kwargs = _arguments(owner, spec, outputs, inputs)
+        value, ran, slot = _run_one(run, spec, args, kwargs)
+        outputs[spec.name] = value
+        (executed if ran else skipped).append(slot)
+    return Run(outputs, executed, skipped)
+
+
+def _run_one(
+    run: RunState, spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]
+) -> tuple[Any, bool, str]:
+    if spec.key is not None:  # the key may need the values themselves
+        args, kwargs = _resolved(args), _resolved(kwargs)
+    plan = spec.plan(tuple(args), kwargs)
+    found = run.peek(spec, plan)
+    if found.hit:
+        stored: StoredOutput = found.value
+        redo = functools.partial(_load_or_redo, run, spec, plan, args, kwargs)
+        return StoredOutput(plan.slot, stored.digest, redo, stored.value_digest), False, plan.slot
+    value = _execute(run, spec, plan, found, _call(spec, args, kwargs))
+    # downstream steps see the stored digests, exactly as when this step is skipped
+    digest = plan.output_digest or ""
+    return StoredOutput(plan.slot, digest, lambda: value, plan.output_value_digest), True, plan.slot
+
+
+def _load_or_redo(
+    run: RunState, spec: StepSpec[Any, Any], plan: Plan, args: list[Any], kwargs: dict[str, Any]
+) -> Any:
+    try:
+        return run.load(spec, plan)
+    except (SerializationError, FileNotFoundError) as exc:
+        warnings.warn(ResumableWarning(f"{exc}; recomputing it."), stacklevel=3)
+        return _execute(run, spec, plan, Found(hit=False, reason="corrupt"), _call(spec, args, kwargs))
+
+
+def _resolved(values: Any) -> Any:
+    if isinstance(values, dict):
+        return {k: v.get() if isinstance(v, StoredOutput) else v for k, v in values.items()}
+    return [v.get() if isinstance(v, StoredOutput) else v for v in values]
+
+
+def _arguments(
+    owner: str, spec: StepSpec[Any, Any], outputs: Mapping[str, Any], inputs: Mapping[str, Any]
+) -> tuple[list[Any], dict[str, Any]]:
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+    for name, param in spec.signature.parameters.items():
+        if param.kind in {param.VAR_POSITIONAL, param.VAR_KEYWORD}:
+            continue
+        if name in outputs:
+            value = outputs[name]
+        elif name in inputs:
+            value = inputs[name]
+        elif param.default is not param.empty:
+            continue
+        else:
+            msg = (
+                f"{owner}.run(): step {spec.name!r} needs {name!r}, but no earlier step is "
+                f"called {name!r} and no input {name}=... was given"
+            )
+            raise StepDefinitionError(msg, step=spec.name)
+        if param.kind is param.POSITIONAL_ONLY:
+            args.append(value)
+        else:
+            kwargs[name] = value
+    return args, kwargs
+
+
+def _call(spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]) -> Any:
+    return functools.partial(spec.fn, *_resolved(args), **_resolved(kwargs))
+
+
+def _execute(run: RunState, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Any) -> Any:
+    if not spec.is_async:
+        return run.execute(spec, plan, found, call)
+    import asyncio  # noqa: PLC0415 - only async steps need it
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(run.execute_async(spec, plan, found, call))
+    msg = (
+        f"Pipeline.run() cannot run async step {spec.name!r} inside a running event loop; "
+        "call the step and await it instead"
+    )
+    raise ResumableError(msg)
