@@ -15,8 +15,9 @@ import pytest
 
 from resumable import Pipeline, ResumableError, StateLockedError
 from resumable._stores import open_store
-from resumable._stores._fsspec import FANOUT, SEGMENTS, FsspecStore, Segment, chain_of
+from resumable._stores._fsspec import FsspecStore
 from resumable._stores._lease import LEASE_KEY
+from resumable._stores._segments import FANOUT, SEGMENTS, Segment, chain_of
 
 
 def memory_store(**kwargs) -> FsspecStore:

@@ -8,14 +8,8 @@ completes). On other fsspec file systems an object is written under a temporary 
 moved over its key.
 
 Object stores cannot append, so an appended key (the event log) is kept as numbered
-*segments*, ``.resumable/segments/<key>/<start>-<end>.<level>``: each append writes one
-segment named by the byte range it holds, and reading the key joins the segments from
-byte 0. Every 16 segments of one level at the end of the log are merged into one of the
-next level, so a log of *n* appends has O(log n) segments and each byte is rewritten
-O(log n) times. While two segments cover the same bytes (a merge not yet cleaned up),
-the longer one is read. If the key also exists as a plain object (written with ``write``,
-or a log copied from a local state directory), that object is the key's content and its
-segments are leftovers; the first append copies it into a segment and then deletes it.
+*segments*, merged as the log grows (see _segments.py); a plain object under the same key
+wins over its segments.
 
 Layout under the store's root, besides the keys resumable writes::
 
@@ -34,87 +28,19 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
-import re
 import threading
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from .._slots import INTERNAL_DIR
 from ..exceptions import ResumableError
 from . import Buffer
 from ._lease import LEASE_KEY, Lease, LeaseConflict, ttl_from_env
+from ._segments import SEGMENTS, Index, Segment, SegmentedLogs, named_error
 
-SEGMENTS = f"{INTERNAL_DIR}/segments"
-FANOUT = 16  # segments of one level merged into one of the next
-_COPY_LEVEL = 99  # a plain object turned into a segment: never merged again
-_RECENT_MAX = 8 * 1024 * 1024  # bytes of recently written segments kept for merging
-_READ_ATTEMPTS = 4
 # Protocols where writing an object in one request is atomic.
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"})
-_SEGMENT_NAME = re.compile(r"([0-9a-f]{16})-([0-9a-f]{16})\.(\d+)")
 INSTALL_HINT = 'install the remote extra: pip install "resumable[remote]"'
-
-
-class Segment(NamedTuple):
-    """Bytes ``start`` to ``end`` of an appended key; merged ``level`` times."""
-
-    start: int
-    end: int
-    level: int
-
-    @property
-    def name(self) -> str:
-        return f"{self.start:016x}-{self.end:016x}.{self.level}"
-
-    @classmethod
-    def parse(cls, name: str) -> Segment | None:
-        m = _SEGMENT_NAME.fullmatch(name)
-        if m is None:
-            return None
-        return cls(int(m[1], 16), int(m[2], 16), int(m[3]))
-
-
-def chain_of(segments: Iterable[Segment]) -> tuple[list[Segment], list[Segment], int | None]:
-    """
-    The segments that make up the key from byte 0 (the longest one at each offset), the
-    leftovers they cover, and the offset of a gap if some segment lies beyond it.
-    """
-    segments = list(segments)
-    best: dict[int, Segment] = {}
-    for s in segments:
-        if s.end > s.start and (s.start not in best or s.end > best[s.start].end):
-            best[s.start] = s
-    chain: list[Segment] = []
-    pos = 0
-    while pos in best:
-        chain.append(best[pos])
-        pos = best[pos].end
-    used = set(chain)
-    stale = [s for s in segments if s not in used and s.end <= pos]
-    gap = any(s not in used and s.end > pos for s in segments)
-    return chain, stale, pos if gap else None
-
-
-class _Index:
-    """What the store holds: plain objects, and the segments of appended keys."""
-
-    def __init__(self) -> None:
-        self.objects: set[str] = set()
-        self.logs: dict[str, set[Segment]] = {}
-
-    def keys(self) -> set[str]:
-        return self.objects | {k for k, segs in self.logs.items() if segs}
-
-
-def _named(exc: OSError, where: str) -> OSError:
-    """The same kind of error, naming *where* (errors from object stores often name nothing)."""
-    if exc.filename is not None:
-        return exc
-    try:
-        return type(exc)(exc.errno or errno.EIO, exc.strerror or str(exc), where)
-    except TypeError:  # pragma: no cover - an OSError subclass with its own signature
-        return OSError(exc.errno or errno.EIO, exc.strerror or str(exc), where)
 
 
 def _is_precondition_failure(exc: OSError) -> bool:
@@ -128,7 +54,7 @@ def _is_precondition_failure(exc: OSError) -> bool:
     return "pre-condition" in str(exc).lower() or "precondition" in str(exc).lower()
 
 
-class FsspecStore:
+class FsspecStore(SegmentedLogs):
     """
     A store at any fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``memory://...``).
 
@@ -169,7 +95,7 @@ class FsspecStore:
         self._mutex = threading.RLock()
         self._append_lock = threading.Lock()
         self._lease: Lease | None = None
-        self._index: _Index | None = None
+        self._index: Index | None = None
         self._tails: dict[str, list[Segment]] = {}
         self._recent: dict[str, bytes] = {}
 
@@ -184,10 +110,7 @@ class FsspecStore:
     def _where(self, key: str) -> str:
         return f"{self.location}/{key}"
 
-    def _seg_path(self, key: str, seg: Segment) -> str:
-        return self._path(f"{SEGMENTS}/{key}/{seg.name}")
-
-    def _classify(self, path: str, index: _Index) -> None:
+    def _classify(self, path: str, index: Index) -> None:
         if not path.startswith(self._prefix):
             return
         rel = path[len(self._prefix) :]
@@ -202,9 +125,9 @@ class FsspecStore:
             return
         index.objects.add(rel)
 
-    def _scan(self, base: str) -> _Index:
+    def _scan(self, base: str) -> Index:
         """List the objects under directory *base* ("" for all), and the segments of keys there."""
-        index = _Index()
+        index = Index()
         dirs = [base, f"{SEGMENTS}/{base}"] if base else [""]
         for d in dirs:
             path = self._path(d).rstrip("/")
@@ -218,7 +141,7 @@ class FsspecStore:
                 self._classify(p, index)
         return index
 
-    def _known(self) -> _Index | None:
+    def _known(self) -> Index | None:
         """The listing kept while this store holds the lease (built on first use), else None."""
         with self._mutex:
             lease = self._lease
@@ -227,21 +150,6 @@ class FsspecStore:
             if self._index is None:
                 self._index = self._scan("")
             return self._index
-
-    def _segments(self, key: str) -> set[Segment]:
-        known = self._known()
-        if known is not None:
-            with self._mutex:
-                return set(known.logs.get(key, ()))
-        # only this key's segments: one narrow listing, not the key's whole directory
-        index = _Index()
-        path = self._path(f"{SEGMENTS}/{key}")
-        with contextlib.suppress(AttributeError):
-            self.fs.invalidate_cache(path)
-        with contextlib.suppress(FileNotFoundError):
-            for p in self.fs.find(path):
-                self._classify(p, index)
-        return index.logs.get(key, set())
 
     def _check_fence(self) -> None:
         lease = self._lease
@@ -260,7 +168,7 @@ class FsspecStore:
             raise FileNotFoundError(errno.ENOENT, "No such object", where) from None
         except OSError as exc:
             if start == 0 and end is None:
-                raise _named(exc, where) from exc
+                raise named_error(exc, where) from exc
             # a range past the end is an error on S3; locally it reads nothing
             try:
                 size = int(self.fs.info(path, **self._fresh)["size"])
@@ -268,7 +176,7 @@ class FsspecStore:
                 raise FileNotFoundError(errno.ENOENT, "No such object", where) from None
             if start >= size or (end is not None and end <= start):
                 return b""
-            raise _named(exc, where) from exc
+            raise named_error(exc, where) from exc
 
     def read(self, key: str) -> bytearray:
         # a fresh writable buffer, as from a local file: arrays decoded from it are writable
@@ -295,50 +203,6 @@ class FsspecStore:
         except FileNotFoundError:
             return self._read_log(key, start, end)
 
-    def _read_log(self, key: str, start: int, end: int | None) -> bytes:
-        where = self._where(key)
-        for _ in range(_READ_ATTEMPTS):
-            segments = self._segments(key)
-            if not segments:
-                raise FileNotFoundError(errno.ENOENT, "No such object", where)
-            chain, _, gap = chain_of(segments)
-            if gap is not None:
-                continue  # listed while a merge was being cleaned up, or damaged: look again
-            paths, starts, ends = [], [], []
-            for seg in chain:
-                if seg.end <= start or (end is not None and seg.start >= end):
-                    continue
-                paths.append(self._seg_path(key, seg))
-                starts.append(max(start - seg.start, 0))
-                ends.append(None if end is None or end >= seg.end else end - seg.start)
-            if not paths:
-                return b""
-            try:
-                return b"".join(self._cat_many(paths, starts, ends))
-            except FileNotFoundError:
-                continue  # merged and deleted since the listing: look again
-            except OSError as exc:
-                raise _named(exc, where) from exc
-        raise self._damaged_log(key, gap)
-
-    def _cat_many(self, paths: list[str], starts: list[int], ends: list[int | None]) -> list[bytes]:
-        """Byte ranges of several objects, fetched concurrently."""
-        if not paths:
-            return []
-        parts = self.fs.cat_ranges(paths, starts, ends)
-        for p in parts:
-            if isinstance(p, BaseException):
-                raise p
-        return [bytes(p) for p in parts]
-
-    def _damaged_log(self, key: str, gap: int | None) -> OSError:
-        return OSError(
-            errno.EIO,
-            f"the appended segments of this object are incomplete (missing bytes from offset {gap}); "
-            f"delete the objects under {self._where(SEGMENTS)}/{key}/ to drop it",
-            self._where(key),
-        )
-
     # writing ----------------------------------------------------------------------------
 
     def _put(self, path: str, data: bytes | bytearray, where: str) -> None:
@@ -361,7 +225,7 @@ class FsspecStore:
                     self.fs.rm_file(tmp)
                 raise
         except OSError as exc:
-            raise _named(exc, where) from exc
+            raise named_error(exc, where) from exc
 
     def _rm(self, paths: Sequence[str]) -> None:
         """Delete objects; absent ones are no error."""
@@ -395,132 +259,19 @@ class FsspecStore:
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "No such object", self._where(src)) from None
         except OSError as exc:
-            raise _named(exc, self._where(dst)) from exc
+            raise named_error(exc, self._where(dst)) from exc
         with self._mutex:
             if self._index is not None:
                 self._index.objects.add(dst)
         self._drop_log(dst)
 
-    def _drop_log(self, key: str) -> None:
-        segments = self._segments(key)
-        with self._mutex:
-            self._tails.pop(key, None)
-        if segments:
-            self._rm([self._seg_path(key, s) for s in segments])
-            self._forget_segments(key, segments)
-
-    def _forget_segments(self, key: str, segments: Iterable[Segment]) -> None:
-        with self._mutex:
-            for s in segments:
-                self._recent.pop(self._seg_path(key, s), None)
-                if self._index is not None:
-                    self._index.logs.get(key, set()).discard(s)
-
-    def _add_segment(self, key: str, seg: Segment, data: bytes) -> None:
-        path = self._seg_path(key, seg)
-        self._put(path, data, self._where(key))
-        with self._mutex:
-            if self._index is not None:
-                self._index.logs.setdefault(key, set()).add(seg)
-            if len(data) <= _RECENT_MAX:
-                self._recent[path] = data
-                while sum(map(len, self._recent.values())) > _RECENT_MAX:
-                    del self._recent[next(iter(self._recent))]
-
-    def append(self, key: str, data: bytes, *, durable: bool) -> None:  # noqa: ARG002 - a PUT is durable once it returns
-        self._check_fence()
-        with self._append_lock:
-            chain = self._tail(key)
-            if not data:
-                if not chain and not self._exists_plain(key):
-                    self._put(self._path(key), b"", self._where(key))
-                    with self._mutex:
-                        if self._index is not None:
-                            self._index.objects.add(key)
-                return
-            start = chain[-1].end if chain else 0
-            seg = Segment(start, start + len(data), 0)
-            self._add_segment(key, seg, bytes(data))
-            chain.append(seg)
-            self._merge(key, chain)
-            with self._mutex:
-                if self._known() is not None:
-                    self._tails[key] = chain  # only this run writes: the tail stays true
-                else:
-                    self._tails.pop(key, None)
-
-    def _exists_plain(self, key: str) -> bool:
-        known = self._known()
-        if known is not None:
-            with self._mutex:
-                return key in known.objects
-        try:
-            self.fs.info(self._path(key), **self._fresh)
-        except FileNotFoundError:
-            return False
-        return True
-
-    def _tail(self, key: str) -> list[Segment]:
-        """The chain of segments *key* consists of, turning a plain object into one first."""
-        with self._mutex:
-            cached = self._tails.get(key)
-            if cached is not None and self._known() is not None:
-                return cached
-        segments = self._segments(key)
-        if self._exists_plain(key):
-            # the plain object is the content: its segments are leftovers of an interrupted
-            # write or conversion; copy it into a segment, then delete it
-            self._rm([self._seg_path(key, s) for s in segments])
-            self._forget_segments(key, segments)
-            data = self._cat(self._path(key), self._where(key))
-            chain = []
-            if data:
-                chain = [Segment(0, len(data), _COPY_LEVEL)]
-                self._add_segment(key, chain[0], data)
-            self._rm([self._path(key)])
-            with self._mutex:
-                if self._index is not None:
-                    self._index.objects.discard(key)
-            return chain
-        chain, stale, gap = chain_of(segments)
-        if gap is not None:
-            raise self._damaged_log(key, gap)
-        if stale:  # leftovers of a merge cut short
-            self._rm([self._seg_path(key, s) for s in stale])
-            self._forget_segments(key, stale)
-        return chain
-
-    def _merge(self, key: str, chain: list[Segment]) -> None:
-        """Merge every FANOUT segments of one level at the end of *chain* into one."""
-        while len(chain) >= FANOUT:
-            group = chain[-FANOUT:]
-            level = group[-1].level
-            if level >= _COPY_LEVEL or any(s.level != level for s in group):
-                return
-            paths = [self._seg_path(key, s) for s in group]
-            with self._mutex:
-                cached = [self._recent.get(p) for p in paths]
-            missing = [p for p, c in zip(paths, cached, strict=True) if c is None]
-            fetched = iter(self._cat_many(missing, [0] * len(missing), [None] * len(missing)))
-            data = b"".join(c if c is not None else next(fetched) for c in cached)
-            merged = Segment(group[0].start, group[-1].end, level + 1)
-            self._add_segment(key, merged, data)
-            chain[-FANOUT:] = [merged]
-            self._rm(paths)
-            self._forget_segments(key, group)
-
     def delete(self, key: str, *, durable: bool) -> None:  # noqa: ARG002 - a DELETE is durable once it returns
         self._check_fence()
-        segments = self._segments(key)
-        if segments:
-            # an empty plain object wins over the segments while they are deleted, so no
-            # reader ever sees some of them
-            self._put(self._path(key), b"", self._where(key))
-            self._drop_log(key)
+        self._delete_log(key)
         try:
             self._rm([self._path(key)])
         except OSError as exc:
-            raise _named(exc, self._where(key)) from exc
+            raise named_error(exc, self._where(key)) from exc
         with self._mutex:
             self._tails.pop(key, None)
             if self._index is not None:
@@ -615,7 +366,7 @@ class FsspecStore:
         except OSError as exc:
             if _is_precondition_failure(exc):
                 raise LeaseConflict from None
-            raise _named(exc, self._where(LEASE_KEY)) from exc
+            raise named_error(exc, self._where(LEASE_KEY)) from exc
         return str(out["ETag"])
 
     def lease_delete(self, *, expect: str) -> None:
