@@ -1,23 +1,18 @@
 """
-An open run of a pipeline: the lock, the journal, and what happens to one step call.
+An open run of a pipeline: the lock, the journal, and looking a step call up.
 
-A call is looked up first (a *skip* if its slot holds an output with the same
-fingerprint); otherwise it is executed: ``step_started`` is logged (fsynced first for
-``idempotent=False`` steps), the function runs with retries, the output is encoded
-(before anything is overwritten), written atomically, and ``step_completed`` is logged.
+A call is looked up first: a *skip* if its slot holds a valid output with the same
+fingerprint, else a miss with the reason why (running it is :mod:`._execute`'s part).
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import os
 import socket
 import sys
-import time
-import traceback
 import warnings
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from . import _codehash, _history
@@ -25,35 +20,27 @@ from ._codec import (
     DamagedFileError,
     Stamp,
     decode,
-    encode,
-    frame,
     parse_header,
     utcnow,
     value_digest,
     verify,
 )
-from ._codec_types import qualified_name
-from ._fingerprint import StoredOutput, _Unhashable, digest_value, provenance
+from ._execute import StepExecution, _error_fields, _remember
+from ._fingerprint import StoredOutput
 from ._journal import Journal, read_header
-from ._render import human_size
-from ._slots import batch_dir, slot_file
+from ._slots import slot_file
 from ._stores import Store
-from .exceptions import ResumableWarning, SerializationError, StepInterruptedError
+from .exceptions import ResumableWarning, SerializationError
 
 if TYPE_CHECKING:
     from ._step import Plan, StepSpec
 
 log = logging.getLogger("resumable")
 
-LARGE_OUTPUT = 100 * 1024 * 1024
-PROVENANCE_MIN_SIZE = 4096
-_VERIFIED_MAX_FILE = 64 * 1024  # files kept verified in memory: small ones ...
-_VERIFIED_MAX_TOTAL = (
-    16 * 1024 * 1024
-)  # ... up to this much in all  # outputs at least this large are not rehashed when passed on
-RETRY_BASE_DELAY = 0.5  # seconds before the first retry; doubles each attempt
-RETRY_MAX_DELAY = 60.0
-_MAX_TRACEBACK = 20_000
+# Files verified in this run are kept in memory, stamped, if small (each under the first
+# size, all together under the second): a later skip of the same slot decodes from memory.
+_VERIFIED_MAX_FILE = 64 * 1024
+_VERIFIED_MAX_TOTAL = 16 * 1024 * 1024
 
 
 def _stacklevel() -> int:
@@ -64,22 +51,6 @@ def _stacklevel() -> int:
         frame = frame.f_back  # type: ignore[assignment]
         level += 1
     return level
-
-
-class Execution:
-    """The step running in this context (so batch helpers inside it know their slot)."""
-
-    __slots__ = ("plan", "run", "spec")
-
-    def __init__(self, run: RunState, spec: StepSpec[Any, Any], plan: Plan) -> None:
-        self.run = run
-        self.spec = spec
-        self.plan = plan
-
-
-current_execution: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
-    "resumable_execution", default=None
-)
 
 
 class Found:
@@ -94,7 +65,7 @@ class Found:
         self.detail = detail
 
 
-class RunState:
+class RunState(StepExecution):
     """One open run: holds the store's lock until it closes."""
 
     def __init__(  # noqa: PLR0913 - the pipeline's options
@@ -384,221 +355,7 @@ class RunState:
 
     # execution ---------------------------------------------------------------------------
 
-    def begin(self, spec: StepSpec[Any, Any], plan: Plan, found: Found) -> float:
-        """Record that a step starts running (durably for non-idempotent steps)."""
-        rec = self.journal.manifest.steps.get(plan.slot)
-        if not spec.idempotent and rec is not None and rec.status in {"interrupted", "running"}:
-            raise StepInterruptedError(plan.slot, rec.started_at, step=spec.name)
-        detail = f" ({found.detail})" if found.detail else ""
-        log.info("step %r running: %s%s", plan.slot, found.reason, detail)
-        self.journal.record(
-            "step_started",
-            # a non-idempotent step's start must be on disk before its side effects begin
-            sync=not spec.idempotent and self.durable,
-            defer=spec.idempotent,
-            slot=plan.slot,
-            step=spec.name,
-            reason=found.reason,
-            detail=found.detail or None,
-            fingerprint=plan.fingerprint,
-            attempt=1,
-        )
-        return time.perf_counter()
-
-    def _retry_delay(self, spec: StepSpec[Any, Any], plan: Plan, attempt: int, exc: Exception) -> float:
-        delay = min(RETRY_BASE_DELAY * 2.0 ** (attempt - 1), RETRY_MAX_DELAY)
-        log.warning(
-            "step %r attempt %d of %d failed (%s: %s); retrying in %.1fs",
-            plan.slot, attempt, spec.retries + 1, type(exc).__name__, exc, delay,
-        )  # fmt: skip
-        self.journal.record("step_retry", slot=plan.slot, attempt=attempt + 1, error=_error_fields(exc))
-        return delay
-
-    def complete(
-        self, spec: StepSpec[Any, Any], plan: Plan, value: Any, started: float, attempts: int
-    ) -> None:
-        """Store the output atomically, then record the step as completed."""
-        try:
-            encoded = encode(value, allow_pickle=self.allow_pickle, what=f"the output of step {plan.slot!r}")
-        except SerializationError as exc:
-            exc.step = spec.name
-            self.failed(spec, plan, exc, started, attempts)
-            raise
-        ident = spec.identity()
-        meta = {
-            "slot": plan.slot,
-            "step": spec.name,
-            "key": plan.key,
-            "fingerprint": plan.fingerprint,
-            "identity": ident.identity,
-            "code": ident.code,
-            "args": plan.args,
-        }
-        if len(encoded.body) + sum(b.nbytes for b in encoded.buffers) < PROVENANCE_MIN_SIZE:
-            # A small output records its value's digest: the runner can then pass it on
-            # unloaded, with the fingerprint a call with the value itself would have.
-            meta["vdigest"] = plan.output_value_digest = _value_digest_or_none(value)
-        header_last = getattr(self.store, "write_header_last", None)
-        framed = frame(encoded, meta, secret=self.secret)
-        header, size = framed.header, framed.size
-        if size > LARGE_OUTPUT:
-            log.warning(
-                "step %r output is %s; large outputs slow every save and load", plan.slot, human_size(size)
-            )
-        if plan.replaces is not None and self.keep_checkpoints > 0:
-            _history.keep_version(self.store, plan.slot, plan.replaces, durable=self.durable)
-        try:
-            if header_last is not None and framed.hashing:
-                key = slot_file(plan.slot)
-                header_last(
-                    key, framed.head_len, framed.value_chunks, framed.header_bytes, durable=self.durable
-                )
-            else:
-                self.store.write(slot_file(plan.slot), framed.chunks(), durable=self.durable)
-        except BaseException as exc:
-            self.failed(spec, plan, exc, started, attempts)
-            raise
-        plan.output_digest = value_digest(header)
-        _remember(value, header)
-        self.forget_batches(plan.slot)  # the output now holds what the row chunks held
-        fields: dict[str, Any] = {}
-        if self.journal.manifest.code.get(spec.name) != ident.components:
-            fields["code"] = ident.components
-        self.journal.record(
-            "step_completed",
-            slot=plan.slot,
-            fingerprint=plan.fingerprint,
-            file=header["hsum"],
-            bytes=size,
-            duration_s=round(time.perf_counter() - started, 6),
-            attempts=attempts,
-            **fields,
-        )
-        self.last_outcome = "ok"
-        log.debug(
-            "step %r completed in %.3fs, %s", plan.slot, time.perf_counter() - started, human_size(size)
-        )
-
     @property
     def closed(self) -> bool:
         """True once the run has released its lock: nothing may be written for it any more."""
         return self._lock is None
-
-    def forget_batches(self, slot: str | None, name: str | None = None) -> int:
-        """Delete the row chunks of a step slot's batches (or of a named batch)."""
-        # deepest first, so that emptied sub-directories go too
-        keys = sorted(self.store.list(batch_dir(slot, name)), key=lambda k: -k.count("/"))
-        for key in keys:
-            self.store.delete(key, durable=False)
-        batch = slot if slot is not None else name
-        if batch in self.journal.manifest.batches:
-            self.journal.record("batch_done", batch=batch)
-        return len(keys)
-
-    def failed(
-        self, spec: StepSpec[Any, Any], plan: Plan, exc: BaseException, started: float, attempts: int
-    ) -> None:
-        """Record an exception that escapes a step (it is re-raised by the caller)."""
-        self.last_outcome = "failed" if isinstance(exc, Exception) else "interrupted"
-        if not isinstance(exc, Exception):
-            self.journal.record(
-                "step_interrupted", slot=plan.slot, duration_s=round(time.perf_counter() - started, 6)
-            )
-            return
-        self.last_failure = exc
-        log.info("step %r failed after %d attempt(s): %s: %s", plan.slot, attempts, type(exc).__name__, exc)
-        self.journal.record(
-            "step_failed",
-            slot=plan.slot,
-            step=spec.name,
-            attempts=attempts,
-            duration_s=round(time.perf_counter() - started, 6),
-            error=_error_fields(exc),
-        )
-
-    def execute(self, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Callable[[], Any]) -> Any:
-        """Run a step that missed, with retries, and store its output."""
-        started = self.begin(spec, plan, found)
-        attempt = 1
-        while True:
-            token = current_execution.set(Execution(self, spec, plan))
-            try:
-                value = call()
-            except Exception as exc:
-                if attempt > spec.retries:
-                    self.failed(spec, plan, exc, started, attempt)
-                    raise
-                delay = self._retry_delay(spec, plan, attempt, exc)
-            except BaseException as exc:
-                self.failed(spec, plan, exc, started, attempt)
-                raise
-            else:
-                self.complete(spec, plan, value, started, attempt)
-                return value
-            finally:
-                current_execution.reset(token)
-            try:
-                time.sleep(delay)
-            except BaseException as exc:
-                self.failed(spec, plan, exc, started, attempt)
-                raise
-            attempt += 1
-
-    async def execute_async(
-        self, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Callable[[], Coroutine[Any, Any, Any]]
-    ) -> Any:
-        """The async twin of :meth:`execute`; the output is written off the event loop."""
-        import asyncio  # noqa: PLC0415 - imported by the caller already; kept out of `import resumable`
-
-        started = self.begin(spec, plan, found)
-        attempt = 1
-        while True:
-            token = current_execution.set(Execution(self, spec, plan))
-            try:
-                value = await call()
-            except Exception as exc:
-                if attempt > spec.retries:
-                    self.failed(spec, plan, exc, started, attempt)
-                    raise
-                delay = self._retry_delay(spec, plan, attempt, exc)
-            except BaseException as exc:
-                self.failed(spec, plan, exc, started, attempt)
-                raise
-            else:
-                if self.durable:
-                    # an fsync takes milliseconds: keep the event loop serving other steps
-                    await asyncio.to_thread(self.complete, spec, plan, value, started, attempt)
-                else:
-                    self.complete(spec, plan, value, started, attempt)
-                return value
-            finally:
-                current_execution.reset(token)
-            try:
-                await asyncio.sleep(delay)
-            except BaseException as exc:
-                self.failed(spec, plan, exc, started, attempt)
-                raise
-            attempt += 1
-
-
-def _value_digest_or_none(value: object) -> str | None:
-    try:
-        return digest_value(value)
-    except (_Unhashable, RecursionError):
-        return None  # not a valid argument anyway: passing it on fails the same way
-
-
-def _remember(value: object, header: dict[str, Any]) -> None:
-    # Small outputs are cheaper to rehash than to track; the choice depends only on the
-    # stored size, so every run fingerprints the same output the same way.
-    if header["size"] >= PROVENANCE_MIN_SIZE:
-        provenance.remember(value, value_digest(header))
-
-
-def _error_fields(exc: BaseException) -> dict[str, str]:
-    text = "".join(traceback.format_exception(exc))
-    return {
-        "type": qualified_name(type(exc)),
-        "message": str(exc)[:2000],
-        "traceback": text[-_MAX_TRACEBACK:],
-    }

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import resumable._execute
 import resumable._run
 from resumable import (
     FingerprintError,
@@ -373,7 +374,7 @@ def test_failed_step_keeps_completed_ones(pipe: Pipeline):
 def test_retries(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
     """retries=N runs again with growing delays and records the attempts."""
     delays: list[float] = []
-    monkeypatch.setattr(resumable._run.time, "sleep", delays.append)
+    monkeypatch.setattr(resumable._execute.time, "sleep", delays.append)
     attempts = []
 
     @pipe.step(retries=3)
@@ -392,7 +393,7 @@ def test_retries(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
 
 def test_retries_exhausted(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
     """After N retries the last error propagates."""
-    monkeypatch.setattr(resumable._run.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(resumable._execute.time, "sleep", lambda _s: None)
 
     @pipe.step(retries=2)
     def never() -> None:
