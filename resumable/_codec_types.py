@@ -107,12 +107,12 @@ class Encoder:
         np = sys.modules.get("numpy")
         if np is not None:
             if tp is np.ndarray and not obj.dtype.hasobject:  # type: ignore[attr-defined]
-                return self._ndarray(obj)
+                return _codec_arrays.encode_ndarray(self, obj)
             if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
-                return self.ext(NPSCALAR, [_descr(obj.dtype), obj.tobytes()])
+                return self.ext(NPSCALAR, [_codec_arrays.descr(obj.dtype), obj.tobytes()])
         pd = sys.modules.get("pandas")
         if pd is not None:
-            encoded = self._pandas(pd, obj)
+            encoded = _codec_arrays.encode_pandas(self, pd, obj)
             if encoded is not None:
                 return encoded
         return self.pickle_fallback(obj, "it has no msgpack encoding")
@@ -134,42 +134,6 @@ class Encoder:
         self.pickled = True
         return msgpack.ExtType(PICKLE, data)
 
-    def _ndarray(self, arr: Any) -> msgpack.ExtType:
-        if arr.flags.c_contiguous:
-            order, flat = "C", arr
-        elif arr.flags.f_contiguous:
-            order, flat = "F", arr.T
-        else:
-            order, flat = "C", arr.copy(order="C")
-        raw = memoryview(flat.reshape(-1).view("uint8"))
-        shape = list(arr.shape)
-        if raw.nbytes < OOB_MIN:
-            return self.ext(NDARRAY, [_descr(arr.dtype), shape, order, raw.tobytes()])
-        indices = []
-        for start in range(0, raw.nbytes, _MAX_BIN):
-            indices.append(len(self.buffers))
-            self.buffers.append(raw[start : start + _MAX_BIN])
-        return self.ext(NDARRAY_REF, [_descr(arr.dtype), shape, order, indices])
-
-    def _pandas(self, pd: Any, obj: Any) -> msgpack.ExtType | None:  # noqa: PLR0911 - one dispatch
-        if isinstance(obj, pd.DataFrame) and type(obj) is pd.DataFrame:
-            columns = [_column_payload(pd, obj.iloc[:, i]) for i in range(obj.shape[1])]
-            payload = [_index_payload(pd, obj.columns), _index_payload(pd, obj.index), columns]
-            return self.ext(DATAFRAME, payload)
-        if type(obj) is pd.Series:
-            payload = [obj.name, _index_payload(pd, obj.index), _column_payload(pd, obj)]
-            return self.ext(SERIES, payload)
-        if isinstance(obj, pd.Index):
-            return self.ext(PD_INDEX, _index_payload(pd, obj))
-        if type(obj) is pd.Timestamp:
-            tz = None if obj.tz is None else str(obj.tz)
-            return self.ext(PD_TIMESTAMP, [obj.value, tz, obj.unit])
-        if type(obj) is pd.Timedelta:
-            return self.ext(PD_TIMEDELTA, [obj.value, obj.unit])
-        if obj is pd.NA or obj is pd.NaT:
-            return msgpack.ExtType(PD_MISSING, b"NA" if obj is pd.NA else b"NaT")
-        return None
-
 
 def _importable(tp: type) -> bool:
     """True if the class can be found again by module and qualified name (not a local class)."""
@@ -183,12 +147,6 @@ def _is_generator_like(obj: object) -> bool:
     import inspect  # noqa: PLC0415 - only on the slow path
 
     return inspect.isgenerator(obj) or inspect.isasyncgen(obj) or inspect.iscoroutine(obj)
-
-
-def _descr(dtype: Any) -> object:
-    import numpy as np  # noqa: PLC0415 - NumPy only when a NumPy value is seen
-
-    return np.lib.format.dtype_to_descr(dtype)
 
 
 def _object_kind(obj: object) -> str | None:
@@ -211,58 +169,6 @@ def _object_state(kind: str, obj: Any) -> dict[str, Any]:
     # pydantic's own pickle state, taken without pickling
     state: dict[str, Any] = obj.__getstate__()
     return state
-
-
-def _column_payload(pd: Any, series: Any) -> list[Any]:
-    import numpy as np  # noqa: PLC0415 - pandas implies NumPy
-
-    dtype = series.dtype
-    if isinstance(dtype, np.dtype) and not dtype.hasobject:
-        return ["np", series.to_numpy(copy=False)]
-    if isinstance(dtype, np.dtype):
-        return ["obj", series.tolist()]
-    if isinstance(dtype, pd.CategoricalDtype):
-        cat = series.array
-        return ["cat", cat.codes, _index_payload(pd, cat.categories), bool(cat.ordered)]
-    if isinstance(dtype, pd.DatetimeTZDtype):
-        naive = series.dt.tz_convert("UTC").dt.tz_localize(None)
-        return ["tz", naive.to_numpy(), str(dtype.tz)]
-    return ["ext", str(dtype), series.tolist()]
-
-
-def _index_payload(pd: Any, index: Any) -> list[Any]:
-    if type(index) is pd.RangeIndex:
-        return ["range", index.start, index.stop, index.step, index.name]
-    if isinstance(index, pd.MultiIndex):
-        levels = [_index_payload(pd, level) for level in index.levels]
-        return ["multi", levels, list(index.codes), list(index.names)]
-    freq = getattr(index, "freqstr", None)
-    return ["index", _column_payload(pd, pd.Series(index, copy=False)), index.name, freq]
-
-
-def _column_values(pd: Any, payload: list[Any]) -> Any:
-    kind = payload[0]
-    if kind in {"np", "obj"}:
-        return payload[1]
-    if kind == "cat":
-        categories = _index_from(pd, payload[2])
-        return pd.Categorical.from_codes(payload[1], categories=categories, ordered=payload[3])
-    if kind == "tz":
-        return pd.DatetimeIndex(payload[1]).tz_localize("UTC").tz_convert(payload[2])
-    return pd.array(payload[2], dtype=payload[1])
-
-
-def _index_from(pd: Any, payload: list[Any]) -> Any:
-    kind = payload[0]
-    if kind == "range":
-        return pd.RangeIndex(payload[1], payload[2], payload[3], name=payload[4])
-    if kind == "multi":
-        levels = [_index_from(pd, p) for p in payload[1]]
-        return pd.MultiIndex(levels=levels, codes=payload[2], names=payload[3])
-    index = pd.Index(_column_values(pd, payload[1]), name=payload[2])
-    if payload[3] is not None:
-        index.freq = payload[3]
-    return index
 
 
 def _encode_when(code: int) -> Callable[[Encoder, Any], object]:
@@ -332,22 +238,6 @@ class Decoder:
             _refuse(f"unknown ext type {code}: written by a newer version of resumable?")
         return decode(self, payload)
 
-    def _ndarray_ref(self, payload: bytes) -> Any:
-        import numpy as np  # noqa: PLC0415 - NumPy only when the data holds arrays
-
-        descr, shape, order, indices = self.unpack(payload)
-        dtype = np.lib.format.descr_to_dtype(descr)
-        count = _prod(shape)
-        if len(indices) == 1:
-            offset, _ = self.buffers[indices[0]]
-            flat = np.frombuffer(self.data, dtype=dtype, count=count, offset=offset)
-            if self.readonly:
-                flat = flat.copy()
-        else:  # split over several bins (over 4 GiB): joining them needs one copy
-            parts = [memoryview(self.data)[o : o + n] for o, n in (self.buffers[i] for i in indices)]
-            flat = np.frombuffer(bytearray(b"".join(parts)), dtype=dtype, count=count)
-        return _shaped(flat, shape, order)
-
     def _pickle(self, payload: bytes) -> Any:
         if not self.allow_pickle:
             _refuse("it holds a pickled value and pickles are not allowed (allow_pickle=False)")
@@ -381,19 +271,6 @@ class StandInDecoder(Decoder):
 
 def _refuse(reason: str) -> NoReturn:
     raise Undecodable(reason)
-
-
-def _prod(shape: list[int]) -> int:
-    total = 1
-    for n in shape:
-        total *= n
-    return total
-
-
-def _shaped(flat: Any, shape: list[int], order: str) -> Any:
-    if order == "F":
-        return flat.reshape(shape[::-1]).T
-    return flat.reshape(shape)
 
 
 def _find_class(module: str, qualname: str, kind: str) -> Any:
@@ -463,64 +340,7 @@ def _decode_when(dec: Decoder, payload: bytes, parse: Callable[[str], Any]) -> A
     return value.replace(fold=fold)
 
 
-def _decode_ndarray(dec: Decoder, payload: bytes) -> Any:
-    import numpy as np  # noqa: PLC0415 - NumPy only when the data holds arrays
-
-    descr, shape, order, raw = dec.unpack(payload)
-    dtype = np.lib.format.descr_to_dtype(descr)
-    flat = np.frombuffer(bytearray(raw), dtype=dtype, count=_prod(shape))
-    return _shaped(flat, shape, order)
-
-
-def _decode_npscalar(dec: Decoder, payload: bytes) -> Any:
-    import numpy as np  # noqa: PLC0415 - NumPy only when the data holds arrays
-
-    descr, raw = dec.unpack(payload)
-    dtype = np.lib.format.descr_to_dtype(descr)
-    if dtype.itemsize == 0:  # np.str_("") and np.bytes_(b""): nothing to read
-        return dtype.type()
-    return np.frombuffer(raw, dtype=dtype)[0]
-
-
-def _pandas() -> Any:
-    import pandas as pd  # noqa: PLC0415 - pandas only when the data holds pandas values
-
-    return pd
-
-
-def _decode_dataframe(dec: Decoder, payload: bytes) -> Any:
-    pd = _pandas()
-    columns_p, index_p, cols = dec.unpack(payload)
-    index = _index_from(pd, index_p)
-    data = {i: _column_values(pd, c) for i, c in enumerate(cols)}
-    frame = pd.DataFrame(data, index=index)
-    frame.columns = _index_from(pd, columns_p)
-    return frame
-
-
-def _decode_series(dec: Decoder, payload: bytes) -> Any:
-    pd = _pandas()
-    name, index_p, column = dec.unpack(payload)
-    return pd.Series(_column_values(pd, column), index=_index_from(pd, index_p), name=name)
-
-
-def _decode_timestamp(dec: Decoder, payload: bytes) -> Any:
-    pd = _pandas()
-    value, tz, unit = dec.unpack(payload)
-    stamp = pd.Timestamp(value, unit="ns")
-    stamp = stamp if tz is None else stamp.tz_localize("UTC").tz_convert(tz)
-    return stamp.as_unit(unit)
-
-
-def _decode_timedelta(dec: Decoder, payload: bytes) -> Any:
-    value, unit = dec.unpack(payload)
-    return _pandas().Timedelta(value, unit="ns").as_unit(unit)
-
-
-def _decode_missing(_dec: Decoder, payload: bytes) -> Any:
-    pd = _pandas()
-    return pd.NA if payload == b"NA" else pd.NaT
-
+from . import _codec_arrays  # noqa: E402 - needs the classes above (a cycle, resolved here)
 
 _DECODERS: dict[int, Callable[[Decoder, bytes], Any]] = {
     TUPLE: lambda dec, p: tuple(dec.unpack(p)),
@@ -537,15 +357,15 @@ _DECODERS: dict[int, Callable[[Decoder, bytes], Any]] = {
     COMPLEX: lambda _dec, p: complex(*struct.unpack("<dd", p)),
     ENUM: _decode_enum,
     OBJECT: _decode_object,
-    NDARRAY: _decode_ndarray,
-    NDARRAY_REF: Decoder._ndarray_ref,  # noqa: SLF001
-    NPSCALAR: _decode_npscalar,
-    DATAFRAME: _decode_dataframe,
-    SERIES: _decode_series,
-    PD_INDEX: lambda dec, p: _index_from(_pandas(), dec.unpack(p)),
-    PD_TIMESTAMP: _decode_timestamp,
-    PD_TIMEDELTA: _decode_timedelta,
-    PD_MISSING: _decode_missing,
+    NDARRAY: _codec_arrays.decode_ndarray,
+    NDARRAY_REF: _codec_arrays.decode_ndarray_ref,
+    NPSCALAR: _codec_arrays.decode_npscalar,
+    DATAFRAME: _codec_arrays.decode_dataframe,
+    SERIES: _codec_arrays.decode_series,
+    PD_INDEX: _codec_arrays.decode_index,
+    PD_TIMESTAMP: _codec_arrays.decode_timestamp,
+    PD_TIMEDELTA: _codec_arrays.decode_timedelta,
+    PD_MISSING: _codec_arrays.decode_missing,
     PICKLE: Decoder._pickle,  # noqa: SLF001
 }
 

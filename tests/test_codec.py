@@ -52,7 +52,7 @@ from strategies import (
 )
 
 import resumable
-from resumable import Pipeline, ResumableWarning, SerializationError, _codec, _codec_types
+from resumable import Pipeline, ResumableWarning, SerializationError, _codec, _codec_arrays, _codec_types
 
 STEP = "produce"
 KEY_ONE, KEY_TWO, ENV_KEY = "alpha", "beta", "from-env"
@@ -578,7 +578,7 @@ def test_several_large_arrays_each_get_an_aligned_buffer(pipe, state_dir):
 
 def test_array_larger_than_one_bin_is_split(pipe, state_dir, monkeypatch):
     """An array over the msgpack bin limit is split over several aligned bins and joined back."""
-    monkeypatch.setattr(_codec_types, "_MAX_BIN", 100_000)
+    monkeypatch.setattr(_codec_arrays, "_MAX_BIN", 100_000)
     arr = np.arange(40_000, dtype=np.float64)  # 320,000 bytes: 4 bins
     second, loaded = round_trip(state_dir, arr, pipeline=pipe)
     assert_same_array(arr, second, "second")
