@@ -21,13 +21,13 @@ import hashlib
 import hmac
 import os
 import struct
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import msgpack
 
+from ._checksum import CHECKSUM_PREFIX, TREE_MIN, TREE_PREFIX, start_checksum
 from ._codec_types import (
     Decoder,
     Encoder,
@@ -42,82 +42,8 @@ from .exceptions import SerializationError, StateFormatError
 FORMAT = 1
 _ALIGN = 64
 _BIN32 = 5  # bytes of a bin32 object's prefix
-_CHECKSUM_PREFIX = "sha256:"
 _MAC_PREFIX = "hmac-sha256:"
 _HEAD_GUESS = 4096
-# Values this large get a tree checksum: SHA-256 over the SHA-256 of each 4 MiB piece, the
-# pieces hashed in parallel (and, when writing, while the value is being written).
-_TREE_PREFIX = "sha256-tree:"
-_TREE_MIN = 8 * 1024 * 1024
-_TREE_PIECE = 4 * 1024 * 1024
-_pool: Any = None
-_pool_lock = threading.Lock()
-
-
-def _hash_pool() -> Any:
-    global _pool  # noqa: PLW0603 - one pool per process, created on first use
-    with _pool_lock:
-        if _pool is None:
-            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 - only for large values
-
-            workers = min(4, os.cpu_count() or 1)
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="resumable-hash")
-        return _pool
-
-
-def _forget_pool() -> None:
-    global _pool  # noqa: PLW0603 - a forked child cannot use its parent's threads
-    _pool = None
-
-
-os.register_at_fork(after_in_child=_forget_pool)
-
-
-def _pieces(chunks: Sequence[Buffer]) -> list[list[memoryview]]:
-    """Cut the concatenation of *chunks* into pieces of _TREE_PIECE bytes (views, no copies)."""
-    pieces: list[list[memoryview]] = [[]]
-    room = _TREE_PIECE
-    for chunk in chunks:
-        view = memoryview(chunk).cast("B")
-        while view:
-            if not room:
-                pieces.append([])
-                room = _TREE_PIECE
-            part, view = view[:room], view[room:]
-            pieces[-1].append(part)
-            room -= len(part)
-    return pieces
-
-
-def _hash_piece(parts: list[memoryview]) -> bytes:
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part)  # releases the GIL: pieces are hashed in parallel
-    return digest.digest()
-
-
-def _start_checksum(chunks: Sequence[Buffer], size: int) -> Callable[[], str]:
-    """Start checksumming the value; the returned function waits for and returns the result."""
-    if size < _TREE_MIN:
-
-        def plain() -> str:
-            digest = hashlib.sha256()
-            for chunk in chunks:
-                digest.update(chunk)
-            return _CHECKSUM_PREFIX + digest.hexdigest()
-
-        return plain
-    futures = [_hash_pool().submit(_hash_piece, parts) for parts in _pieces(chunks)]
-
-    def tree() -> str:
-        top = hashlib.sha256()
-        for future in futures:
-            top.update(future.result())
-        return _TREE_PREFIX + top.hexdigest()
-
-    return tree
-
-
 _HEAD_MAX = 64 * 1024 * 1024  # no real header comes near this; a damaged length field might
 
 Buffer = bytes | bytearray | memoryview
@@ -210,7 +136,7 @@ class Framed:
     @property
     def hashing(self) -> bool:
         """True while a large value's checksum is being computed in the background."""
-        return self._header_bytes is None and self.header["checksum"].startswith(_TREE_PREFIX)
+        return self._header_bytes is None and self.header["checksum"].startswith(TREE_PREFIX)
 
     @property
     def size(self) -> int:
@@ -259,7 +185,7 @@ def frame(encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = N
         **meta,
         "created_at": utcnow(),
         "encoding": "msgpack+pickle" if encoded.pickled else "msgpack",
-        "checksum": (_TREE_PREFIX if value_size >= _TREE_MIN else _CHECKSUM_PREFIX) + "0" * 64,
+        "checksum": (TREE_PREFIX if value_size >= TREE_MIN else CHECKSUM_PREFIX) + "0" * 64,
         "size": 0,
         "buffers": [[0, n] for n in sizes],
         "hsum": "0" * 32,
@@ -270,7 +196,7 @@ def frame(encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = N
     chunks: list[Buffer] = [encoded.body]
     for (pad, size), buf in zip(header["buffers"], encoded.buffers, strict=True):
         chunks += [b"\xc0" * pad + struct.pack(">BI", 0xC6, size), buf]
-    checksum = _start_checksum(chunks, value_size)
+    checksum = start_checksum(chunks, value_size)
 
     def finish() -> bytes:
         header["checksum"] = checksum()
@@ -359,10 +285,10 @@ def verify(data: Buffer, header: Mapping[str, Any], head_len: int, secret: bytes
         msg += f"{size} value bytes instead of {header['size']}"
         raise DamagedFileError(msg)
     value = memoryview(data)[head_len:]
-    if header["checksum"].startswith(_TREE_PREFIX):
-        actual = _start_checksum([value], _TREE_MIN)()
+    if header["checksum"].startswith(TREE_PREFIX):
+        actual = start_checksum([value], TREE_MIN)()
     else:
-        actual = _CHECKSUM_PREFIX + hashlib.sha256(value).hexdigest()
+        actual = CHECKSUM_PREFIX + hashlib.sha256(value).hexdigest()
     if not hmac.compare_digest(actual, header["checksum"]):
         msg = "checksum mismatch (the file was damaged after it was written)"
         raise DamagedFileError(msg)
