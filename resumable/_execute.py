@@ -88,6 +88,15 @@ class StepExecution:
         )
         return time.perf_counter()
 
+    def _retry_or_fail(
+        self, spec: StepSpec[Any, Any], plan: Plan, exc: BaseException, started: float, attempt: int
+    ) -> float | None:
+        """After an attempt raised: the delay before the next one, or None (recorded: re-raise)."""
+        if isinstance(exc, Exception) and attempt <= spec.retries:
+            return self._retry_delay(spec, plan, attempt, exc)
+        self.failed(spec, plan, exc, started, attempt)
+        return None
+
     def _retry_delay(self, spec: StepSpec[Any, Any], plan: Plan, attempt: int, exc: Exception) -> float:
         delay = min(RETRY_BASE_DELAY * 2.0 ** (attempt - 1), RETRY_MAX_DELAY)
         log.warning(
@@ -202,14 +211,10 @@ class StepExecution:
             token = current_execution.set(Execution(self, spec, plan))  # type: ignore[arg-type]
             try:
                 value = call()
-            except Exception as exc:
-                if attempt > spec.retries:
-                    self.failed(spec, plan, exc, started, attempt)
-                    raise
-                delay = self._retry_delay(spec, plan, attempt, exc)
             except BaseException as exc:
-                self.failed(spec, plan, exc, started, attempt)
-                raise
+                delay = self._retry_or_fail(spec, plan, exc, started, attempt)
+                if delay is None:
+                    raise
             else:
                 self.complete(spec, plan, value, started, attempt)
                 return value
@@ -234,14 +239,10 @@ class StepExecution:
             token = current_execution.set(Execution(self, spec, plan))  # type: ignore[arg-type]
             try:
                 value = await call()
-            except Exception as exc:
-                if attempt > spec.retries:
-                    self.failed(spec, plan, exc, started, attempt)
-                    raise
-                delay = self._retry_delay(spec, plan, attempt, exc)
             except BaseException as exc:
-                self.failed(spec, plan, exc, started, attempt)
-                raise
+                delay = self._retry_or_fail(spec, plan, exc, started, attempt)
+                if delay is None:
+                    raise
             else:
                 if self.durable:
                     # an fsync takes milliseconds: keep the event loop serving other steps
