@@ -23,25 +23,20 @@ Rows (see bench/README.md for exactly what each baseline does):
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import warnings
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from bench_core import Row, environment, fsync_dir, interleave, ms, quiet, ratios, render, us
+from benchlib import Row, drive, fsync_dir, interleave, ms, quiet, ratios, us
 
 from resumable import Pipeline, checkpointed_map, step
 
@@ -375,60 +370,25 @@ def bench_async(base: Path, rounds: int, n: int = 2000, concurrency: int = 32) -
     ]
 
 
-BENCHES = ("naive", "linear", "resume", "pool", "async")
+# Each benchmark, called with the temporary directory and whether --quick was given.
+BENCHES: dict[str, Callable[[Path, bool], list[Row]]] = {
+    "naive": lambda base, q: bench_naive(base, 1 if q else 3),
+    "linear": lambda base, q: bench_linear(base, 2 if q else 7),
+    "resume": lambda base, q: bench_resume(base, 3 if q else 9),
+    "pool": lambda base, q: bench_pool(base, 2 if q else 7),
+    "async": lambda base, q: bench_async(base, 2 if q else 7),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    os.environ["RESUMABLE_PROGRESS"] = "0"  # no progress lines between the results
+    return drive(
+        argv,
+        description=__doc__,
+        benches=BENCHES,
+        child=lambda _mode, state: child_resume(state),
+        prefix="resumable-bench-batch-",
     )
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke test)")
-    parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {BENCHES}")
-    parser.add_argument("--dir", default=None, help="where temporary state goes (default: $TMPDIR)")
-    parser.add_argument("--json", default=None, help="also write the results to this file")
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        child_resume(args.child[1])
-        return 0
-    quiet()
-    os.environ["RESUMABLE_PROGRESS"] = "0"
-    warnings.simplefilter("error")  # a warning from the library would mean a wrong setup
-    only = [b.strip() for b in args.only.split(",") if b.strip()]
-    unknown = set(only) - set(BENCHES)
-    if unknown:
-        parser.error(f"unknown benchmarks {sorted(unknown)}; choose from {BENCHES}")
-    q = args.quick
-    base = Path(tempfile.mkdtemp(prefix="resumable-bench-batch-", dir=args.dir))
-    rows: list[Row] = []
-    try:
-        env = environment(base)
-        steps: dict[str, Callable[[], list[Row]]] = {
-            "naive": lambda: bench_naive(base, 1 if q else 3),
-            "linear": lambda: bench_linear(base, 2 if q else 7),
-            "resume": lambda: bench_resume(base, 3 if q else 9),
-            "pool": lambda: bench_pool(base, 2 if q else 7),
-            "async": lambda: bench_async(base, 2 if q else 7),
-        }
-        for name in BENCHES:
-            if name in only:
-                t0 = time.perf_counter()
-                new = steps[name]()
-                rows += new
-                for row in new:
-                    print(f"{row.result:4}  {row.name}: {row.library} vs {row.baseline}", file=sys.stderr)
-                print(f"      ({name}: {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    print(render(rows, env))
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"environment": env, "rows": [asdict(r) | {"result": r.result} for r in rows]}, indent=2
-            )
-            + "\n"
-        )
-    return 0 if all(r.passed is not False for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -15,47 +15,28 @@ ratios, so slow drift of a noisy machine affects both sides alike.
 
 from __future__ import annotations
 
-import argparse
-import gc
 import itertools
 import json
-import logging
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import msgpack
+from benchlib import SMALL, Row, drive, fsync_dir, interleave, ms, quiet, ratios, us
 
 from resumable import Pipeline, step
 
 HERE = Path(__file__).resolve()
-ROOT = HERE.parent.parent
 BIG_FLOATS = 12_500_000  # 100 MB of float64 (decimal MB, under the 100 MiB warning threshold)
 BIG_BYTES = BIG_FLOATS * 8
 MB = 1_000_000
 HEAVY_MODULES = ("cloudpickle", "numpy", "pandas")
-
-# A ~1 KB output (650 bytes of msgpack would be too small: this one packs to ~1,030 bytes).
-SMALL = {
-    "id": 12345,
-    "title": "a small record, as an API call or an LLM call would return it",
-    "score": 0.875,
-    "ok": True,
-    "tags": [f"tag-{i:02d}" for i in range(20)],
-    "values": list(range(100)),
-    "nested": {"a": [1.5, 2.5, 3.5], "b": {"c": "d" * 200, "e": None}},
-    "text": "lorem ipsum dolor sit amet " * 10,
-}
 
 
 # --- the measured functions (module level: joblib and code digests need their source) -----
@@ -94,64 +75,6 @@ skip_keyed = step(name="skip_keyed", key="{i}")(small_output_keyed)
 store_big = step(name="store_big", key="{i}")(big_output)
 skip_big_a = step(name="big_a")(big_a)
 skip_big_b = step(name="big_b")(big_b)
-
-
-# --- measuring ------------------------------------------------------------------------------
-
-
-@dataclass
-class Row:
-    name: str
-    library: str
-    baseline: str
-    ratio: float | None
-    ratio_label: str
-    target: str
-    passed: bool | None
-    details: dict[str, Any]
-
-    @property
-    def result(self) -> str:
-        if self.passed is None:
-            return "info"
-        return "PASS" if self.passed else "FAIL"
-
-
-def interleave(blocks: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
-    """Run each block once per round, alternating their order; return their results."""
-    out: dict[str, list[float]] = {name: [] for name in blocks}
-    names = list(blocks)
-    for r in range(rounds):
-        gc.collect()
-        for name in names if r % 2 == 0 else reversed(names):
-            out[name].append(blocks[name]())
-    return out
-
-
-def ratios(a: list[float], b: list[float]) -> float:
-    """Median of the per-round ratios a/b."""
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
-
-
-def us(seconds: float) -> str:
-    return f"{seconds * 1e6:,.1f} µs"
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.2f} ms"
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def quiet() -> None:
-    logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("resumable").setLevel(logging.WARNING)
 
 
 # --- 1. skipping a completed step with a small argument -------------------------------------
@@ -611,119 +534,26 @@ def own_import_time(base: Path, reps: int = 7) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
-# --- the report -----------------------------------------------------------------------------
+CHILDREN: dict[str, Callable[[str], None]] = {"setup-big": child_setup_big, "skip-big": child_skip_big}
 
-
-def environment(base: Path) -> dict[str, str]:
-    import resumable
-
-    fs = "?"
-    try:
-        mounts = Path("/proc/mounts").read_text().splitlines()
-        best = ""
-        real = os.path.realpath(base)
-        for line in mounts:
-            parts = line.split()
-            if len(parts) > 2 and real.startswith(parts[1]) and len(parts[1]) >= len(best):
-                best, fs = parts[1], f"{parts[2]} on {parts[1]}"
-    except OSError:
-        pass
-    commit = "?"
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True
-        ).stdout.strip()
-        changed = subprocess.run(
-            ["git", "status", "--porcelain", "--", "resumable"],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            check=True,
-        ).stdout.strip()
-        if changed:
-            commit += " + uncommitted changes"
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": str(os.cpu_count()),
-        "filesystem": fs,
-        "resumable": f"{resumable.__version__} ({commit})",
-        "msgpack": ".".join(map(str, msgpack.version)),
-    }
-
-
-def render(rows: list[Row], env: dict[str, str]) -> str:
-    lines = [
-        "",
-        "| benchmark | library | baseline | ratio | target | result |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for row in rows:
-        ratio = "—" if row.ratio is None else f"{row.ratio:.2f} ({row.ratio_label})"
-        lines.append(
-            f"| {row.name} | {row.library} | {row.baseline} | {ratio} | {row.target} | {row.result} |"
-        )
-    lines.append("")
-    lines.append("; ".join(f"{k}: {v}" for k, v in env.items()))
-    return "\n".join(lines)
-
-
-BENCHES = ("skip", "store", "big", "skipbig", "import")
+# Each benchmark, called with the temporary directory and whether --quick was given.
+BENCHES: dict[str, Callable[[Path, bool], list[Row]]] = {
+    "skip": lambda base, q: bench_skip(base, 5 if q else 21),
+    "store": lambda base, q: bench_store(base, 4 if q else 15, with_scaling=not q),
+    "big": lambda base, q: bench_big_write(base, 2 if q else 7),
+    "skipbig": lambda base, q: bench_skip_big(base, 3 if q else 9),
+    "import": lambda base, q: bench_import(base, 8 if q else 40),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    return drive(
+        argv,
+        description=__doc__,
+        benches=BENCHES,
+        child=lambda mode, state: CHILDREN[mode](state),
+        prefix="resumable-bench-",
     )
-    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke test)")
-    parser.add_argument("--only", default=",".join(BENCHES), help=f"comma-separated subset of {BENCHES}")
-    parser.add_argument("--dir", default=None, help="where temporary state goes (default: $TMPDIR)")
-    parser.add_argument("--json", default=None, help="also write the results to this file")
-    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.child:
-        mode, state = args.child
-        {"setup-big": child_setup_big, "skip-big": child_skip_big}[mode](state)
-        return 0
-    quiet()
-    warnings.simplefilter("error")  # a warning from the library would mean a wrong setup
-    only = [b.strip() for b in args.only.split(",") if b.strip()]
-    unknown = set(only) - set(BENCHES)
-    if unknown:
-        parser.error(f"unknown benchmarks {sorted(unknown)}; choose from {BENCHES}")
-    q = args.quick
-    base = Path(tempfile.mkdtemp(prefix="resumable-bench-", dir=args.dir))
-    rows: list[Row] = []
-    try:
-        env = environment(base)
-        steps: dict[str, Callable[[], list[Row]]] = {
-            "skip": lambda: bench_skip(base, 5 if q else 21),
-            "store": lambda: bench_store(base, 4 if q else 15, with_scaling=not q),
-            "big": lambda: bench_big_write(base, 2 if q else 7),
-            "skipbig": lambda: bench_skip_big(base, 3 if q else 9),
-            "import": lambda: bench_import(base, 8 if q else 40),
-        }
-        for name in BENCHES:
-            if name in only:
-                t0 = time.perf_counter()
-                new = steps[name]()
-                rows += new
-                for row in new:
-                    print(f"{row.result:4}  {row.name}: {row.library} vs {row.baseline}", file=sys.stderr)
-                print(f"      ({name}: {time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
-    print(render(rows, env))
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"environment": env, "rows": [asdict(r) | {"result": r.result} for r in rows]}, indent=2
-            )
-            + "\n"
-        )
-    return 0 if all(r.passed is not False for r in rows) else 1
 
 
 if __name__ == "__main__":

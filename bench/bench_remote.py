@@ -18,11 +18,7 @@ each round) and a ratio is the median of the per-round ratios.
 from __future__ import annotations
 
 import argparse
-import gc
-import json
-import logging
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -33,25 +29,11 @@ import urllib.request
 import uuid
 import warnings
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
+from benchlib import SMALL, Row, environment, interleave, ms, quiet, ratios, report, run_timed
+
 from resumable import Pipeline, step
-
-ROOT = Path(__file__).resolve().parent.parent
-
-SMALL = {
-    "id": 12345,
-    "title": "a small record, as an API call or an LLM call would return it",
-    "score": 0.875,
-    "ok": True,
-    "tags": [f"tag-{i:02d}" for i in range(20)],
-    "values": list(range(100)),
-    "nested": {"a": [1.5, 2.5, 3.5], "b": {"c": "d" * 200, "e": None}},
-    "text": "lorem ipsum dolor sit amet " * 10,
-}
 
 
 def small_output(i: int) -> dict[str, Any]:  # noqa: ARG001 - the argument picks the slot
@@ -59,28 +41,6 @@ def small_output(i: int) -> dict[str, Any]:  # noqa: ARG001 - the argument picks
 
 
 remote_step = step(name="remote_step", key="{i}")(small_output)
-
-
-@dataclass
-class Row:
-    name: str
-    library: str
-    baseline: str
-    ratio: float | None
-    ratio_label: str
-    target: str
-    passed: bool | None
-    details: dict[str, Any]
-
-    @property
-    def result(self) -> str:
-        if self.passed is None:
-            return "info"
-        return "PASS" if self.passed else "FAIL"
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.2f} ms"
 
 
 # --- the server -----------------------------------------------------------------------------
@@ -109,17 +69,6 @@ def start_moto() -> tuple[subprocess.Popen[bytes], str]:
 
 
 # --- measuring ------------------------------------------------------------------------------
-
-
-def interleave(blocks: dict[str, Callable[[], float]], r: int, out: dict[str, list[float]]) -> None:
-    names = list(blocks)
-    gc.collect()
-    for name in names if r % 2 == 0 else reversed(names):
-        out.setdefault(name, []).append(blocks[name]())
-
-
-def ratios(a: list[float], b: list[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
 def count_requests(fs: Any) -> Counter[str]:
@@ -163,7 +112,7 @@ def bench_steps(bucket: str, rounds: int, n: int) -> list[Row]:
                     fs.pipe_file(f"{raw}/{i}.msgpack", data)
                 return (time.perf_counter() - t) / n
 
-            interleave({"store": library_store, "put": raw_put}, r, res)
+            interleave({"store": library_store, "put": raw_put}, 1, first=r, out=res)
             if r == 0:  # requests per stored step, background writes included
                 counts = count_requests(fs)
                 library_store(10_000)
@@ -185,7 +134,7 @@ def bench_steps(bucket: str, rounds: int, n: int) -> list[Row]:
                     fs.cat_file(f"{raw}/{i}.msgpack", max_concurrency=1)  # one GET, no HEAD first
                 return (time.perf_counter() - t) / n
 
-            interleave({"skip": library_skip, "get": raw_get}, r, res)
+            interleave({"skip": library_skip, "get": raw_get}, 1, first=r, out=res)
     per_step = [s + k for s, k in zip(res["store"], res["skip"], strict=True)]
     raw_step = [p + g for p, g in zip(res["put"], res["get"], strict=True)]
     med = {k: statistics.median(v) for k, v in res.items()}
@@ -249,52 +198,13 @@ def bench_steps(bucket: str, rounds: int, n: int) -> list[Row]:
 # --- the report -----------------------------------------------------------------------------
 
 
-def environment(endpoint: str, server: str) -> dict[str, str]:
+def remote_environment(endpoint: str, server: str) -> dict[str, str]:
     import fsspec
     import s3fs
 
-    import resumable
-
-    commit = "?"
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, check=True
-        ).stdout.strip()
-        if subprocess.run(
-            ["git", "status", "--porcelain", "--", "resumable"],
-            capture_output=True,
-            text=True,
-            cwd=ROOT,
-            check=True,
-        ).stdout.strip():
-            commit += " + uncommitted changes"
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": str(os.cpu_count()),
-        "server": f"{server} at {endpoint}",
-        "resumable": f"{resumable.__version__} ({commit})",
-        "fsspec": fsspec.__version__,
-        "s3fs": s3fs.__version__,
-    }
-
-
-def render(rows: list[Row], env: dict[str, str]) -> str:
-    lines = [
-        "",
-        "| benchmark | library | baseline | ratio | target | result |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for row in rows:
-        ratio = "—" if row.ratio is None else f"{row.ratio:.2f} ({row.ratio_label})"
-        lines.append(
-            f"| {row.name} | {row.library} | {row.baseline} | {ratio} | {row.target} | {row.result} |"
-        )
-    lines.append("")
-    lines.append("; ".join(f"{k}: {v}" for k, v in env.items()))
-    return "\n".join(lines)
+    return environment(
+        ("server", f"{server} at {endpoint}"), {"fsspec": fsspec.__version__, "s3fs": s3fs.__version__}
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 9, 3 with --quick)")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    quiet()
     warnings.simplefilter("error")  # a warning from the library would mean a wrong setup
     proc = None
     if args.endpoint is None:
@@ -325,25 +235,13 @@ def main(argv: list[str] | None = None) -> int:
         if not fs.exists(args.bucket):
             fs.mkdir(args.bucket)
         rounds = args.rounds or (3 if args.quick else 9)
-        t0 = time.perf_counter()
-        rows = bench_steps(args.bucket, rounds, 20 if args.quick else 40)
-        for row in rows:
-            print(f"{row.result:4}  {row.name}: {row.library} vs {row.baseline}", file=sys.stderr)
-        print(f"      ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
-        env = environment(endpoint, server)
+        rows = run_timed(lambda: bench_steps(args.bucket, rounds, 20 if args.quick else 40))
+        env = remote_environment(endpoint, server)
     finally:
         if proc is not None:
             proc.terminate()
             proc.wait(10)
-    print(render(rows, env))
-    if args.json:
-        Path(args.json).write_text(
-            json.dumps(
-                {"environment": env, "rows": [asdict(r) | {"result": r.result} for r in rows]}, indent=2
-            )
-            + "\n"
-        )
-    return 0 if all(r.passed is not False for r in rows) else 1
+    return report(rows, env, args.json)
 
 
 if __name__ == "__main__":
