@@ -5,9 +5,9 @@ Decorate the expensive functions of a script with :func:`step`; run it again aft
 crash and completed steps return their stored outputs instantly.
 """
 
-from ._batch import RowFailure, checkpointed, checkpointed_map
+import typing as _typing
+
 from ._codec import load
-from ._history import Checkpoint
 from ._manifest import BatchRecord, ErrorRecord, Manifest, StepRecord
 from ._pipeline import Pipeline
 from ._runner import Run
@@ -26,7 +26,18 @@ from .exceptions import (
     StepInterruptedError,
 )
 
+if _typing.TYPE_CHECKING:
+    from ._batch import RowFailure, checkpointed, checkpointed_map
+    from ._history import Checkpoint
+
 __version__ = "0.1.0"
+# Imported on first use: most scripts never need them, and `import resumable` stays cheap.
+_LAZY = {
+    "Checkpoint": "._history",
+    "RowFailure": "._batch",
+    "checkpointed": "._batch",
+    "checkpointed_map": "._batch",
+}
 
 __all__ = [
     "BatchRecord",
@@ -55,3 +66,18 @@ __all__ = [
     "load",
     "step",
 ]
+
+
+def __getattr__(name: str) -> _typing.Any:
+    if name in _LAZY:
+        import importlib  # noqa: PLC0415 - only when a lazy name is first used
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    msg = f"module {__name__!r} has no attribute {name!r}"
+    raise AttributeError(msg)
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -107,12 +107,12 @@ class Encoder:
         np = sys.modules.get("numpy")
         if np is not None:
             if tp is np.ndarray and not obj.dtype.hasobject:  # type: ignore[attr-defined]
-                return _codec_arrays.encode_ndarray(self, obj)
+                return _codec_arrays().encode_ndarray(self, obj)
             if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
-                return self.ext(NPSCALAR, [_codec_arrays.descr(obj.dtype), obj.tobytes()])
+                return self.ext(NPSCALAR, [_codec_arrays().descr(obj.dtype), obj.tobytes()])
         pd = sys.modules.get("pandas")
         if pd is not None:
-            encoded = _codec_arrays.encode_pandas(self, pd, obj)
+            encoded = _codec_arrays().encode_pandas(self, pd, obj)
             if encoded is not None:
                 return encoded
         return self.pickle_fallback(obj, "it has no msgpack encoding")
@@ -340,7 +340,21 @@ def _decode_when(dec: Decoder, payload: bytes, parse: Callable[[str], Any]) -> A
     return value.replace(fold=fold)
 
 
-from . import _codec_arrays  # noqa: E402 - needs the classes above (a cycle, resolved here)
+def _codec_arrays() -> Any:
+    from . import _codec_arrays as module  # noqa: PLC0415 - only once a NumPy or pandas value is met
+
+    return module
+
+
+def _arrays(name: str) -> Callable[[Decoder, bytes], Any]:
+    """A decoder from _codec_arrays, imported when first used."""
+
+    def decode(dec: Decoder, payload: bytes) -> Any:
+        function: Callable[[Decoder, bytes], Any] = getattr(_codec_arrays(), name)
+        return function(dec, payload)
+
+    return decode
+
 
 _DECODERS: dict[int, Callable[[Decoder, bytes], Any]] = {
     TUPLE: lambda dec, p: tuple(dec.unpack(p)),
@@ -357,15 +371,15 @@ _DECODERS: dict[int, Callable[[Decoder, bytes], Any]] = {
     COMPLEX: lambda _dec, p: complex(*struct.unpack("<dd", p)),
     ENUM: _decode_enum,
     OBJECT: _decode_object,
-    NDARRAY: _codec_arrays.decode_ndarray,
-    NDARRAY_REF: _codec_arrays.decode_ndarray_ref,
-    NPSCALAR: _codec_arrays.decode_npscalar,
-    DATAFRAME: _codec_arrays.decode_dataframe,
-    SERIES: _codec_arrays.decode_series,
-    PD_INDEX: _codec_arrays.decode_index,
-    PD_TIMESTAMP: _codec_arrays.decode_timestamp,
-    PD_TIMEDELTA: _codec_arrays.decode_timedelta,
-    PD_MISSING: _codec_arrays.decode_missing,
+    NDARRAY: _arrays("decode_ndarray"),
+    NDARRAY_REF: _arrays("decode_ndarray_ref"),
+    NPSCALAR: _arrays("decode_npscalar"),
+    DATAFRAME: _arrays("decode_dataframe"),
+    SERIES: _arrays("decode_series"),
+    PD_INDEX: _arrays("decode_index"),
+    PD_TIMESTAMP: _arrays("decode_timestamp"),
+    PD_TIMEDELTA: _arrays("decode_timedelta"),
+    PD_MISSING: _arrays("decode_missing"),
     PICKLE: Decoder._pickle,  # noqa: SLF001
 }
 

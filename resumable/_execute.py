@@ -16,7 +16,6 @@ import traceback
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from . import _history
 from ._codec import encode, frame, value_digest
 from ._codec_types import qualified_name
 from ._fingerprint import _Unhashable, digest_value, provenance
@@ -138,6 +137,8 @@ class StepExecution:
                 "step %r output is %s; large outputs slow every save and load", plan.slot, human_size(size)
             )
         if plan.replaces is not None and self.keep_checkpoints > 0:
+            from . import _history  # noqa: PLC0415 - imported when history is first used
+
             _history.keep_version(self.store, plan.slot, plan.replaces, durable=self.durable)
         try:
             if header_last is not None and framed.hashing:

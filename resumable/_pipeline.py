@@ -16,13 +16,11 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any, ParamSpec, Self, TypeVar, overload
+from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar, overload
 
-from . import _history
 from ._codec import DamagedFileError, parse_header, secret_bytes, verify
 from ._context import _current, _entered, _registry_lock, _unbound
 from ._exit import _exit_hooks, status_for
-from ._history import Checkpoint
 from ._journal import read_state
 from ._manifest import Manifest
 from ._run import RunState
@@ -31,6 +29,9 @@ from ._slots import BATCHES, is_output_file, slot_file, step_of
 from ._step import KeySpec, Plan, Step, StepSpec, step
 from ._stores import Store, open_store
 from .exceptions import ResumableError, StepDefinitionError
+
+if TYPE_CHECKING:
+    from ._history import Checkpoint
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -320,6 +321,8 @@ class Pipeline:
             return self._forget(run, sorted(slots, key=lambda s: (rank.get(s, len(rank)), s))) + forgotten
 
     def _forget(self, run: RunState, slots: list[str]) -> list[str]:
+        from . import _history  # noqa: PLC0415 - imported when history is first used
+
         for slot in slots:
             if self.keep_checkpoints > 0:  # a checkpoint may need this version back
                 _history.keep_version(
@@ -339,6 +342,8 @@ class Pipeline:
         completed step, plus those made by :meth:`snapshot` (the newest
         ``keep_checkpoints`` of them).
         """
+        from . import _history  # noqa: PLC0415 - imported when history is first used
+
         with self._maintenance() as run, run.journal.lock:
             run.journal.flush(durable=False)
             current = _history.current_versions(run.journal.manifest)
@@ -346,13 +351,15 @@ class Pipeline:
 
     def snapshot(self, label: str) -> Checkpoint:
         """Add a checkpoint labelled *label* (``rollback(label)`` returns to it)."""
+        from . import _history  # noqa: PLC0415 - imported when history is first used
+
         if not isinstance(label, str) or not label or label.isdigit():
             msg = f"a snapshot label must be a non-empty str that is not a number, got {label!r}"
             raise ResumableError(msg)
         with self._maintenance() as run:
             run.journal.record("snapshot", label=label)
             manifest = run.journal.manifest
-            return Checkpoint(
+            return _history.Checkpoint(
                 manifest.checkpoints, manifest.last_update, None, label, list(manifest.completed_steps)
             )
 
@@ -366,6 +373,8 @@ class Pipeline:
             ResumableError: *to* names no restorable checkpoint.
             StateLockedError: another process is running the pipeline.
         """
+        from . import _history  # noqa: PLC0415 - imported when history is first used
+
         with self._maintenance() as run:
             return _history.rollback(run, to)
 
@@ -374,6 +383,8 @@ class Pipeline:
         The whole state (manifest, event log, outputs, kept versions) as plain data that
         msgpack can serialize: store it anywhere, give it to :meth:`load_state` later.
         """
+        from . import _history  # noqa: PLC0415 - imported when history is first used
+
         with self._maintenance() as run:
             run.journal.flush(durable=False)
             return _history.save_state(self.store)
@@ -387,6 +398,8 @@ class Pipeline:
             DamagedStateError: *state* is not state data, or something in it is damaged.
             StateFormatError: *state* comes from a newer version of resumable.
         """
+        from . import _history  # noqa: PLC0415 - imported when history is first used
+
         files = _history.check_state(state, self.secret)
         with self._maintenance() as run:
             _history.load_state(run, files)

@@ -10,10 +10,11 @@ import pathlib
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._history import Checkpoint
-from ._manifest import Manifest
+if TYPE_CHECKING:
+    from ._history import Checkpoint
+    from ._manifest import Manifest
 
 MAX_ITEMS = 20  # longer containers show their first items and a count
 MAX_TEXT = 2000  # longer strings show their beginning and their length

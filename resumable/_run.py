@@ -15,7 +15,6 @@ import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from . import _codehash, _history
 from ._codec import (
     DamagedFileError,
     Stamp,
@@ -168,6 +167,8 @@ class RunState(StepExecution):
                 for slot, rec in self.journal.manifest.steps.items()
                 if rec.status == "completed" and rec.file is not None
             }
+        from . import _history  # noqa: PLC0415 - imported when history is first used
+
         return _history.prune(self.store, self.secret, self.keep_checkpoints, current, durable=False)
 
     def _release(self) -> None:
@@ -306,6 +307,8 @@ class RunState(StepExecution):
         note = f"stored {header.get('created_at', '?')}"
         ident = spec.identity()
         if spec.version is not None and header.get("code") not in {None, ident.code}:
+            from . import _codehash  # noqa: PLC0415 - only when explaining a change
+
             changed = _codehash.describe_change(self._old_code(spec.name), ident.components)
             note += (
                 f"; kept despite a code change ({changed or 'its code'}) "
@@ -332,6 +335,8 @@ class RunState(StepExecution):
         if spec.version is not None or str(stored).startswith("version:"):
             old = str(stored).removeprefix("version:").removeprefix("code:")[:12]
             return Found(hit=False, reason="version changed", detail=f"{old} -> {spec.version}")
+        from . import _codehash  # noqa: PLC0415 - only when explaining a change
+
         old_components = self._old_code(spec.name)
         return Found(
             hit=False,

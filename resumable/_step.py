@@ -19,7 +19,6 @@ import types
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
-from . import _codehash
 from ._fingerprint import digest_arguments
 from ._slots import check_name, slot_id
 from .exceptions import StepDefinitionError
@@ -155,6 +154,8 @@ class StepSpec(Generic[P, R]):
         self._computing = False
         module, qualname = getattr(fn, "__module__", "?"), getattr(fn, "__qualname__", self.name)
         self.qualname = f"{module}.{qualname}"
+        from . import _codehash  # noqa: PLC0415 - code digests only matter once steps exist
+
         _codehash.snapshot_source(fn)
 
     def _check_key(self, key: KeySpec | None, params: Any) -> KeySpec | None:
@@ -186,6 +187,8 @@ class StepSpec(Generic[P, R]):
         if ident is None:
             with self._identity_lock:
                 if self._identity is None:
+                    from . import _codehash  # noqa: PLC0415 - see __init__
+
                     self._computing = True
                     try:
                         fn = inspect.unwrap(self.fn)
