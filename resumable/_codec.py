@@ -158,16 +158,15 @@ def _lay_out(header: dict[str, Any], body_len: int) -> int:
     """Set the buffers' padding and the value size in *header*; return the header's length."""
     # Padding depends on the header's length, and "size" on the padding: iterate to a fixed
     # point (pads are < 64, always one msgpack byte, so this settles at once in practice).
-    head_len = -1
+    header["size"] = body_len + sum(_BIN32 + n for _, n in header["buffers"])  # padding aside
     while True:
-        packed = len(msgpack.packb(header))
-        if packed == head_len:
-            return head_len
-        head_len = packed
+        head_len = len(msgpack.packb(header))
         position = head_len + body_len
         for entry in header["buffers"]:
             entry[0] = -(position + _BIN32) % _ALIGN
             position += entry[0] + _BIN32 + entry[1]
+        if header["size"] == position - head_len:
+            return head_len  # the length packed is the length with this size: settled
         header["size"] = position - head_len
 
 
@@ -200,11 +199,14 @@ def frame(encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = N
 
     def finish() -> bytes:
         header["checksum"] = checksum()
-        header["hsum"] = _header_sum(msgpack.packb(header), signed=secret is not None)
+        packed: bytes = msgpack.packb(header)
+        header["hsum"] = _header_sum(packed, signed=secret is not None)
         if secret is not None:
             header["mac"] = _sign(header, secret)
-        packed: bytes = msgpack.packb(header)
-        return packed
+            return bytes(msgpack.packb(header))
+        # hsum's value is the last thing packed: put it in place instead of packing again
+        hsum: str = header["hsum"]
+        return packed[: -len(hsum)] + hsum.encode()
 
     return Framed(header, head_len, chunks, finish)
 

@@ -153,12 +153,16 @@ class StepExecution:
             raise
         plan.output_digest = value_digest(header)
         _remember(value, header)
-        self.forget_batches(plan.slot)  # the output now holds what the row chunks held
+        if plan.slot in self.journal.manifest.batches:  # the output now holds what they held
+            self.forget_batches(plan.slot)
         fields: dict[str, Any] = {}
         if self.journal.manifest.code.get(spec.name) != ident.components:
             fields["code"] = ident.components
         self.journal.record(
             "step_completed",
+            # The output file, fsynced, is what a rerun relies on: the event follows within
+            # FLUSH_INTERVAL (with the next ones), so that a store costs one fsync pair.
+            defer=spec.idempotent,
             slot=plan.slot,
             fingerprint=plan.fingerprint,
             file=header["hsum"],

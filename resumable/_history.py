@@ -229,6 +229,7 @@ def find(points: list[_Point], target: int | str) -> int:
 def rollback(run: RunState, target: int | str) -> Checkpoint:
     """Restore the state at *target* (see :func:`find`), outputs included, byte for byte."""
     store, durable = run.store, run.durable
+    run.journal.flush(durable=False)  # the log must hold every event replayed
     number = find(replay(store, run.secret), target)
     if number == 0:
         point = _Point(_EMPTY, {}, {})

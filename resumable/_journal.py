@@ -238,7 +238,7 @@ class Journal:
 
         *sync* events are fsynced before this returns (they must survive a power loss).
         *defer*red events are appended with the next event, or by the background writer
-        within :data:`FLUSH_INTERVAL`: a quick step's start and end share one write.
+        within :data:`FLUSH_INTERVAL`: many events share one write.
         """
         data = {"t": utcnow(), "event": event, **fields}
         with self.lock:
