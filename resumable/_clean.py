@@ -43,8 +43,8 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
     with pipe._maintenance() as run:  # noqa: SLF001 - the CLI's own pipeline
         run.journal.flush(durable=False)
         manifest = run.journal.manifest
-        current = {s: r.file for s, r in manifest.steps.items() if r.status == "completed" and r.file}
-        for key in _history.unneeded_versions(store, run.secret, pipe.keep_checkpoints, current, cutoff):
+        current = _history.current_versions(manifest)
+        for key in _history.unneeded_versions(store, run.secret, pipe.keep_checkpoints, manifest, cutoff):
             _remove(store, key, "old version", report, dry_run=dry_run)
         # gone: not defined by the latest runs, and not defined since the cutoff either
         latest = max(manifest.defined.values(), default="")

@@ -21,7 +21,7 @@ import hashlib
 import hmac
 import os
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -404,8 +404,3 @@ def load(
     except DamagedFileError as exc:
         msg = f"cannot load {os.fspath(path)}: {exc}"
         raise SerializationError(msg) from None
-
-
-def file_chunks_size(chunks: Sequence[Buffer]) -> int:
-    """Total size in bytes of a list of chunks."""
-    return sum(memoryview(c).nbytes for c in chunks)

@@ -5,6 +5,7 @@ protocol as pytest tests, exported by :mod:`resumable.testing`.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import os
 import random
@@ -84,7 +85,7 @@ def _whole(data: bytes | bytearray, size: int, what: str) -> None:
         raise AssertionError(msg)
 
 
-class StoreConformance:
+class StoreConformance(abc.ABC):
     """
     The guarantees of the :class:`~resumable.Store` protocol, as a pytest test suite.
 
@@ -116,9 +117,9 @@ class StoreConformance:
     listed_internal_keys: frozenset[str] = frozenset()
     """Keys of the store's own bookkeeping that ``list`` may show (e.g. a lock file)."""
 
+    @abc.abstractmethod
     def make_store(self) -> Store:
         """A new, empty store (a fresh prefix or directory per call)."""
-        raise NotImplementedError
 
     def reopen(self, store: Store) -> Store:
         """Another handle on the storage of *store*, as another process would open it."""

@@ -159,18 +159,21 @@ def _restorable(point: _Point, available: set[str]) -> bool:
     return set(_versions(point).values()) <= available
 
 
-def checkpoints(
-    store: Store, secret: bytes | None, newest: int, current: Mapping[str, str]
-) -> list[Checkpoint]:
+def _newest(manifest: Manifest, count: int) -> set[int]:
+    """The ids of the newest *count* checkpoints (ids are numbered 1, 2, 3 ... in order)."""
+    last = manifest.checkpoints
+    return set(range(max(1, last - count + 1), last + 1)) if count > 0 else set()
+
+
+def checkpoints(store: Store, secret: bytes | None, newest: int, manifest: Manifest) -> list[Checkpoint]:
     """The checkpoints among the *newest* that can still be restored, oldest first."""
-    ids = [p.checkpoint.id for p in replay(store, secret)][-newest:] if newest > 0 else []
-    points = [p for p in replay(store, secret, ids) if p.steps is not None]
-    available = _kept(store) | set(current.values())
+    points = [p for p in replay(store, secret, _newest(manifest, newest)) if p.steps is not None]
+    available = _kept(store) | set(current_versions(manifest).values())
     return [p.checkpoint for p in points if _restorable(p, available)]
 
 
 def unneeded_versions(
-    store: Store, secret: bytes | None, keep: int, current: Mapping[str, str], since: str | None = None
+    store: Store, secret: bytes | None, keep: int, manifest: Manifest, since: str | None = None
 ) -> list[str]:
     """
     Kept versions that neither the current state nor one of the newest *keep* checkpoints
@@ -179,19 +182,18 @@ def unneeded_versions(
     kept = _kept(store)
     if not kept:
         return []
-    meta = replay(store, secret)
-    ids = {p.checkpoint.id for p in meta[-keep:]} if keep > 0 else set()
+    ids = _newest(manifest, keep)
     if since is not None:
-        ids |= {p.checkpoint.id for p in meta if (p.checkpoint.created_at or "") >= since}
-    needed = set(current.values())
+        ids |= {p.checkpoint.id for p in replay(store, secret) if (p.checkpoint.created_at or "") >= since}
+    needed = set(current_versions(manifest).values())
     for point in replay(store, secret, ids):
         needed |= set(_versions(point).values())
     return [object_key(v) for v in sorted(kept - needed)]
 
 
-def prune(store: Store, secret: bytes | None, keep: int, current: Mapping[str, str], *, durable: bool) -> int:
+def prune(store: Store, secret: bytes | None, keep: int, manifest: Manifest, *, durable: bool) -> int:
     """Delete kept versions that neither the current state nor a retained checkpoint needs."""
-    unneeded = unneeded_versions(store, secret, keep, current)
+    unneeded = unneeded_versions(store, secret, keep, manifest)
     for key in unneeded:
         store.delete(key, durable=durable)
     return len(unneeded)

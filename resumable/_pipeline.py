@@ -346,8 +346,8 @@ class Pipeline:
 
         with self._maintenance() as run, run.journal.lock:
             run.journal.flush(durable=False)
-            current = _history.current_versions(run.journal.manifest)
-        return _history.checkpoints(self.store, self.secret, self.keep_checkpoints, current)
+            manifest = Manifest.from_dict(run.journal.manifest.to_dict())
+        return _history.checkpoints(self.store, self.secret, self.keep_checkpoints, manifest)
 
     def snapshot(self, label: str) -> Checkpoint:
         """Add a checkpoint labelled *label* (``rollback(label)`` returns to it)."""

@@ -160,16 +160,13 @@ class RunState(StepExecution):
 
     def prune(self) -> int:
         """Delete kept output versions that no retained checkpoint needs any more."""
-        with self.journal.lock:
-            self.journal.flush(durable=False)  # the log must hold every event replayed
-            current = {
-                slot: rec.file
-                for slot, rec in self.journal.manifest.steps.items()
-                if rec.status == "completed" and rec.file is not None
-            }
         from . import _history  # noqa: PLC0415 - imported when history is first used
 
-        return _history.prune(self.store, self.secret, self.keep_checkpoints, current, durable=False)
+        self.journal.flush(durable=False)  # the log must hold every event replayed
+        # called as the run closes: nothing changes the manifest any more
+        return _history.prune(
+            self.store, self.secret, self.keep_checkpoints, self.journal.manifest, durable=False
+        )
 
     def _release(self) -> None:
         closer = getattr(self.store, "close_appends", None)

@@ -69,24 +69,6 @@ def encode_key(key: str) -> str:
     return encoded
 
 
-def decode_key(encoded: str) -> str | None:
-    """Invert :func:`encode_key`; ``None`` for shortened (hashed) keys."""
-    if encoded == "%":
-        return ""
-    if "~" in encoded:
-        return None
-    raw = bytearray()
-    i = 0
-    while i < len(encoded):
-        if encoded[i] == "%":
-            raw.append(int(encoded[i + 1 : i + 3], 16))
-            i += 3
-        else:
-            raw.extend(encoded[i].encode())
-            i += 1
-    return raw.decode("utf-8", "surrogatepass")
-
-
 def slot_id(step: str, key: str | None) -> str:
     """The slot id: ``step`` or ``step/<encoded key>``; also the file path minus suffix."""
     return step if key is None else f"{step}/{encode_key(key)}"

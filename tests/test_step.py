@@ -578,3 +578,17 @@ def test_serialization_error_keeps_previous_output(pipe: Pipeline, state_dir: Pa
         produce("gen")
     assert before == (state_dir / "produce.msgpack").read_bytes()
     assert "failed" == pipe.status().steps["produce"].status
+
+
+def test_key_file_names_are_readable_and_escaped(pipe: Pipeline, state_dir: Path):
+    """Lower-case letters, digits, '_', '-' and '.' stay; upper case and the rest become %XX."""
+
+    @pipe.step(key=lambda k: k)
+    def named(k: str) -> str:
+        return k
+
+    with pipe:
+        named("user_17-2026.json")
+        named("Page A/b")
+    files = {p.name for p in (state_dir / "named").glob("*.msgpack")}
+    assert {"user_17-2026.json.msgpack", "%50age%20%41%2Fb.msgpack"} == files
