@@ -20,10 +20,12 @@ from .exceptions import (
     ResumableError,
     ResumableWarning,
     SerializationError,
+    StateDirectoryError,
     StateFormatError,
     StateLockedError,
     StepDefinitionError,
     StepInterruptedError,
+    UsageError,
 )
 
 if _typing.TYPE_CHECKING:
@@ -53,6 +55,7 @@ __all__ = [
     "RowFailure",
     "Run",
     "SerializationError",
+    "StateDirectoryError",
     "StateFormatError",
     "StateLockedError",
     "Step",
@@ -61,6 +64,7 @@ __all__ = [
     "StepRecord",
     "Store",
     "StoreLock",
+    "UsageError",
     "checkpointed",
     "checkpointed_map",
     "load",

@@ -12,8 +12,10 @@ already catches ``TypeError`` or ``RuntimeError`` keeps working::
     ├── StateFormatError(ResumableError, ValueError)       state written by a newer version
     ├── DamagedStateError(ResumableError, ValueError)      state data to import is damaged
     ├── StateLockedError(ResumableError, RuntimeError)     another run holds the state directory
+    ├── StateDirectoryError(ResumableError, OSError)       the state directory cannot be used
     ├── InputChangedError(ResumableError, ValueError)      a batch's input changed under a resume
-    └── StepInterruptedError(ResumableError, RuntimeError) a non-idempotent step died mid-run
+    ├── StepInterruptedError(ResumableError, RuntimeError) a non-idempotent step died mid-run
+    └── UsageError(ResumableError, ValueError)             a bad argument to a resumable function
     ResumableWarning(UserWarning)                           e.g. a damaged file was recomputed
 
 An exception raised inside a step is never wrapped: it propagates unchanged and
@@ -32,10 +34,12 @@ __all__ = [
     "ResumableError",
     "ResumableWarning",
     "SerializationError",
+    "StateDirectoryError",
     "StateFormatError",
     "StateLockedError",
     "StepDefinitionError",
     "StepInterruptedError",
+    "UsageError",
 ]
 
 
@@ -152,3 +156,27 @@ class StepInterruptedError(ResumableError, RuntimeError):
             "its side effects may have partly happened. Check them, then confirm the rerun with "
             f"`resumable reset {slot}` or pipe.reset({slot!r})."
         )
+
+
+class UsageError(ResumableError, ValueError):
+    """A resumable function or command was given an argument it cannot use."""
+
+
+class StateDirectoryError(ResumableError, OSError):
+    """The state directory cannot be used: it is read-only, a file, or not accessible."""
+
+    def __init__(self, path: str, problem: str, *, errno: int | None = None) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(
+            f"cannot use state directory {path}: {problem}. Point the pipeline at a directory "
+            "it can write (state_dir= or $RESUMABLE_STATE_DIR), or set RESUMABLE_DISABLE=1 "
+            "to run the steps without storing any state."
+        )
+        # Set after __init__: OSError given one argument keeps errno/filename unset.
+        self.errno = errno
+        self.filename = path
+
+    def __str__(self) -> str:
+        # OSError.__str__ would print "[Errno ...]" once errno is set; the message says more.
+        return str(self.args[0])

@@ -30,6 +30,8 @@ def test_exception_tree():
     assert issubclass(e.StateLockedError, RuntimeError)
     assert issubclass(e.InputChangedError, ValueError)
     assert issubclass(e.StepInterruptedError, RuntimeError)
+    assert issubclass(e.UsageError, ValueError)
+    assert issubclass(e.StateDirectoryError, OSError)
     for name in e.__all__:
         cls = getattr(e, name)
         if name != "ResumableWarning":
