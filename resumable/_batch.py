@@ -278,7 +278,7 @@ def _locate(name: str | None, api: str) -> Where | None:
         label=plan.slot,
         display=display,
         remedy=remedy,
-        identity=execution.spec.identity().identity,
+        identity=plan.identity.identity,
         args=plan.args,
     )
 

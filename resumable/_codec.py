@@ -21,7 +21,7 @@ import hashlib
 import hmac
 import os
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -192,9 +192,7 @@ def frame(encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = N
     if secret is not None:
         header["mac"] = _MAC_PREFIX + "0" * 64
     head_len = _lay_out(header, len(encoded.body))
-    chunks: list[Buffer] = [encoded.body]
-    for (pad, size), buf in zip(header["buffers"], encoded.buffers, strict=True):
-        chunks += [b"\xc0" * pad + struct.pack(">BI", 0xC6, size), buf]
+    chunks = _value_chunks(encoded, [pad for pad, _ in header["buffers"]])
     checksum = start_checksum(chunks, value_size)
 
     def finish() -> bytes:
@@ -209,6 +207,23 @@ def frame(encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = N
         return packed[: -len(hsum)] + hsum.encode()
 
     return Framed(header, head_len, chunks, finish)
+
+
+def _value_chunks(encoded: Encoded, pads: Sequence[int]) -> list[Buffer]:
+    """The value part of a file: the body, then each buffer after its padding and bin32 prefix."""
+    chunks: list[Buffer] = [encoded.body]
+    for pad, buf in zip(pads, encoded.buffers, strict=True):
+        chunks += [b"\xc0" * pad + struct.pack(">BI", 0xC6, buf.nbytes), buf]
+    return chunks
+
+
+def value_checksum(encoded: Encoded, pads: Sequence[int]) -> str:
+    """
+    The checksum a file would record for *encoded* laid out with these buffer *pads*: equal
+    to a stored file's ``checksum`` exactly when the value encodes to the same bytes.
+    """
+    chunks = _value_chunks(encoded, pads)
+    return start_checksum(chunks, len(encoded.body) + sum(b.nbytes for b in encoded.buffers))()
 
 
 def parse_header(data: Buffer) -> tuple[dict[str, Any], int]:

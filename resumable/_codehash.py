@@ -6,10 +6,15 @@ docstring, decorators, annotations and line numbers left out), so reformatting,
 documenting or moving a function keeps its outputs. What the function refers to by
 a global or closure name is part of the digest too:
 
-- plain functions defined in the same module (transitively),
+- plain functions defined in the same module (transitively), also behind decorators
+  (``functools.lru_cache`` and anything setting ``__wrapped__``) and inside dicts, lists
+  and tuples the code uses (dispatch tables),
 - other steps (their version if pinned, else their code digest),
-- constants of simple types (str, bytes, numbers, bool, None and tuples of them),
-  so editing ``PROMPT = "..."`` or ``MODEL = "..."`` reruns the steps that use it.
+- every other value it reads that can be fingerprinted like an argument (strings,
+  numbers, containers, dataclasses ...), read again at every call, so editing
+  ``PROMPT = "..."`` or ``WEATHER = {...}``, or reassigning a global during the run,
+  reruns the steps that use it. Values that cannot be fingerprinted (clients, locks,
+  modules) are left out, and ``resumable why`` lists them.
 
 Code from other modules and installed packages is not; pin ``version=`` when such a
 change should rerun a step. When the source is unavailable the bytecode is hashed
@@ -19,6 +24,7 @@ instead, which also changes across Python versions.
 from __future__ import annotations
 
 import ast
+import copy
 import hashlib
 import inspect
 import linecache
@@ -28,12 +34,12 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from ._codec_types import qualified_name
 from ._fingerprint import _Unhashable, digest_value
 
 # AST fields that never change what code does.
 _SKIP_FIELDS = frozenset({"ctx", "type_comment", "kind"})
 _TOP_SKIP = frozenset({"name", "decorator_list", "returns", "type_params"})
-_CONSTANT_TYPES = (str, bytes, int, float, complex, bool, type(None))
 _MAX_CONSTANT_ITEMS = 10_000
 
 _cache: weakref.WeakKeyDictionary[types.FunctionType, str] = weakref.WeakKeyDictionary()
@@ -106,7 +112,8 @@ def _without_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
     return body
 
 
-def _source_digest(fn: types.FunctionType) -> str | None:
+def _function_node(fn: types.FunctionType) -> ast.AST | None:
+    """The syntax tree of *fn* from its source (as snapshotted), or None if it cannot be found."""
     try:
         source = _source(fn)
         if source is None:
@@ -123,8 +130,15 @@ def _source_digest(fn: types.FunctionType) -> str | None:
         return None
     if len(matches) > 1 and fn.__name__ == "<lambda>":
         return None  # several lambdas on one line: cannot tell which one this is
+    return matches[0]
+
+
+def _source_digest(fn: types.FunctionType) -> str | None:
+    node = _function_node(fn)
+    if node is None:
+        return None
     out: list[str] = []
-    _canon(matches[0], out, top=True)
+    _canon(node, out, top=True)
     return hashlib.sha256("".join(out).encode()).hexdigest()
 
 
@@ -164,59 +178,276 @@ def _names(code: types.CodeType) -> set[str]:
     return names
 
 
-def _constant_digest(value: object) -> str | None:
-    if isinstance(value, _CONSTANT_TYPES) and type(value) in _CONSTANT_TYPES:
+_MISSING = object()
+_MAX_SOURCE = 20_000  # characters of a component's source kept for `resumable why`
+_MAX_REPR = 200
+# Digests of immutable values read by steps (and None for values that cannot be fingerprinted),
+# by identity; the value is held so its id stays its own. A constant that is not reassigned
+# then costs one dict lookup per call.
+_immutable_digests: dict[int, tuple[object, str | None]] = {}
+_IMMUTABLE = (str, bytes, int, float, complex, bool, type(None))
+
+
+class CodeShape:
+    """
+    What a step's code identity is made of: digests fixed when it is first called (its own
+    code, same-module helpers, other steps) and the values it reads by name, which are
+    read again at every call (a global reassigned or changed in place between calls counts).
+    """
+
+    __slots__ = ("left_out", "reads", "sources", "static")
+
+    def __init__(self) -> None:
+        self.static: dict[str, str] = {}
+        self.sources: dict[str, str] = {}  # component label -> normalized source, for `why`
+        self.reads: list[tuple[str, Callable[[], object]]] = []  # ("const NAME", getter)
+        self.left_out: dict[str, str] = {}  # names whose values cannot be fingerprinted -> type
+
+
+def _global(namespace: dict[str, Any], name: str) -> Callable[[], object]:
+    return lambda: namespace.get(name, _MISSING)
+
+
+def _cell(cell: types.CellType) -> Callable[[], object]:
+    def read() -> object:
+        try:
+            return cell.cell_contents
+        except ValueError:  # an empty cell (the closure variable is not assigned yet)
+            return _MISSING
+
+    return read
+
+
+def _is_code(value: object) -> bool:
+    """Modules, classes and functions: code, not data (other modules' code is not followed)."""
+    return isinstance(value, (types.ModuleType, type)) or callable(value)
+
+
+def value_digest(value: object) -> str | None:
+    """
+    The digest of a value a step reads, or None if it cannot be fingerprinted. Plain data
+    is digested from its msgpack encoding (C speed); other values as arguments are.
+    """
+    tp = type(value)
+    items: Any = value
+    immutable = tp in _IMMUTABLE or (
+        (tp is tuple or tp is frozenset) and all(type(v) in _IMMUTABLE for v in items)
+    )
+    known = _immutable_digests.get(id(value))
+    if known is not None and known[0] is value:
+        return known[1]
+    digest = _fresh_digest(value)
+    if immutable or digest is None:  # what cannot be fingerprinted never will be
+        if len(_immutable_digests) > 10_000:
+            _immutable_digests.clear()
+        _immutable_digests[id(value)] = (value, digest)
+    return digest
+
+
+def _fresh_digest(value: object) -> str | None:
+    from ._codec import encode, value_checksum  # noqa: PLC0415 - the codec is loaded by then anyway
+    from .exceptions import SerializationError  # noqa: PLC0415
+
+    try:
+        encoded = encode(value, allow_pickle=False)
+    except SerializationError:
         pass
-    elif type(value) in {tuple, frozenset}:
-        items: Any = value
-        if len(items) > _MAX_CONSTANT_ITEMS or not all(type(v) in _CONSTANT_TYPES for v in items):
+    else:
+        return "m" + value_checksum(encoded, [0] * len(encoded.buffers)).partition(":")[2][:15]
+    try:
+        return "f" + digest_value(value)[:15]
+    except (_Unhashable, RecursionError):
+        return None
+
+
+def short_repr(value: object) -> str:
+    """A one-line repr of at most a few hundred characters, for `resumable why`."""
+    try:
+        text = repr(value)
+    except Exception as exc:  # noqa: BLE001 - a broken __repr__ must not break a step
+        text = f"<{type(value).__name__}: repr failed: {exc!r}>"
+    text = " ".join(text.split())
+    return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."
+
+
+# Methods that change the container they are called on.
+_MUTATORS = frozenset({
+    "append", "extend", "insert", "pop", "popitem", "remove", "clear", "add", "discard",
+    "update", "setdefault", "sort", "reverse", "appendleft", "extendleft", "popleft",
+    "difference_update", "intersection_update", "symmetric_difference_update",
+})  # fmt: skip
+
+
+def _root_name(node: ast.AST) -> str | None:
+    while isinstance(node, (ast.Subscript, ast.Attribute)):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def changed_names(node: ast.AST) -> set[str]:
+    """
+    Names whose values the code changes (``global``/``nonlocal`` assignments, ``X[k] = v``,
+    ``X.a += 1``, ``X.append(...)``): state the step writes, not an input it reads.
+    """
+    names: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, (ast.Global, ast.Nonlocal)):
+            names.update(sub.names)
+        elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr in _MUTATORS:
+            root = _root_name(sub.func.value)
+            if root is not None:
+                names.add(root)
+        else:
+            targets: list[ast.AST] = []
+            if isinstance(sub, (ast.Assign, ast.Delete)):
+                targets = list(sub.targets)
+            elif isinstance(sub, (ast.AugAssign, ast.AnnAssign)):
+                targets = [sub.target]
+            for target in targets:
+                if isinstance(target, (ast.Subscript, ast.Attribute)):
+                    root = _root_name(target)
+                    if root is not None:
+                        names.add(root)
+    return names
+
+
+def normalized_source(node: ast.AST) -> str | None:
+    """A function's source as the digest sees it (no docstring, comments or decorators)."""
+    node = copy.deepcopy(node)
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        node.body = _without_docstring(node.body)
+        node.decorator_list = []
+    try:
+        return ast.unparse(node)[:_MAX_SOURCE]
+    except Exception:  # noqa: BLE001 - unparse of an odd tree: the digest still stands
+        return None
+
+
+def _helper(value: object, module: str) -> types.FunctionType | None:
+    """*value* as a plain function of *module*, looking through decorators (``__wrapped__``)."""
+    if not isinstance(value, types.FunctionType) and hasattr(value, "__wrapped__"):
+        try:
+            value = inspect.unwrap(value)  # type: ignore[arg-type]
+        except ValueError:  # a cycle of __wrapped__
             return None
+    if isinstance(value, types.FunctionType) and value.__module__ == module:
+        return value
+    return None
+
+
+def _functions_inside(value: object, module: str) -> list[tuple[str, types.FunctionType]] | None:
+    """The same-module functions held by a dict, list or tuple (a dispatch table), or None."""
+    items: list[tuple[str, object]]
+    if type(value) is dict:
+        items = [(repr(k), v) for k, v in value.items()]
+    elif type(value) is list or type(value) is tuple:
+        items = [(str(i), v) for i, v in enumerate(value)]
     else:
         return None
-    try:
-        return digest_value(value)[:16]
-    except _Unhashable:  # pragma: no cover - every constant type is hashable
+    if len(items) > _MAX_CONSTANT_ITEMS:
         return None
+    found = [(label, fn) for label, v in items if (fn := _helper(v, module)) is not None]
+    return found or None
 
 
-def code_components(fn: types.FunctionType, step_identity: Callable[[object], str | None]) -> dict[str, str]:
+def _references(func: types.FunctionType) -> list[tuple[str, object, Callable[[], object]]]:
+    """The globals and closure variables *func* refers to: name, value now, and how to read it."""
+    namespace = func.__globals__
+    refs = [(n, namespace[n], _global(namespace, n)) for n in sorted(_names(func.__code__)) if n in namespace]
+    for name, cell in zip(func.__code__.co_freevars, func.__closure__ or (), strict=False):
+        getter = _cell(cell)
+        value = getter()
+        if value is not _MISSING:
+            refs.append((name, value, getter))
+    return [ref for ref in refs if not ref[0].startswith("__")]
+
+
+def _classify(  # noqa: PLR0913, PLR0917 - one reference, and where it goes
+    shape: CodeShape,
+    name: str,
+    value: object,
+    getter: Callable[[], object],
+    module: str,
+    visit: Callable[[types.FunctionType, str], None],
+) -> None:
+    """Put one name a step's code refers to (not a step) where it belongs in *shape*."""
+    helper = _helper(value, module)
+    if helper is not None:
+        visit(helper, f"fn {name}")
+        return
+    inside = _functions_inside(value, module)
+    if inside is not None:  # a dispatch table: its functions are code
+        keys = repr([entry for entry, _ in inside]).encode()
+        shape.static[f"table {name}"] = hashlib.sha256(keys).hexdigest()[:16]
+        for entry, func in inside:
+            visit(func, f"fn {name}[{entry}]")
+    elif isinstance(value, types.ModuleType):
+        shape.left_out[name] = "module"
+    elif not _is_code(value):
+        shape.reads.append((f"const {name}", getter))
+
+
+def code_shape(fn: types.FunctionType, step_identity: Callable[[object], str | None]) -> CodeShape:
     """
-    The digests that make up a step's code identity, by component name.
+    The components of a step's code identity (see :class:`CodeShape`).
 
-    ``code`` is the function itself; ``fn NAME``, ``step NAME`` and ``const NAME`` are what
-    it refers to. *step_identity* returns the identity of an object if it is a step.
+    ``code`` is the function itself; ``fn NAME``, ``step NAME``, ``table NAME`` and
+    ``const NAME`` are what it refers to. *step_identity* returns the identity of an object
+    if it is a step.
     """
-    components: dict[str, str] = {}
+    shape = CodeShape()
     seen: set[types.CodeType] = set()
+    module = fn.__module__
 
     def visit(func: types.FunctionType, label: str) -> None:
         if func.__code__ in seen:
             return
         seen.add(func.__code__)
-        components[label] = function_digest(func)[:16]
-        refs: list[tuple[str, object]] = []
-        namespace = func.__globals__
-        refs.extend((n, namespace[n]) for n in sorted(_names(func.__code__)) if n in namespace)
-        for name, cell in zip(func.__code__.co_freevars, func.__closure__ or (), strict=False):
-            try:
-                refs.append((name, cell.cell_contents))
-            except ValueError:  # an empty cell (the closure variable is not assigned yet)
-                continue
-        for name, value in refs:
-            if name.startswith("__"):
-                continue
+        shape.static[label] = function_digest(func)[:16]
+        node = _function_node(func)
+        if node is not None:
+            changed.update(changed_names(node))
+            source = normalized_source(node)
+            if source is not None:
+                shape.sources[label] = source
+        for name, value, getter in _references(func):
             identity = step_identity(value)
             if identity is not None:
-                components[f"step {name}"] = identity[:16]
-            elif isinstance(value, types.FunctionType) and value.__module__ == fn.__module__:
-                visit(value, f"fn {name}")
+                shape.static[f"step {name}"] = identity[:16]
             else:
-                constant = _constant_digest(value)
-                if constant is not None:
-                    components[f"const {name}"] = constant
+                _classify(shape, name, value, getter, module, visit)
 
+    changed: set[str] = set()
     visit(fn, "code")
-    return components
+    # What the step changes itself (a call counter, a cache it fills) is state it writes:
+    # counting it would make every call a change.
+    for read in [r for r in shape.reads if r[0].removeprefix("const ") in changed]:
+        shape.reads.remove(read)
+        shape.left_out[read[0].removeprefix("const ")] = "changed by the step"
+    return shape
+
+
+def read_values(shape: CodeShape) -> tuple[dict[str, str], dict[str, str]]:
+    """The digests of the values *shape* reads, as they are now, and those left out (by type)."""
+    digests: dict[str, str] = {}
+    left_out: dict[str, str] = {}
+    for label, getter in shape.reads:
+        value = getter()
+        if value is _MISSING:
+            continue
+        digest = value_digest(value)
+        if digest is None:
+            left_out[label.removeprefix("const ")] = qualified_name(type(value))
+        else:
+            digests[label] = digest
+    return digests, left_out
+
+
+def code_components(fn: types.FunctionType, step_identity: Callable[[object], str | None]) -> dict[str, str]:
+    """All the digests of a step's code identity as of now: its shape and the values it reads."""
+    shape = code_shape(fn, step_identity)
+    values, _ = read_values(shape)
+    return {**shape.static, **values}
 
 
 def combine(components: dict[str, str]) -> str:

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._codec import encode, frame, value_digest
 from ._codec_types import qualified_name
-from ._fingerprint import _Unhashable, digest_value, provenance
+from ._fingerprint import digest_value, provenance, trackable
 from ._render import human_size
 from ._slots import batch_dir, slot_file
 from .exceptions import SerializationError, StepInterruptedError
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("resumable")
 
 LARGE_OUTPUT = 100 * 1024 * 1024  # outputs larger than this log a warning
-PROVENANCE_MIN_SIZE = 4096  # outputs at least this large are not rehashed when passed on
 RETRY_BASE_DELAY = 0.5  # seconds before the first retry; doubles each attempt
 RETRY_MAX_DELAY = 60.0
 _MAX_TRACEBACK = 20_000
@@ -115,7 +114,7 @@ class StepExecution:
             exc.step = spec.name
             self.failed(spec, plan, exc, started, attempts)
             raise
-        ident = spec.identity()
+        ident = plan.identity
         meta = {
             "slot": plan.slot,
             "step": spec.name,
@@ -124,11 +123,10 @@ class StepExecution:
             "identity": ident.identity,
             "code": ident.code,
             "args": plan.args,
+            "params": plan.params,
         }
-        if len(encoded.body) + sum(b.nbytes for b in encoded.buffers) < PROVENANCE_MIN_SIZE:
-            # A small output records its value's digest: the runner can then pass it on
-            # unloaded, with the fingerprint a call with the value itself would have.
-            meta["vdigest"] = plan.output_value_digest = _value_digest_or_none(value)
+        if not trackable(value):  # hashed by content when passed on: cheap, and known unloaded
+            meta["pdigest"] = plan.output_plain_digest = digest_value(value)
         header_last = getattr(self.store, "write_header_last", None)
         framed = frame(encoded, meta, secret=self.secret)
         header, size = framed.header, framed.size
@@ -265,18 +263,11 @@ class StepExecution:
             attempt += 1
 
 
-def _value_digest_or_none(value: object) -> str | None:
-    try:
-        return digest_value(value)
-    except (_Unhashable, RecursionError):
-        return None  # not a valid argument anyway: passing it on fails the same way
-
-
 def _remember(value: object, header: dict[str, Any]) -> None:
-    # Small outputs are cheaper to rehash than to track; the choice depends only on the
-    # stored size, so every run fingerprints the same output the same way.
-    if header["size"] >= PROVENANCE_MIN_SIZE:
-        provenance.remember(value, value_digest(header))
+    # Passed to another step, the value is known by the stored checksum as long as it still
+    # encodes to the stored bytes (provenance checks that at every use).
+    pads = tuple(pad for pad, _ in header["buffers"])
+    provenance.remember(value, header["checksum"], pads)
 
 
 def _error_fields(exc: BaseException) -> dict[str, str]:

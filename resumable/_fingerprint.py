@@ -3,8 +3,9 @@ Argument digests: equal arguments give equal digests in every process.
 
 A value is fed into SHA-256 as a tagged, length-prefixed byte string. Dicts and sets
 are order-free (their encoded items are sorted), floats are hashed by their bits, and
-NumPy arrays by dtype, shape and raw bytes. Objects returned by an earlier step are
-not rehashed: the provenance registry maps them to the checksum of the stored output.
+NumPy arrays by dtype, shape and raw bytes. An object returned by an earlier step is
+known by the checksum of its stored output as long as it still encodes to the stored bytes
+(see :class:`_Provenance`).
 Anything without a stable meaning raises :class:`FingerprintError` rather than being
 hashed by identity or by pickled bytes.
 """
@@ -15,14 +16,12 @@ import dataclasses
 import datetime as dt
 import decimal
 import enum
-import functools
 import hashlib
 import pathlib
 import struct
 import sys
 import threading
 import uuid
-import warnings
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -31,7 +30,7 @@ from typing import Any
 import attrs
 
 from ._codec_types import qualified_name
-from .exceptions import FingerprintError, ResumableWarning
+from .exceptions import FingerprintError, SerializationError
 
 _PACK_LEN = struct.Struct("<Q").pack
 _PACK_FLOAT = struct.Struct("<d").pack
@@ -57,19 +56,19 @@ class StoredOutput:
     A skipped step's output that has not been loaded (the pipeline runner's lazy value).
 
     A step taking it as an argument gets the same fingerprint as with the loaded value,
-    without loading or rehashing it: small outputs carry their value's digest (taken when
-    they were stored), larger ones are known by their stored checksum, exactly as when a
-    step is called with the output another step returned.
+    without loading or rehashing it: an output passed on unchanged is known by its stored
+    checksum, exactly as when a step is called with the value another step returned.
     """
 
-    __slots__ = ("_load", "_loaded", "_value", "digest", "slot", "value_digest")
+    __slots__ = ("_load", "_loaded", "_value", "digest", "plain_digest", "slot")
 
     def __init__(
-        self, slot: str, digest: str, load: Callable[[], Any], value_digest: str | None = None
+        self, slot: str, digest: str, load: Callable[[], Any], plain_digest: str | None = None
     ) -> None:
         self.slot = slot
         self.digest = digest
-        self.value_digest = value_digest
+        # for a value always hashed by content (see trackable), that digest, stored with it
+        self.plain_digest = plain_digest
         self._load = load
         self._loaded = False
         self._value: Any = None
@@ -80,8 +79,8 @@ class StoredOutput:
     @property
     def arg_digest(self) -> str:
         """What this output contributes to the fingerprint of a step it is passed to."""
-        if self.value_digest is not None:
-            return self.value_digest
+        if self.plain_digest is not None:
+            return self.plain_digest
         return hashlib.sha256(b"@" + self.digest.encode()).hexdigest()
 
     def get(self) -> Any:
@@ -92,98 +91,114 @@ class StoredOutput:
         return self._value
 
 
-class _Provenance:
-    """Maps live objects returned by steps to the digest of their stored output."""
+class _Entry:
+    __slots__ = ("checksum", "pads", "ref", "tp")
 
-    _MAX_STRONG = 256  # outputs that cannot be weakly referenced are held, at most this many
+    def __init__(self, checksum: str, pads: tuple[int, ...], ref: weakref.ref[Any] | None, tp: type) -> None:
+        self.checksum = checksum  # the stored file's checksum of the value bytes
+        self.pads = pads  # its buffers' padding, to lay a re-encoding out the same way
+        self.ref = ref  # a weak reference where the type allows one (identity is then exact)
+        self.tp = tp
+
+
+class _Provenance:
+    """
+    Remembers which live objects were returned by steps (or loaded from their outputs), and
+    the checksum of the stored value each one was.
+
+    Nothing is held alive: objects are known by ``id`` (and a weak reference where their type
+    allows one). A stored checksum is only ever used after the object has been encoded again
+    and found to give the very bytes that were stored, so an object changed in place (at any
+    depth) or a new object at a reused address is fingerprinted by what it holds now.
+    """
+
+    MAX_ENTRIES = 4096
 
     def __init__(self) -> None:
-        # id -> (the object or a weak reference to it, digest, probe, weak?)
-        self._entries: dict[int, tuple[Any, str, object, bool]] = {}
-        self._strong: OrderedDict[int, None] = OrderedDict()
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._lock = threading.Lock()
-        self.changed = 0  # outputs found changed in place, for a warning
 
-    def remember(self, obj: object, digest: str) -> None:
-        tp = type(obj)
-        if tp in _SCALARS or tp is tuple or tp is frozenset:
-            return  # small immutable values may be shared singletons: always hash them
-        if (tp is str or tp is bytes) and len(obj) < _MIN_REMEMBERED:  # type: ignore[arg-type]
+    def remember(self, obj: object, checksum: str, pads: tuple[int, ...] = ()) -> None:
+        """Remember that *obj* is the value stored with *checksum*."""
+        if not trackable(obj):
             return
+        try:
+            ref: weakref.ref[Any] | None = weakref.ref(obj)
+        except TypeError:  # lists, dicts, tuples: known by id, checked by content
+            ref = None
+        entry = _Entry(checksum, pads, ref, type(obj))
         key = id(obj)
-        probe = _probe(obj)
         with self._lock:
-            try:
-                ref = weakref.ref(obj, functools.partial(self._forget, key))
-            except TypeError:  # lists and dicts cannot be weakly referenced: hold them
-                self._entries[key] = (obj, digest, probe, False)
-                self._strong[key] = None
-                self._strong.move_to_end(key)
-                while len(self._strong) > self._MAX_STRONG:
-                    old, _ = self._strong.popitem(last=False)
-                    self._entries.pop(old, None)
-            else:
-                self._entries[key] = (ref, digest, probe, True)
-                self._strong.pop(key, None)
+            self._entries[key] = entry
+            self._entries.move_to_end(key)
+            if len(self._entries) > self.MAX_ENTRIES:
+                self._entries.popitem(last=False)
 
-    def _forget(self, key: int, ref: object) -> None:
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None and entry[0] is ref:
-                del self._entries[key]
+    def entry(self, obj: object) -> _Entry | None:
+        """What is remembered of *obj* if it (or an object at its address) is a step output."""
+        entry = self._entries.get(id(obj))
+        if entry is None or type(obj) is not entry.tp:
+            return None
+        if entry.ref is not None and entry.ref() is not obj:
+            return None
+        return entry
+
+    def check(self, obj: object, entry: _Entry) -> tuple[bool, str]:
+        """
+        ``(True, stored digest)`` if *obj* still encodes to the stored bytes, else ``(False,
+        digest of what it encodes to now)``.
+
+        Raises:
+            _Unhashable: it cannot be encoded any more.
+        """
+        from ._codec import encode, value_checksum  # noqa: PLC0415 - the codec imports NumPy lazily
+
+        try:
+            encoded = encode(obj, allow_pickle=True)
+        except SerializationError as exc:
+            raise _Unhashable("value", obj, f"it cannot be encoded ({exc})") from None
+        actual = value_checksum(encoded, entry.pads)
+        return actual == entry.checksum, actual.partition(":")[2]
 
     def lookup(self, obj: object) -> str | None:
-        """The stored digest of *obj*, or None if it is unknown or was changed in place."""
-        entry = self._entries.get(id(obj))
+        """The stored digest of *obj* if it is a step output that is unchanged, else None."""
+        entry = self.entry(obj)
         if entry is None:
             return None
-        held, digest, probe, weak = entry
-        if (held() if weak else held) is not obj:
+        try:
+            unchanged, digest = self.check(obj, entry)
+        except _Unhashable:
             return None
-        if probe is not None and _probe(obj) != probe:
-            self._entries.pop(id(obj), None)
-            self.changed += 1
-            return None
-        return digest
+        return digest if unchanged else None
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-            self._strong.clear()
 
 
-def _ids(items: Iterable[object]) -> int:
-    return hash(tuple(map(id, items)))
-
-
-def _probe(obj: object) -> object:
+def trackable(obj: object) -> bool:
     """
-    A cheap summary that changes when *obj* is changed in place: which objects a container
-    holds (not what they hold), or for arrays their buffer, shape and a sample of their bytes.
+    False for values that may be shared with code that never saw a step (numbers, short
+    strings, short tuples of such constants): passed on, those are always fingerprinted by
+    their content, which is cheap; every other step output by its stored checksum.
     """
-    if isinstance(obj, (list, set)):
-        return _ids(obj)
-    if isinstance(obj, dict):
-        return (_ids(obj), _ids(obj.values()))
-    np = sys.modules.get("numpy")
-    if np is not None and isinstance(obj, np.ndarray):
-        if obj.dtype.hasobject or obj.dtype.itemsize == 0:
-            return None
-        flat = obj.reshape(-1)
-        sample = hashlib.sha256()
-        for part in (flat[:: max(1, flat.size // 256)], flat[:512], flat[-512:]):
-            sample.update(memoryview(np.ascontiguousarray(part).view("uint8")))
-        return (obj.shape, obj.dtype.str, obj.__array_interface__["data"][0], sample.digest())
-    fields = _fields_of(obj)
-    if fields is not None:
-        return _ids(value for _, value in fields)
-    return None
+    tp = type(obj)
+    if tp in _SCALARS:
+        return False
+    if tp is str or tp is bytes:
+        return len(obj) >= _MIN_REMEMBERED  # type: ignore[arg-type]
+    if tp is tuple or tp is frozenset:
+        items: Any = obj
+        return len(items) > _MAX_PLAIN_ITEMS or not all(type(item) in _PLAIN for item in items)
+    return True
 
 
 provenance = _Provenance()
 # str/bytes outputs shorter than this are rehashed (cheap); short ones may be interned or shared
 _MIN_REMEMBERED = 4096
 _SCALARS: frozenset[type] = frozenset({type(None), bool, int, float, complex})
+_PLAIN: frozenset[type] = _SCALARS | {str, bytes}
+_MAX_PLAIN_ITEMS = 256
 
 
 class _Feeder:
@@ -194,7 +209,7 @@ class _Feeder:
     def __init__(self) -> None:
         self.active: set[int] = set()
 
-    def feed(self, out: bytearray, obj: Any, where: str) -> None:  # noqa: C901, PLR0912
+    def feed(self, out: bytearray, obj: Any, where: str) -> None:
         tp = type(obj)
         simple = _SIMPLE.get(tp)
         if simple is not None:
@@ -203,10 +218,27 @@ class _Feeder:
         if tp is StoredOutput:
             out += b"&" + bytes.fromhex(obj.arg_digest)
             return
-        origin = provenance.lookup(obj)
-        if origin is not None:
-            out += b"@" + origin.encode()
+        entry = provenance.entry(obj)
+        if entry is None:
+            self._content(out, obj, where)
             return
+        unchanged, digest = provenance.check(obj, entry)
+        if unchanged:  # a step output passed on as it was stored: its stored checksum
+            out += b"@" + digest.encode()
+            return
+        # Changed in place, or a new object at a dead output's address: by its content, as
+        # any value; and if it has no digest of its own, by the checksum of its encoding.
+        item = bytearray()
+        try:
+            self._content(item, obj, where)
+        except _Unhashable:
+            out += b"#" + digest.encode()
+        else:
+            out += item
+
+    def _content(self, out: bytearray, obj: Any, where: str) -> None:  # noqa: C901
+        """Feed what *obj* holds (its type is not a simple one)."""
+        tp = type(obj)
         if tp is list or tp is tuple:
             out += (b"l" if tp is list else b"t") + _PACK_LEN(len(obj))
             self._enter(obj, where)
@@ -377,6 +409,27 @@ def is_fingerprintable(value: object) -> bool:
     return True
 
 
+def argument_digest(step: str, name: str, value: object, feeder: _Feeder | None = None) -> bytes:
+    """
+    The digest of one argument (32 bytes): the SHA-256 of its canonical bytes, which for a
+    stored output is what :attr:`StoredOutput.arg_digest` says without loading it.
+
+    Raises:
+        FingerprintError: the argument has no stable digest.
+    """
+    if type(value) is StoredOutput:
+        return bytes.fromhex(value.arg_digest)
+    item = bytearray()
+    try:
+        (feeder or _Feeder()).feed(item, value, name)
+    except _Unhashable as exc:
+        tp = qualified_name(type(exc.obj))
+        raise FingerprintError(step, name, exc.where, tp, exc.detail) from None
+    except RecursionError:
+        raise FingerprintError(step, name, name, qualified_name(type(value)), "nested too deeply") from None
+    return hashlib.sha256(item).digest()
+
+
 def digest_arguments(step: str, arguments: Mapping[str, Any], ignore: frozenset[str]) -> str:
     """
     Digest of a step's bound arguments, minus those in *ignore*.
@@ -384,36 +437,27 @@ def digest_arguments(step: str, arguments: Mapping[str, Any], ignore: frozenset[
     Raises:
         FingerprintError: an argument has no stable digest.
     """
+    return digest_parameters(step, arguments, ignore)[0]
+
+
+def digest_parameters(
+    step: str, arguments: Mapping[str, Any], ignore: frozenset[str]
+) -> tuple[str, dict[str, str]]:
+    """
+    Digest of a step's bound arguments, minus those in *ignore*, and a short digest of each
+    (to tell which parameters changed).
+
+    Raises:
+        FingerprintError: an argument has no stable digest.
+    """
     out = bytearray()
     feeder = _Feeder()
-    changed = provenance.changed
+    params: dict[str, str] = {}
     for name, value in arguments.items():
         if name in ignore:
             continue
+        digest = argument_digest(step, name, value, feeder)
+        params[name] = digest[:8].hex()
         out += _text(name)
-        if type(value) is StoredOutput:
-            out += bytes.fromhex(value.arg_digest)
-            continue
-        # Each argument adds the digest of its value (digest_value), which is what a stored
-        # small output records, so the runner can fingerprint it without loading it.
-        item = bytearray()
-        try:
-            feeder.feed(item, value, name)
-        except _Unhashable as exc:
-            tp = qualified_name(type(exc.obj))
-            raise FingerprintError(step, name, exc.where, tp, exc.detail) from None
-        except RecursionError:
-            raise FingerprintError(
-                step, name, name, qualified_name(type(value)), "nested too deeply"
-            ) from None
-        out += hashlib.sha256(item).digest()
-    if provenance.changed != changed:
-        warnings.warn(
-            ResumableWarning(
-                f"step {step!r}: an argument is the output of an earlier step that was changed in "
-                "place after it was returned, so it is fingerprinted by its content. Copy outputs "
-                "before changing them, or make the change inside a step."
-            ),
-            stacklevel=4,
-        )
-    return hashlib.sha256(out).hexdigest()[:32]
+        out += digest
+    return hashlib.sha256(out).hexdigest()[:32], params

@@ -7,6 +7,7 @@ fingerprint, else a miss with the reason why (running it is :mod:`._execute`'s p
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -221,9 +222,9 @@ class RunState(StepExecution):
         miss = self._check_header(spec, plan, header)
         if miss is not None:
             return miss
-        value = StoredOutput(
-            plan.slot, value_digest(header), lambda: self.load(spec, plan), header.get("vdigest")
-        )
+        plain = header.get("pdigest")
+        load = functools.partial(self.load, spec, plan)
+        value = StoredOutput(plan.slot, value_digest(header), load, plain if isinstance(plain, str) else None)
         return self._hit(spec, plan, value, header, head_len)
 
     def _check_header(self, spec: StepSpec[Any, Any], plan: Plan, header: dict[str, Any]) -> Found | None:
@@ -231,7 +232,7 @@ class RunState(StepExecution):
             return self._corrupt(plan, f"it holds slot {header['slot']!r}")
         if header.get("fingerprint") != plan.fingerprint:
             plan.replaces = header["hsum"]  # the version a rerun replaces: history keeps it
-            return self._mismatch(spec, header)
+            return self._mismatch(spec, plan, header)
         return None
 
     def _missing(self, plan: Plan) -> Found:
@@ -282,7 +283,7 @@ class RunState(StepExecution):
                 header["hsum"],
             )
         if log.isEnabledFor(logging.INFO):
-            log.info("step %r skipped: %s", plan.slot, self._skip_note(spec, header))
+            log.info("step %r skipped: %s", plan.slot, self._skip_note(spec, plan, header))
         return Found(hit=True, value=value)
 
     def load(self, spec: StepSpec[Any, Any], plan: Plan) -> Any:
@@ -300,9 +301,9 @@ class RunState(StepExecution):
         _remember(value, header)
         return value
 
-    def _skip_note(self, spec: StepSpec[Any, Any], header: dict[str, Any]) -> str:
+    def _skip_note(self, spec: StepSpec[Any, Any], plan: Plan, header: dict[str, Any]) -> str:
         note = f"stored {header.get('created_at', '?')}"
-        ident = spec.identity()
+        ident = plan.identity
         if spec.version is not None and header.get("code") not in {None, ident.code}:
             from . import _codehash  # noqa: PLC0415 - only when explaining a change
 
@@ -324,8 +325,8 @@ class RunState(StepExecution):
         )
         return Found(hit=False, reason="corrupt", detail=why)
 
-    def _mismatch(self, spec: StepSpec[Any, Any], header: dict[str, Any]) -> Found:
-        ident = spec.identity()
+    def _mismatch(self, spec: StepSpec[Any, Any], plan: Plan, header: dict[str, Any]) -> Found:
+        ident = plan.identity
         stored = header.get("identity")
         if stored == ident.identity:
             return Found(hit=False, reason="inputs changed")

@@ -71,11 +71,11 @@ def _run_one(
     if found.hit:
         stored: StoredOutput = found.value
         redo = functools.partial(_load_or_redo, run, spec, plan, args, kwargs)
-        return StoredOutput(plan.slot, stored.digest, redo, stored.value_digest), False, plan.slot
+        return StoredOutput(plan.slot, stored.digest, redo, stored.plain_digest), False, plan.slot
     value = _execute(run, spec, plan, found, _call(spec, args, kwargs))
     # downstream steps see the stored digests, exactly as when this step is skipped
-    digest = plan.output_digest or ""
-    return StoredOutput(plan.slot, digest, lambda: value, plan.output_value_digest), True, plan.slot
+    digest, plain = plan.output_digest or "", plan.output_plain_digest
+    return StoredOutput(plan.slot, digest, lambda: value, plain), True, plan.slot
 
 
 def _load_or_redo(

@@ -19,7 +19,7 @@ import types
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
-from ._fingerprint import digest_arguments
+from ._fingerprint import digest_parameters
 from ._slots import check_name, slot_id
 from .exceptions import StepDefinitionError
 
@@ -67,28 +67,60 @@ class Step(Protocol[P, R_co]):
 
 
 class Identity:
-    """What a step's outputs are tied to: its version, or else its code."""
+    """What a step's outputs are tied to: its version, or else its code (as of one call)."""
 
-    __slots__ = ("code", "components", "identity")
+    __slots__ = ("code", "components", "identity", "left_out", "sources")
 
-    def __init__(self, identity: str, code: str, components: dict[str, str]) -> None:
+    def __init__(
+        self,
+        identity: str,
+        code: str,
+        components: dict[str, str],
+        sources: dict[str, str] | None = None,
+        left_out: dict[str, str] | None = None,
+    ) -> None:
         self.identity = identity
         self.code = code
         self.components = components
+        self.sources = sources or {}  # component -> normalized source, for `resumable why`
+        self.left_out = left_out or {}  # names the code reads that cannot be fingerprinted
 
 
 class Plan:
     """One call of a step, resolved: its slot and fingerprint."""
 
-    __slots__ = ("args", "fingerprint", "key", "output_digest", "output_value_digest", "replaces", "slot")
+    __slots__ = (
+        "args",
+        "bound",
+        "fingerprint",
+        "identity",
+        "key",
+        "output_digest",
+        "output_plain_digest",
+        "params",
+        "replaces",
+        "slot",
+    )
 
-    def __init__(self, slot: str, key: str | None, fingerprint: str, args: str) -> None:
+    def __init__(  # noqa: PLR0913, PLR0917 - plain data
+        self,
+        slot: str,
+        key: str | None,
+        fingerprint: str,
+        args: str,
+        params: dict[str, str],
+        identity: Identity,
+        bound: dict[str, Any] | None = None,
+    ) -> None:
         self.slot = slot
         self.key = key
         self.fingerprint = fingerprint
         self.args = args
+        self.params = params  # a short digest per parameter, to tell which ones changed
+        self.identity = identity  # the step's identity as of this call
+        self.bound = bound  # the arguments by name (None for a memoized call)
         self.output_digest: str | None = None  # set once the output is stored
-        self.output_value_digest: str | None = None  # and for small outputs, this too
+        self.output_plain_digest: str | None = None  # and for plain values, their digest
         self.replaces: str | None = None  # the version of the output a rerun replaces
 
 
@@ -149,7 +181,10 @@ class StepSpec(Generic[P, R]):
         self._names = tuple(params)
         self._defaults = tuple(p.default for p in params.values())
         self._identity: Identity | None = None
-        self._plans: dict[tuple[tuple[type, object], ...], tuple[str, str | None, str, str]] = {}
+        self._shape: Any = None  # the _codehash.CodeShape of the step, once known
+        # the values the identity was last made with, and that identity
+        self._current: tuple[tuple[dict[str, str], dict[str, str]], Identity] | None = None
+        self._plans: dict[tuple[object, ...], tuple[str, str | None, str, str, dict[str, str]]] = {}
         self._identity_lock = threading.RLock()
         self._computing = False
         module, qualname = getattr(fn, "__module__", "?"), getattr(fn, "__qualname__", self.name)
@@ -182,27 +217,53 @@ class StepSpec(Generic[P, R]):
     # identity ----------------------------------------------------------------------------
 
     def identity(self) -> Identity:
-        """The step's identity, computed once per process (code digests need the source)."""
-        ident = self._identity
-        if ident is None:
+        """
+        The step's identity for a call now: its code's shape is worked out once per process
+        (code digests need the source), the values it reads are read at every call.
+        """
+        shape = self._shape
+        if shape is None:
             with self._identity_lock:
-                if self._identity is None:
-                    from . import _codehash  # noqa: PLC0415 - see __init__
+                if self._shape is None:
+                    self._shape = self._code_shape()
+                shape = self._shape
+        if not shape.reads:
+            ident = self._identity
+            if ident is None:
+                ident = self._identity = self._make_identity(shape, {}, {})
+            return ident
+        from . import _codehash  # noqa: PLC0415 - see __init__
 
-                    self._computing = True
-                    try:
-                        fn = inspect.unwrap(self.fn)
-                        if isinstance(fn, types.FunctionType):
-                            components = _codehash.code_components(fn, _identity_of)
-                        else:  # a callable object: only a version can tie its code down
-                            components = {"code": hashlib.sha256(self.qualname.encode()).hexdigest()[:16]}
-                    finally:
-                        self._computing = False
-                    code = _codehash.combine(components)
-                    label = f"version:{self.version}" if self.version is not None else f"code:{code}"
-                    self._identity = Identity(label, code, components)
-                ident = self._identity
+        values, left_out = _codehash.read_values(shape)
+        current = self._current  # one tuple: threads see a consistent pair
+        if current is not None and current[0] == (values, left_out):
+            return current[1]
+        ident = self._make_identity(shape, values, left_out)
+        self._current = ((values, left_out), ident)
         return ident
+
+    def _code_shape(self) -> Any:
+        from . import _codehash  # noqa: PLC0415 - see __init__
+
+        self._computing = True
+        try:
+            fn = inspect.unwrap(self.fn)
+            if isinstance(fn, types.FunctionType):
+                return _codehash.code_shape(fn, _identity_of)
+            # a callable object: only a version can tie its code down
+            shape = _codehash.CodeShape()
+            shape.static["code"] = hashlib.sha256(self.qualname.encode()).hexdigest()[:16]
+            return shape
+        finally:
+            self._computing = False
+
+    def _make_identity(self, shape: Any, values: dict[str, str], left_out: dict[str, str]) -> Identity:
+        from . import _codehash  # noqa: PLC0415 - see __init__
+
+        components = {**shape.static, **values}
+        code = _codehash.combine(components)
+        label = f"version:{self.version}" if self.version is not None else f"code:{code}"
+        return Identity(label, code, components, shape.sources, {**shape.left_out, **left_out})
 
     # binding -----------------------------------------------------------------------------
 
@@ -249,25 +310,26 @@ class StepSpec(Generic[P, R]):
 
     def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
         """Resolve a call to its slot and fingerprint."""
+        ident = self.identity()
         memo_key = None
         if not kwargs and not callable(self.key) and all(type(a) in _MEMO_TYPES for a in args):
-            # Calls with the same simple arguments resolve the same way: remember them.
-            # (The types are part of the key: 1, 1.0 and True are equal as dict keys.)
-            memo_key = tuple(zip(map(type, args), args, strict=True))
+            # Calls with the same simple arguments (and the same identity) resolve the same
+            # way: remember them. (The types are part of the key: 1, 1.0 and True are equal
+            # as dict keys.)
+            memo_key = (ident.identity, *zip(map(type, args), args, strict=True))
             known = self._plans.get(memo_key)
             if known is not None:
-                return Plan(*known)
+                return Plan(*known, identity=ident)
         bound = self.bind(args, kwargs)
         key = self.key_for(args, kwargs, bound)
-        digest = digest_arguments(self.name, bound, self.ignore)
-        ident = self.identity()
+        digest, params = digest_parameters(self.name, bound, self.ignore)
         fingerprint = hashlib.sha256(f"{ident.identity}|{digest}".encode()).hexdigest()[:32]
-        resolved = (slot_id(self.name, key), key, fingerprint, digest)
+        resolved = (slot_id(self.name, key), key, fingerprint, digest, params)
         if memo_key is not None:
             if len(self._plans) >= _MEMO_SIZE:
                 self._plans.clear()
             self._plans[memo_key] = resolved
-        return Plan(*resolved)
+        return Plan(*resolved, identity=ident, bound=bound)
 
     # calling -----------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from resumable import Pipeline, _codehash
+from resumable import _codehash
 from resumable._codehash import code_components, combine, describe_change, function_digest, snapshot_source
 from resumable._step import _identity_of
 
@@ -341,23 +342,102 @@ def step_fn(text):
         ('PROMPT = "Summarise the text:"', 'PROMPT = "Summarize:"', "const PROMPT"),
         ('MODELS = ("small", "large")', 'MODELS = ("small", "huge")', "const MODELS"),
         ("LIMIT = 3", "LIMIT = 4", "const LIMIT"),
+        ('{"temperature": 0}', '{"temperature": 1}', "const SETTINGS"),
     ],
 )
 def test_module_constants_are_part_of_the_identity(modules, old, new, changed):
-    """Editing a str/number/tuple constant the step (or its helper) reads changes the identity."""
+    """Editing a constant the step (or its helper) reads, containers included, changes the identity."""
     base = modules(CONSTANTS)
     edited = modules(CONSTANTS.replace(old, new))
     before, after = components_of(base.step_fn), components_of(edited.step_fn)
-    assert {"code", "fn render", "const PROMPT", "const MODELS", "const LIMIT"} == set(before)
+    assert {"code", "fn render", "const PROMPT", "const MODELS", "const LIMIT", "const SETTINGS"} == set(before)
     assert changed == describe_change(before, after)
     assert digest_of(base.step_fn) == digest_of(edited.step_fn)
 
 
-def test_mutable_module_values_are_not_part_of_the_identity(modules):
-    """Dicts and lists at module level are not constants: editing them keeps the identity (documented)."""
+def test_module_values_are_read_at_call_time(modules):
+    """A global reassigned or changed in place between calls is seen by the next call."""
     base = modules(CONSTANTS)
-    edited = modules(CONSTANTS.replace('{"temperature": 0}', '{"temperature": 1}'))
-    assert components_of(base.step_fn) == components_of(edited.step_fn)
+    first = components_of(base.step_fn)
+    base.SETTINGS["temperature"] = 0.5
+    changed_in_place = components_of(base.step_fn)
+    base.LIMIT = 4
+    reassigned = components_of(base.step_fn)
+    assert "const SETTINGS" == describe_change(first, changed_in_place)
+    assert "const LIMIT" == describe_change(changed_in_place, reassigned)
+
+
+WRITTEN = """
+import threading
+
+CALLS = []
+CACHE = {}
+TOTAL = 0
+LOCK = threading.Lock()
+
+
+def step_fn(x):
+    global TOTAL
+    CALLS.append(x)
+    CACHE[x] = x
+    TOTAL += x
+    with LOCK:
+        return x
+"""
+
+
+def test_state_the_step_writes_is_not_an_input(modules):
+    """Values the step changes itself (a call log, a cache, a global total) and locks are left out."""
+    mod = modules(WRITTEN)
+    before = components_of(mod.step_fn)
+    mod.step_fn(3)
+    assert {"code"} == set(before)
+    assert before == components_of(mod.step_fn)
+    shape = _codehash.code_shape(mod.step_fn, _identity_of)
+    assert {
+        "CALLS": "changed by the step",
+        "CACHE": "changed by the step",
+        "TOTAL": "changed by the step",
+    } == shape.left_out
+    _, left_out = _codehash.read_values(shape)
+    assert {"LOCK": "_thread.lock"} == left_out
+
+
+HELPERS = """
+import functools
+
+
+@functools.lru_cache
+def cached(x):
+    return x + {cached}
+
+
+def double(x):
+    return 2 * x
+
+
+def triple(x):
+    return 3 * x
+
+
+DISPATCH = {{"double": double, "triple": triple}}
+
+
+def step_fn(op, x):
+    return DISPATCH[op](cached(x))
+"""
+
+
+def test_helpers_behind_decorators_and_in_dispatch_tables_are_followed(modules):
+    """A helper wrapped in lru_cache and functions held by a dispatch dict are part of the digest."""
+    base = components_of(modules(HELPERS.format(cached=1)).step_fn)
+    cached = components_of(modules(HELPERS.format(cached=2)).step_fn)
+    table = components_of(
+        modules(HELPERS.format(cached=1).replace("return 3 * x", "return 4 * x")).step_fn
+    )
+    assert {"code", "fn cached", "table DISPATCH", "fn DISPATCH['double']", "fn DISPATCH['triple']"} == set(base)
+    assert "fn cached" == describe_change(base, cached)
+    assert "fn DISPATCH['triple']" == describe_change(base, table)
 
 
 CLOSURE = """
