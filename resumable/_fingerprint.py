@@ -30,17 +30,13 @@ from typing import Any
 import attrs
 
 from ._codec_types import qualified_name
+from ._files import file_digests
 from .exceptions import FingerprintError, SerializationError
 
 _PACK_LEN = struct.Struct("<Q").pack
 _PACK_FLOAT = struct.Struct("<d").pack
 _PACK_COMPLEX = struct.Struct("<dd").pack
-_PATH_TAGS: dict[type, bytes] = {
-    pathlib.PosixPath: b"pp",
-    pathlib.PurePosixPath: b"pp",
-    pathlib.WindowsPath: b"pw",
-    pathlib.PureWindowsPath: b"pw",
-}
+_PATH_TAGS: dict[type, bytes] = {pathlib.PurePosixPath: b"pp", pathlib.PureWindowsPath: b"pw"}
 
 
 class _Unhashable(Exception):  # noqa: N818 - internal signal turned into FingerprintError
@@ -214,6 +210,12 @@ class _Feeder:
         simple = _SIMPLE.get(tp)
         if simple is not None:
             out += simple(obj)
+            return
+        if isinstance(obj, pathlib.Path):  # a file by its contents, a directory by its files
+            contents = file_digests.digest(obj)
+            out += (
+                _PATH_TAGS[pathlib.PurePosixPath] + _text(str(obj)) if contents is None else b"F" + contents
+            )
             return
         if tp is StoredOutput:
             out += b"&" + bytes.fromhex(obj.arg_digest)

@@ -26,6 +26,7 @@ from ._codec import (
     verify,
 )
 from ._execute import StepExecution, _error_fields, _remember
+from ._files import file_digests
 from ._fingerprint import StoredOutput
 from ._journal import Journal, read_header
 from ._slots import slot_file
@@ -111,6 +112,7 @@ class RunState(StepExecution):
             "argv": sys.argv[:4],
         }
         self._lock = self.store.lock(holder)
+        file_digests.attach(self.store, self.secret)
         try:
             manifest = self.journal.load()
             if manifest.runs and manifest.pipeline != self.journal.pipeline and not maintenance:
@@ -155,6 +157,7 @@ class RunState(StepExecution):
                 self.journal.record("run_finished", defined=sorted(defined), **fields)
             if not self.maintenance:  # a maintenance lock (CLI, reset ...) keeps all history
                 self.prune()
+                file_digests.save(self.store, self.secret)
             self.journal.flush(durable=self.durable)
         finally:
             self._release()

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, settings
 
 from resumable import Pipeline
 from resumable._exit import _exit_hooks
+from resumable._files import file_digests
 from resumable._fingerprint import provenance
 
 settings.register_profile(
@@ -33,8 +34,10 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
             monkeypatch.delenv(name)
     monkeypatch.setenv("RESUMABLE_PROGRESS", "0")
     provenance.clear()
+    file_digests.clear()
     yield
     provenance.clear()
+    file_digests.clear()
 
 
 @pytest.fixture

@@ -350,7 +350,9 @@ def test_module_constants_are_part_of_the_identity(modules, old, new, changed):
     base = modules(CONSTANTS)
     edited = modules(CONSTANTS.replace(old, new))
     before, after = components_of(base.step_fn), components_of(edited.step_fn)
-    assert {"code", "fn render", "const PROMPT", "const MODELS", "const LIMIT", "const SETTINGS"} == set(before)
+    assert {"code", "fn render", "const PROMPT", "const MODELS", "const LIMIT", "const SETTINGS"} == set(
+        before
+    )
     assert changed == describe_change(before, after)
     assert digest_of(base.step_fn) == digest_of(edited.step_fn)
 
@@ -432,10 +434,10 @@ def test_helpers_behind_decorators_and_in_dispatch_tables_are_followed(modules):
     """A helper wrapped in lru_cache and functions held by a dispatch dict are part of the digest."""
     base = components_of(modules(HELPERS.format(cached=1)).step_fn)
     cached = components_of(modules(HELPERS.format(cached=2)).step_fn)
-    table = components_of(
-        modules(HELPERS.format(cached=1).replace("return 3 * x", "return 4 * x")).step_fn
+    table = components_of(modules(HELPERS.format(cached=1).replace("return 3 * x", "return 4 * x")).step_fn)
+    assert {"code", "fn cached", "table DISPATCH", "fn DISPATCH['double']", "fn DISPATCH['triple']"} == set(
+        base
     )
-    assert {"code", "fn cached", "table DISPATCH", "fn DISPATCH['double']", "fn DISPATCH['triple']"} == set(base)
     assert "fn cached" == describe_change(base, cached)
     assert "fn DISPATCH['triple']" == describe_change(base, table)
 

@@ -1,0 +1,169 @@
+"""
+Digests of the files a ``pathlib.Path`` argument names, with a stat cache.
+
+A file is fingerprinted by its contents, a directory by the names and contents of the files
+under it, a missing path by its name. Reading a large file on every call would be slow, so
+a digest is remembered with the file's size, modification time, inode and device: a file
+whose stat is unchanged is not read again. The same contents with a new mtime are read once
+and give the same digest (no change). The cache is kept in the state directory
+(``.resumable/file-digests.msgpack``) so a new process does not read unchanged files again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import stat
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._stores import Store
+
+log = logging.getLogger("resumable")
+
+CACHE_KEY = ".resumable/file-digests.msgpack"
+_MAX_ENTRIES = 100_000
+_READ_SIZE = 1 << 20
+# A file modified this recently may be modified again within the same mtime tick without its
+# stat changing: its digest is not cached (git's "racy clean" problem).
+_RACY_NS = 2_000_000_000
+
+_Signature = tuple[int, int, int, int]  # size, mtime_ns, inode, device
+
+
+class FileDigests:
+    """The stat cache: absolute path -> (signature, SHA-256 of the contents)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[_Signature, bytes]] = {}
+        self._lock = threading.Lock()
+        self.dirty = False
+        self._pending: list[tuple[Store, bytes | None]] = []  # caches to read on first use
+
+    def attach(self, store: Store, secret: bytes | None) -> None:
+        """Use the cache kept in *store* too (read when a path is first fingerprinted)."""
+        with self._lock:
+            self._pending.append((store, secret))
+
+    def digest(self, path: os.PathLike[str]) -> bytes | None:
+        """
+        The digest of the file or directory at *path* (32 bytes, a directory's tagged
+        differently), or None if nothing is there (the caller then uses the name).
+        """
+        while self._pending:
+            with self._lock:
+                pending = self._pending.pop() if self._pending else None
+            if pending is not None:
+                self.load(*pending)
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as exc:  # unreadable: fingerprinting must not guess
+            msg = f"cannot read {os.fspath(path)!r} to fingerprint it: {exc}"
+            raise OSError(exc.errno, msg) from None
+        if stat.S_ISDIR(st.st_mode):
+            return self._directory(os.fspath(path))
+        if stat.S_ISREG(st.st_mode):
+            return self._file(os.path.abspath(path), st)
+        return None  # a device, a FIFO, a socket: never read
+
+    def _file(self, path: str, st: os.stat_result) -> bytes:
+        signature = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        known = self._cache.get(path)
+        if known is not None and known[0] == signature:
+            return known[1]
+        digest = hashlib.sha256()
+        with open(path, "rb") as f:
+            while block := f.read(_READ_SIZE):
+                digest.update(block)
+        result = digest.digest()
+        if time.time_ns() - st.st_mtime_ns > _RACY_NS:
+            with self._lock:
+                self._cache[path] = (signature, result)
+                self.dirty = True
+        return result
+
+    def _directory(self, root: str) -> bytes:
+        digest = hashlib.sha256(b"directory")
+        entries: list[tuple[str, str]] = []
+        for directory, subdirs, files in os.walk(root):
+            subdirs.sort()
+            entries.extend(
+                (os.path.join(directory, f), os.path.relpath(os.path.join(directory, f), root)) for f in files
+            )
+        for full, relative in sorted(entries, key=lambda e: e[1]):
+            try:
+                st = os.stat(full)
+            except OSError:
+                continue  # removed while walking, or a dangling link
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            name = relative.encode("utf-8", "surrogateescape")
+            digest.update(len(name).to_bytes(8, "little") + name)
+            digest.update(self._file(os.path.abspath(full), st))
+        return digest.digest()
+
+    # the cache in the state directory ----------------------------------------------------
+
+    def load(self, store: Store, secret: bytes | None) -> None:
+        """Merge the cache kept in *store* (anything malformed in it is ignored)."""
+        from ._codec import DamagedFileError, decode, parse_header, verify  # noqa: PLC0415
+
+        try:
+            data = store.read(CACHE_KEY)
+            header, head_len = parse_header(data)
+            verify(data, header, head_len, secret)
+            value = decode(data, header, head_len, allow_pickle=False)
+        except (FileNotFoundError, DamagedFileError):
+            return
+        except Exception as exc:  # noqa: BLE001 - a cache: never worth failing a run for
+            log.debug("file digest cache not read: %s", exc)
+            return
+        entries = value.get("files") if isinstance(value, dict) else None
+        if not isinstance(entries, list):
+            return
+        with self._lock:
+            for entry in entries:
+                if _valid(entry):
+                    path, size, mtime, ino, dev, digest = entry
+                    self._cache.setdefault(path, ((size, mtime, ino, dev), digest))
+
+    def save(self, store: Store, secret: bytes | None) -> None:
+        """Write the cache into *store* if it learned anything (best effort: it is a cache)."""
+        if not self.dirty:
+            return
+        from ._codec import encode, frame  # noqa: PLC0415
+
+        with self._lock:
+            items = list(self._cache.items())[-_MAX_ENTRIES:]
+            self.dirty = False
+        files = [[path, *signature, digest] for path, (signature, digest) in items]
+        try:
+            framed = frame(encode({"files": files}, allow_pickle=False), {"slot": CACHE_KEY}, secret=secret)
+            store.write(CACHE_KEY, framed.chunks(), durable=False)
+        except Exception as exc:  # noqa: BLE001 - a cache: never worth failing a run for
+            log.debug("file digest cache not written: %s", exc)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._cache.clear()
+            self._pending.clear()
+            self.dirty = False
+
+
+def _valid(entry: Any) -> bool:
+    return (
+        type(entry) is list
+        and len(entry) == 6
+        and type(entry[0]) is str
+        and all(type(n) is int for n in entry[1:5])
+        and type(entry[5]) is bytes
+        and len(entry[5]) == 32
+    )
+
+
+file_digests = FileDigests()
