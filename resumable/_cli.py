@@ -1,10 +1,13 @@
 """
 The ``resumable`` command: look at and manage a state directory from the shell.
 
-Every command works on ``--state-dir`` (a directory or a store URL), else
-``$RESUMABLE_STATE_DIR``, else ``./state``. Commands that change state take the run lock
-and refuse, naming the holder, while a run is using the directory.
-Exit codes: 0 success, 1 a command failed (or ``verify`` found damage), 2 usage errors.
+Every command works on ``--state-dir`` (a directory or a store URL, given before or after
+the command), else ``$RESUMABLE_STATE_DIR``, else ``./state``. Commands that change state
+take the run lock and refuse, naming the holder, while a run is using the directory. Commands
+that read it (:data:`READ_ONLY`) take no lock and create nothing: they work on a read-only
+directory and while a run is going on.
+Exit codes: :data:`EXIT_OK`, :data:`EXIT_FAILED` (also ``verify`` finding damage),
+:data:`EXIT_USAGE`, :data:`EXIT_NO_STATE`.
 """
 
 from __future__ import annotations
@@ -20,11 +23,22 @@ from collections.abc import Callable, Sequence
 from . import _history, _render
 from ._codec import DamagedFileError, decode, parse_header, secret_bytes, verify
 from ._journal import read_state
-from ._pipeline import Pipeline
-from ._slots import slot_file, slot_id
+from ._pipeline import Pipeline, describe_slots
+from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, slot_id
 from ._stores import Store, open_store
 from ._verify import find_damage
-from .exceptions import ResumableError
+from .exceptions import ResumableError, StateDirectoryError, UsageError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+"""The command failed (the reason is on stderr), or ``verify`` found damage."""
+EXIT_USAGE = 2
+"""Bad arguments, or a step, slot or checkpoint the state does not hold."""
+EXIT_NO_STATE = 3
+"""There is no state where the command looked (nothing has run with that directory)."""
+
+# Commands that only read: no lock, nothing created or written (`why` joins them).
+READ_ONLY = frozenset({"status", "show", "history", "verify", "export"})
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -38,11 +52,24 @@ def _age(text: str) -> dt.timedelta:
     return dt.timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
 
 
+class _NoState(Exception):  # noqa: N818 - a signal turned into EXIT_NO_STATE
+    def __init__(self, location: str) -> None:
+        self.location = location
+        super().__init__(location)
+
+
+class _StdoutClosed(Exception):  # noqa: N818 - a signal: the reader of our output went away
+    pass
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="resumable",
         description="Inspect and manage the state of resumable pipelines.",
-        epilog="The state directory is --state-dir, else $RESUMABLE_STATE_DIR, else ./state.",
+        epilog=(
+            "The state directory is --state-dir, else $RESUMABLE_STATE_DIR, else ./state. "
+            "Exit codes: 0 ok, 1 failed (or verify found damage), 2 usage, 3 no state."
+        ),
     )
     parser.add_argument("--state-dir", default=None, help="state directory or store URL")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -94,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
         "--keep", type=int, default=None, metavar="N", help="always keep the N newest checkpoints"
     )
     clean.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    for command in commands.choices.values():
+        # also accepted after the command; SUPPRESS keeps one given before it when absent here
+        command.add_argument("--state-dir", default=argparse.SUPPRESS, help="state directory or store URL")
     return parser
 
 
@@ -102,16 +132,37 @@ def _store(args: argparse.Namespace) -> Store:
     return open_store(location)
 
 
-def _pipeline(args: argparse.Namespace, **options: int) -> Pipeline:
-    return Pipeline("resumable-cli", store=_store(args), **options)  # type: ignore[arg-type]
+def _state(args: argparse.Namespace) -> Store:
+    """The store, which must hold state: :class:`_NoState` otherwise. Creates nothing."""
+    store = _store(args)
+    root = getattr(store, "root", None)
+    if isinstance(root, str) and os.path.exists(root) and not os.path.isdir(root):
+        raise StateDirectoryError(root, "it is a file, not a directory")
+    for key in (MANIFEST, EVENTS):
+        try:
+            store.read_range(key, 0, 0)
+        except FileNotFoundError:
+            continue
+        return store
+    if not any(is_output_file(k) for k in store.list()):
+        raise _NoState(store.location)
+    return store
+
+
+def _pipeline(args: argparse.Namespace, store: Store | None = None, **options: int) -> Pipeline:
+    store = store if store is not None else _store(args)
+    return Pipeline("resumable-cli", store=store, **options)  # type: ignore[arg-type]
 
 
 def _out(text: str) -> None:
-    print(text)  # noqa: T201 - the command line's output
+    try:
+        print(text)  # noqa: T201 - the command line's output
+    except BrokenPipeError:
+        raise _StdoutClosed from None
 
 
 def _status(args: argparse.Namespace) -> int:
-    store = _store(args)
+    store = _state(args)
     manifest = read_state(store, secret=secret_bytes(None))
     if args.json:
         _out(json.dumps(manifest.to_dict(), indent=2, ensure_ascii=False))
@@ -121,15 +172,22 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    store = _store(args)
+    store = _state(args)
     slot = slot_id(args.step, args.key) if args.key is not None else args.step
+    # Only a slot the state holds is read: a name is never made into a path of its own.
+    stored = {k[: -len(OUTPUT_SUFFIX)] for k in store.list() if is_output_file(k)}
+    if slot not in stored:
+        keyed = sorted(s for s in stored if s.startswith(f"{slot}/"))
+        if keyed:
+            msg = f"{slot!r} is a keyed step: pass --key K, or one of its slots: {', '.join(keyed[:10])}"
+        else:
+            msg = f"no stored output for {slot!r} in {store.location} (it holds {describe_slots(stored)})"
+        raise UsageError(msg)
     where = f"{store.location}/{slot_file(slot)}"
     try:
         data = store.read(slot_file(slot))
     except FileNotFoundError:
-        manifest = read_state(store, secret=secret_bytes(None))
-        known = ", ".join(manifest.completed_steps[:10]) or "none"
-        raise ResumableError(f"no stored output for {slot!r} at {where} (completed: {known})") from None
+        raise ResumableError(f"{where} was removed while it was being read") from None
     try:
         header, head_len = parse_header(data)
         verify(data, header, head_len, secret_bytes(None))
@@ -147,14 +205,16 @@ def _show(args: argparse.Namespace) -> int:
 
 def _reset(args: argparse.Namespace) -> int:
     if args.all == bool(args.steps):
-        raise ResumableError("name the steps to reset, or pass --all (not both)")
-    forgotten = _pipeline(args).reset(*args.steps, downstream=not args.only)
+        raise UsageError("name the steps to reset, or pass --all (not both)")
+    forgotten = _pipeline(args, _state(args)).reset(*args.steps, downstream=not args.only)
     _out(f"forgot {len(forgotten)} slot(s): {', '.join(forgotten)}" if forgotten else "nothing to forget")
     return 0
 
 
 def _history_cmd(args: argparse.Namespace) -> int:
-    pipe = _pipeline(args, keep_checkpoints=max(args.limit, 0))
+    if args.limit < 0:
+        raise UsageError(f"--limit must be 0 or more, got {args.limit}")
+    pipe = _pipeline(args, _state(args), keep_checkpoints=args.limit)
     points = pipe.checkpoints()
     if args.json:
         _out(json.dumps([_checkpoint_dict(c) for c in points], indent=2))
@@ -174,7 +234,7 @@ def _checkpoint_dict(c: _history.Checkpoint) -> dict[str, object]:
 
 
 def _rollback(args: argparse.Namespace) -> int:
-    checkpoint = _pipeline(args).rollback(args.target)
+    checkpoint = _pipeline(args, _state(args)).rollback(args.target)
     what = f"snapshot {checkpoint.label!r}" if checkpoint.label else f"after step {checkpoint.slot}"
     if checkpoint.id == 0:
         what = "the empty state"
@@ -186,7 +246,7 @@ def _rollback(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import msgpack  # noqa: PLC0415 - only this command needs it here
 
-    state = _pipeline(args).save_state()
+    state = _pipeline(args, _state(args)).save_state()
     data = msgpack.packb(state, use_bin_type=True)
     path = os.path.abspath(args.output)
     tmp = f"{path}.{os.getpid()}.tmp"
@@ -216,7 +276,7 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    store = _store(args)
+    store = _state(args)
     checked, problems = find_damage(store, secret=secret_bytes(None))
     for where, problem in problems:
         _out(f"DAMAGED {where}: {problem}")
@@ -235,8 +295,8 @@ def _clean(args: argparse.Namespace) -> int:
 
     keep = args.keep if args.keep is not None else 20
     if keep < 0:
-        raise ResumableError("--keep must be 0 or more")
-    pipe = _pipeline(args, keep_checkpoints=keep)
+        raise UsageError(f"--keep must be 0 or more, got {keep}")
+    pipe = _pipeline(args, _state(args), keep_checkpoints=keep)
     report = clean(pipe, older_than=args.older_than, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for line in report.lines:
@@ -266,10 +326,35 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
     try:
-        return _COMMANDS[args.command](args)
-    except ResumableError as exc:
-        print(f"resumable: {exc}", file=sys.stderr)  # noqa: T201
-        return 1
-    except OSError as exc:
-        print(f"resumable: {exc}", file=sys.stderr)  # noqa: T201
-        return 1
+        code = _COMMANDS[args.command](args)
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            raise _StdoutClosed from None
+    except _StdoutClosed:
+        # `resumable history | head`: the reader has all it wanted. End quietly, and keep
+        # the interpreter's own flush at exit from failing again (as the Python docs advise).
+        _silence_stdout()
+        return EXIT_OK
+    except _NoState as exc:
+        return _fail(f"no state in {exc.location} (nothing has run with this state directory)", EXIT_NO_STATE)
+    except UsageError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    except (ResumableError, OSError) as exc:
+        return _fail(str(exc), EXIT_FAILED)
+    return code
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"resumable: {message}", file=sys.stderr)  # noqa: T201
+    return code
+
+
+def _silence_stdout() -> None:
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):
+        return  # not a real file (captured in tests): nothing will flush it at exit
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)

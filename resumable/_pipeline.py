@@ -18,17 +18,17 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar, overload
 
-from ._codec import DamagedFileError, parse_header, secret_bytes, verify
+from ._codec import DamagedFileError, parse_header, secret_bytes, utcnow, verify
 from ._context import _current, _entered, _registry_lock, _unbound
 from ._exit import _exit_hooks, status_for
 from ._journal import read_state
 from ._manifest import Manifest
 from ._run import RunState
 from ._runner import Run, run_steps
-from ._slots import BATCHES, is_output_file, slot_file, step_of
+from ._slots import BATCHES, EVENTS, INTERNAL_DIR, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
 from ._step import KeySpec, Plan, Step, StepSpec, step
 from ._stores import Store, open_store
-from .exceptions import ResumableError, StepDefinitionError
+from .exceptions import StateDirectoryError, StepDefinitionError, UsageError
 
 if TYPE_CHECKING:
     from ._history import Checkpoint
@@ -67,14 +67,14 @@ class Pipeline:
     ) -> None:
         if state_dir is not None and store is not None:
             msg = "pass either state_dir= or store= to Pipeline, not both"
-            raise ResumableError(msg)
+            raise UsageError(msg)
         if (
             isinstance(keep_checkpoints, bool)
             or not isinstance(keep_checkpoints, int)
             or keep_checkpoints < 0
         ):
             msg = f"keep_checkpoints must be an int >= 0, got {keep_checkpoints!r}"
-            raise ResumableError(msg)
+            raise UsageError(msg)
         self._name = name
         self._location: str | os.PathLike[str] | Store | None = store if store is not None else state_dir
         self.durable = durable
@@ -168,7 +168,10 @@ class Pipeline:
             secret=self.secret,
             keep_checkpoints=self.keep_checkpoints,
         )
-        run.open(maintenance=maintenance)
+        try:
+            run.open(maintenance=maintenance)
+        except (PermissionError, NotADirectoryError, FileExistsError) as exc:
+            raise _unusable(self.store, exc) from exc
         return run
 
     def _defined(self) -> list[str]:
@@ -225,8 +228,13 @@ class Pipeline:
                 self._close(status_for(exc), exc)
 
     @contextmanager
-    def _maintenance(self) -> Iterator[RunState]:
-        """The open run, or the lock and state for a moment (no run is counted)."""
+    def _maintenance(self, *, tidy: bool = False) -> Iterator[RunState]:
+        """
+        The open run, or the lock and state for a moment (no run is counted). With *tidy*,
+        temporary files are removed afterwards if this took the lock: no one else can be
+        writing them then, and none may outlive the change (a kept version that was already
+        kept is linked to itself, and that leaves the link's temporary name behind).
+        """
         with self._lock:
             run = self._run
             if run is not None:
@@ -236,7 +244,12 @@ class Pipeline:
             try:
                 yield run
             finally:
-                run.close("completed")
+                try:
+                    cleanup = getattr(self.store, "remove_temp_files", None)
+                    if tidy and cleanup is not None:
+                        cleanup()
+                finally:
+                    run.close("completed")
 
     # the runner --------------------------------------------------------------------------
 
@@ -284,14 +297,12 @@ class Pipeline:
         whose committed rows are then forgotten. Returns the slots (and batches) forgotten.
 
         Raises:
-            ResumableError: a name matches no step or slot.
+            UsageError: a name matches no step, slot or batch that the state holds.
             StateLockedError: another process is running the pipeline.
         """
-        with self._maintenance() as run:
+        with self._maintenance(tidy=True) as run:
             manifest = run.journal.manifest
-            on_disk = {k[: -len(".msgpack")] for k in self.store.list() if is_output_file(k)}
-            known = {s for s, rec in manifest.steps.items() if rec.status != "reset"} | on_disk
-            batches = {k.split("/")[3] for k in self.store.list(f"{BATCHES}/named/")}
+            known, batches = self._known_slots(run)
             forgotten = []
             if not steps:
                 slots = known
@@ -300,16 +311,17 @@ class Pipeline:
                 slots = set()
                 names = {step_of(s) for s in known} | set(self._registry())
                 for target in steps:
+                    # Only what the state holds can be named: a name is never made into a path.
                     matched = {s for s in known if s == target or step_of(s) == target}
                     if target in batches:
                         forgotten.append(target)
-                    elif not matched and target not in names and "/" not in target:
+                    elif not matched and target not in names:
                         msg = (
-                            f"nothing to reset: no step or slot {target!r} in {self.store.location} "
-                            f"(steps: {', '.join(sorted(names)) or 'none'})"
+                            f"nothing to reset: no step, slot or batch {target!r} in "
+                            f"{self.store.location} (known: {describe_slots(known | names, batches)})"
                         )
-                        raise ResumableError(msg)
-                    slots |= matched or ({target} if "/" in target else set())
+                        raise UsageError(msg)
+                    slots |= matched
                 if downstream:
                     done = manifest.completed_steps
                     positions = [i for i, s in enumerate(done) if s in slots]
@@ -319,6 +331,25 @@ class Pipeline:
                 run.forget_batches(None, name)
             rank = {s: i for i, s in enumerate(manifest.completed_steps)}
             return self._forget(run, sorted(slots, key=lambda s: (rank.get(s, len(rank)), s))) + forgotten
+
+    def _known_slots(self, run: RunState) -> tuple[set[str], set[str]]:
+        """
+        The slots the state holds (in the manifest, as output files, as row chunks) and the
+        names of batches run outside steps; only slots whose file stays inside the state.
+        """
+        manifest = run.journal.manifest
+        listed = self.store.list()
+        slots = {k[: -len(OUTPUT_SUFFIX)] for k in listed if is_output_file(k)}
+        slots |= {s for s, rec in manifest.steps.items() if rec.status != "reset"}
+        batches: set[str] = set()
+        steps_dir, named_dir = f"{BATCHES}/steps/", f"{BATCHES}/named/"
+        for key in listed:
+            if key.startswith(steps_dir):
+                # steps/<step>/[<key>/][<sub-batch>/]<chunk>: the slot is at most two levels
+                slots.add("/".join(key[len(steps_dir) :].split("/")[:-1][:2]))
+            elif key.startswith(named_dir):
+                batches.add(key[len(named_dir) :].split("/", 1)[0])
+        return {s for s in slots if is_output_file(slot_file(s))}, batches
 
     def _forget(self, run: RunState, slots: list[str]) -> list[str]:
         from . import _history  # noqa: PLC0415 - imported when history is first used
@@ -341,12 +372,19 @@ class Pipeline:
         The checkpoints that :meth:`rollback` can restore, oldest first: one after each
         completed step, plus those made by :meth:`snapshot` (the newest
         ``keep_checkpoints`` of them).
+
+        Reading them takes no lock and writes nothing: it works while another process runs
+        the pipeline, and on a read-only state directory.
         """
         from . import _history  # noqa: PLC0415 - imported when history is first used
 
-        with self._maintenance() as run, run.journal.lock:
-            run.journal.flush(durable=False)
-            manifest = Manifest.from_dict(run.journal.manifest.to_dict())
+        run = self._run
+        if run is not None:
+            with run.journal.lock:
+                run.journal.flush(durable=False)
+                manifest = Manifest.from_dict(run.journal.manifest.to_dict())
+        else:
+            manifest = read_state(self.store, pipeline=self.name, secret=self.secret)
         return _history.checkpoints(self.store, self.secret, self.keep_checkpoints, manifest)
 
     def snapshot(self, label: str) -> Checkpoint:
@@ -355,7 +393,7 @@ class Pipeline:
 
         if not isinstance(label, str) or not label or label.isdigit():
             msg = f"a snapshot label must be a non-empty str that is not a number, got {label!r}"
-            raise ResumableError(msg)
+            raise UsageError(msg)
         with self._maintenance() as run:
             run.journal.record("snapshot", label=label)
             manifest = run.journal.manifest
@@ -375,19 +413,22 @@ class Pipeline:
         """
         from . import _history  # noqa: PLC0415 - imported when history is first used
 
-        with self._maintenance() as run:
+        with self._maintenance(tidy=True) as run:
             return _history.rollback(run, to)
 
     def save_state(self) -> dict[str, Any]:
         """
         The whole state (manifest, event log, outputs, kept versions) as plain data that
         msgpack can serialize: store it anywhere, give it to :meth:`load_state` later.
-        """
-        from . import _history  # noqa: PLC0415 - imported when history is first used
 
-        with self._maintenance() as run:
-            run.journal.flush(durable=False)
-            return _history.save_state(self.store)
+        It takes no lock and writes nothing (but this process's own pending events): while
+        another process runs the pipeline, it is the state a kill at that moment would leave.
+        """
+        run = self._run
+        if run is not None:
+            with run.journal.lock:
+                run.journal.flush(durable=False)
+        return snapshot(self.store)
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """
@@ -401,7 +442,7 @@ class Pipeline:
         from . import _history  # noqa: PLC0415 - imported when history is first used
 
         files = _history.check_state(state, self.secret)
-        with self._maintenance() as run:
+        with self._maintenance(tidy=True) as run:
             _history.load_state(run, files)
 
     def has_output(self, plan: Plan) -> bool:
@@ -415,3 +456,70 @@ class Pipeline:
         except (FileNotFoundError, DamagedFileError):
             return False
         return True
+
+
+def _unusable(store: Store, exc: OSError) -> StateDirectoryError:
+    """The error for a state directory that cannot be opened, saying why and what to do."""
+    location = store.location
+    if os.path.exists(location) and not os.path.isdir(location):
+        problem = "it is a file, not a directory"
+    elif isinstance(exc, PermissionError):
+        problem = f"permission denied on {exc.filename or location} (read-only, or another user's)"
+    else:
+        problem = f"{exc.filename or location} is in the way ({exc.strerror or exc})"
+    return StateDirectoryError(location, problem, errno=exc.errno)
+
+
+def describe_slots(slots: Iterable[str], batches: Iterable[str] = ()) -> str:
+    """``steps a, b; slots fetch/1, fetch/2`` (at most 20 of each), for messages."""
+    slots = sorted(slots)
+    names = sorted({step_of(s) for s in slots})
+    keyed = [s for s in slots if "/" in s]
+    parts = [f"steps {_some(names)}" if names else "no steps"]
+    if keyed:
+        parts.append(f"slots {_some(keyed)}")
+    if batches:
+        parts.append(f"batches {_some(sorted(batches))}")
+    return "; ".join(parts)
+
+
+def _some(items: list[str], limit: int = 20) -> str:
+    more = f" and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+_LOCK_KEY = f"{INTERNAL_DIR}/lock"
+
+
+def snapshot(store: Store) -> dict[str, Any]:
+    """
+    Every file of the state as data, read without the lock in the order a run writes them:
+    the manifest, then the event log it points into (up to its last whole line), then the
+    listing and the files. Outputs are written before the events that name them, so the copy
+    is a state a kill at some instant could have left, which every run knows how to resume.
+    """
+    from . import _history  # noqa: PLC0415 - imported when history is first used
+
+    files: dict[str, bytes] = {}
+    for key in (MANIFEST, EVENTS):
+        try:
+            files[key] = bytes(store.read(key))
+        except FileNotFoundError:
+            continue
+    if EVENTS in files:
+        log = files[EVENTS]
+        files[EVENTS] = log[: log.rfind(b"\n") + 1]  # a line being appended is not taken
+    for key in sorted(store.list()):
+        name = key.rsplit("/", 1)[-1]
+        if key in files or key == _LOCK_KEY or (name.startswith(".") and name.endswith(".tmp")):
+            continue
+        try:
+            files[key] = bytes(store.read(key))
+        except FileNotFoundError:
+            continue  # removed meanwhile (the running process pruned an old version)
+    return {
+        "kind": _history.STATE_KIND,
+        "format": _history.STATE_FORMAT,
+        "created_at": utcnow(),
+        "files": dict(sorted(files.items())),
+    }

@@ -152,8 +152,30 @@ def pretty(value: Any) -> str:
 
 
 def as_json(value: Any) -> str:
-    """A summarised value as JSON; what JSON cannot hold is shown as text."""
-    return json.dumps(_jsonable(summarise(value)), indent=2, ensure_ascii=False, default=repr)
+    """
+    A summarised value as JSON, indented by two; a list of plain values that fits in
+    :data:`JSON_WIDTH` characters stays on one line. What JSON cannot hold is shown as text.
+    """
+    return _dump(_jsonable(summarise(value)), 0)
+
+
+JSON_WIDTH = 100
+
+
+def _dump(value: Any, depth: int) -> str:
+    pad, inner = "  " * depth, "  " * (depth + 1)
+    if isinstance(value, dict) and value:
+        items = [
+            f"{inner}{json.dumps(k, ensure_ascii=False)}: {_dump(v, depth + 1)}" for k, v in value.items()
+        ]
+        return "{\n" + ",\n".join(items) + f"\n{pad}}}"
+    if isinstance(value, list) and value:
+        if not any(isinstance(v, dict | list) for v in value):
+            flat = json.dumps(value, ensure_ascii=False)
+            if len(flat) <= JSON_WIDTH:
+                return flat
+        return "[\n" + ",\n".join(f"{inner}{_dump(v, depth + 1)}" for v in value) + f"\n{pad}]"
+    return json.dumps(value, ensure_ascii=False, default=repr)
 
 
 def _jsonable(value: Any, depth: int = 0) -> Any:  # noqa: C901, PLR0911 - one dispatch

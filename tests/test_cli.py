@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from resumable import Pipeline, load
+from resumable import Pipeline, UsageError, load
 from resumable._cli import main
 
 
@@ -70,9 +72,13 @@ def test_status_uses_environment(
 
 
 def test_status_of_empty_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
-    """An empty state directory has no steps yet."""
-    assert 0 == main(["--state-dir", str(tmp_path), "status"])
-    assert "no steps yet" in capsys.readouterr().out
+    """An empty directory holds no state: said on stderr, exit 3."""
+    assert 3 == main(["--state-dir", str(tmp_path), "status"])
+    captured = capsys.readouterr()
+    assert ("", f"resumable: no state in {tmp_path} (nothing has run with this state directory)\n") == (
+        captured.out,
+        captured.err,
+    )
 
 
 def test_verify_clean_and_damaged(filled: Path, capsys: pytest.CaptureFixture[str]):
@@ -208,8 +214,16 @@ def test_show(agent: tuple[Path, Path]):
     assert (0, "") == (done.returncode, done.stderr)
     assert "Verdict object" in done.stdout  # loaded: the class comes with the pickle
     done = _cli(state, "show", "nope")
-    assert (1, "") == (done.returncode, done.stdout)
-    assert "no stored output for 'nope'" in done.stderr
+    assert (2, "") == (done.returncode, done.stdout)
+    assert (
+        f"resumable: no stored output for 'nope' in {state} "
+        "(it holds steps answer, page, prompt, verdict; slots page/1)\n"
+    ) == done.stderr
+    done = _cli(state, "show", "page")
+    assert (2, "resumable: 'page' is a keyed step: pass --key K, or one of its slots: page/1\n") == (
+        done.returncode,
+        done.stderr,
+    )
 
 
 def test_history_and_rollback(agent: tuple[Path, Path]):
@@ -242,8 +256,10 @@ def test_reset_command(agent: tuple[Path, Path]):
     done = _cli(state, "reset", "--all")
     assert "forgot 1 slot(s): page/1" == done.stdout.strip()
     done = _cli(state, "reset")
-    assert 1 == done.returncode
-    assert "pass --all" in done.stderr
+    assert (2, "resumable: name the steps to reset, or pass --all (not both)\n") == (
+        done.returncode,
+        done.stderr,
+    )
 
 
 def test_export_and_import(agent: tuple[Path, Path], tmp_path: Path):
@@ -366,3 +382,199 @@ def test_verify_checks_kept_versions(agent: tuple[Path, Path]):
     done = _cli(state, "verify")
     assert 1 == done.returncode
     assert f"DAMAGED {kept[0]}: checksum mismatch" in done.stdout
+
+
+# --- read-only commands, no state, pipes, options (issue 10) -----------------------------
+
+READ_ONLY = (
+    ["status"],
+    ["status", "--json"],
+    ["history"],
+    ["history", "--json"],
+    ["show", "answer"],
+    ["show", "page", "--key", "1", "--json"],
+    ["verify"],
+)
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int, int]]:
+    """Every file and directory under *root* with its mtime, size and mode."""
+    out = {}
+    for path in [root, *root.rglob("*")]:
+        st = path.lstat()
+        out[str(path.relative_to(root))] = (st.st_mtime_ns, st.st_size, st.st_mode)
+    return out
+
+
+def test_read_only_commands_change_nothing(agent: tuple[Path, Path], tmp_path: Path):
+    """status, history, show, verify and export create, modify and lock nothing in the state."""
+    _, state = agent
+    before = _tree(state)
+    exported = tmp_path / "copy.state"
+    for args in [*READ_ONLY, ["export", "-o", str(exported)]]:
+        done = _cli(state, *args)
+        assert (0, "") == (done.returncode, done.stderr), args
+    assert before == _tree(state)
+    assert exported.stat().st_size > 0
+
+
+def test_read_only_commands_create_no_state_directory(tmp_path: Path):
+    """Run where there is no state, the read-only commands create neither ./state nor .resumable."""
+    for args in (["status"], ["history"], ["show", "answer"], ["verify"], ["export", "-o", "x"]):
+        done = subprocess.run(
+            [sys.executable, "-m", "resumable", *args],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            check=False,
+        )
+        assert 3 == done.returncode, args
+    assert [] == list(tmp_path.iterdir())
+
+
+def test_read_only_commands_work_while_a_run_holds_the_lock(agent: tuple[Path, Path], tmp_path: Path):
+    """While another process holds the run lock, every read-only command succeeds."""
+    _, state = agent
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(state)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert "holding" == holder.stdout.readline().strip()
+        assert f"pid {holder.pid}" in _cli(state, "reset", "answer").stderr  # the lock is held
+        for args in READ_ONLY:
+            done = _cli(state, *args)
+            assert (0, "") == (done.returncode, done.stderr), args
+        assert "'BE BRIEF. V2'" in _cli(state, "show", "answer").stdout
+        assert "running" == json.loads(_cli(state, "status", "--json").stdout)["status"]
+        points = json.loads(_cli(state, "history", "--json").stdout)
+        exported = tmp_path / "during.state"
+        done = _cli(state, "export", "-o", str(exported))
+        assert (0, "") == (done.returncode, done.stderr)
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    # what was exported during the run is a state a run resumes from, with the same history
+    other = tmp_path / "other"
+    assert 0 == _cli(other, "import", str(exported)).returncode
+    assert points == json.loads(_cli(other, "history", "--json").stdout)
+    assert "'BE BRIEF. V2'" in _cli(other, "show", "answer").stdout
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status"],
+        ["status", "--json"],
+        ["history"],
+        ["show", "answer"],
+        ["verify"],
+        ["export", "-o", "out.state"],
+        ["reset", "answer"],
+        ["rollback", "1"],
+        ["clean"],
+    ],
+)
+def test_no_state_is_said_with_exit_3(tmp_path: Path, args: list[str]):
+    """Where nothing has run, a command says "no state in DIR" on stderr and exits 3."""
+    done = subprocess.run(
+        [sys.executable, "-m", "resumable", *args], capture_output=True, text=True, cwd=tmp_path, check=False
+    )
+    expected = f"resumable: no state in {tmp_path / 'state'} (nothing has run with this state directory)\n"
+    assert (3, "", expected) == (done.returncode, done.stdout, done.stderr)
+    assert [] == list(tmp_path.iterdir())
+
+
+def test_a_file_as_state_directory_is_reported(tmp_path: Path):
+    """--state-dir naming a file is a StateDirectoryError: exit 1, the path and the ways out."""
+    path = tmp_path / "afile"
+    path.write_text("not a directory")
+    done = _cli(path, "status")
+    assert 1 == done.returncode
+    assert done.stderr.startswith(
+        f"resumable: cannot use state directory {path}: it is a file, not a directory."
+    )
+    assert "RESUMABLE_DISABLE=1" in done.stderr
+
+
+def _closed_early(*command: str) -> subprocess.CompletedProcess[str]:
+    """Run *command* into a small pipe whose reader takes one line and goes away (`| head -1`)."""
+    read, write = os.pipe()
+    fcntl.fcntl(write, fcntl.F_SETPIPE_SZ, 4096)  # so the output cannot all fit in the pipe
+    proc = subprocess.Popen(command, stdout=write, stderr=subprocess.PIPE, text=True)
+    os.close(write)
+    with os.fdopen(read, "rb") as reader:
+        first = reader.readline()
+    err = proc.stderr.read()
+    proc.stderr.close()
+    return subprocess.CompletedProcess(command, proc.wait(), first.decode(), err)
+
+
+def test_output_into_a_closed_pipe_ends_quietly(tmp_path: Path):
+    """`show big | head -1` and `history | head -1` exit 0 without a word on stderr."""
+    state = tmp_path / "state"
+    pipe = Pipeline("big", state_dir=state)
+
+    @pipe.step
+    def big() -> dict[str, list[str]]:
+        return {f"k{i}": [f"{i}-{j}" * 500 for j in range(20)] for i in range(20)}
+
+    @pipe.step(key="{n}")
+    def many(n: int) -> int:
+        return n
+
+    with pipe:
+        big()
+        for n in range(300):
+            many(n)
+    cli = [sys.executable, "-m", "resumable", "--state-dir", str(state)]
+    for args in (["show", "big"], ["show", "big", "--json"], ["history", "--limit", "500"]):
+        done = _closed_early(*cli, *args)
+        assert (0, "") == (done.returncode, done.stderr), args
+        assert done.stdout.strip(), args
+    assert 8192 < len(_cli(state, "history", "--limit", "500").stdout)  # twice what the pipe holds
+
+
+def test_state_dir_before_or_after_the_command(agent: tuple[Path, Path], tmp_path: Path):
+    """--state-dir works before and after the command; after it, it wins."""
+    _, state = agent
+    before = subprocess.run(
+        [sys.executable, "-m", "resumable", "--state-dir", str(state), "history", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    after = subprocess.run(
+        [sys.executable, "-m", "resumable", "history", "--state-dir", str(state), "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    both = _cli(tmp_path / "elsewhere", "show", "answer", "--state-dir", str(state))
+    assert (0, 0, 0) == (before.returncode, after.returncode, both.returncode)
+    assert json.loads(before.stdout) == json.loads(after.stdout)
+    assert 7 <= len(json.loads(after.stdout))
+    assert "'BE BRIEF. V2'" in both.stdout
+
+
+def test_names_outside_the_state_are_refused(agent: tuple[Path, Path], tmp_path: Path):
+    """reset and show resolve names against the state: `../precious` is a usage error, untouched."""
+    _, state = agent
+    precious = tmp_path / "precious.msgpack"
+    precious.write_bytes(b"keep me")
+    outputs = {p: p.read_bytes() for p in state.rglob("*.msgpack")}
+    known = "steps answer, page, prompt, verdict; slots page/1"
+    for name in ("../precious", "page/../../precious", "answer/x"):
+        done = _cli(state, "reset", name)
+        expected = (
+            f"resumable: nothing to reset: no step, slot or batch {name!r} in {state} (known: {known})\n"
+        )
+        assert (2, expected) == (done.returncode, done.stderr), name
+        done = _cli(state, "show", name)
+        expected = f"resumable: no stored output for {name!r} in {state} (it holds {known})\n"
+        assert (2, expected) == (done.returncode, done.stderr), name
+    assert 2 == _cli(state, "show", "page", "--key", "../../precious").returncode
+    assert b"keep me" == precious.read_bytes()
+    assert outputs == {p: p.read_bytes() for p in state.rglob("*.msgpack")}
+    pipe = Pipeline("p", state_dir=state)
+    with pytest.raises(UsageError, match=r"no step, slot or batch '\.\./precious'"):
+        pipe.reset("../precious")
+    assert b"keep me" == precious.read_bytes()
