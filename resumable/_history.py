@@ -21,7 +21,7 @@ import attrs
 
 from ._codec import DamagedFileError, parse_header, utcnow, verify
 from ._journal import _authentic, read_header
-from ._manifest import FORMAT, Fold, Manifest, StepRecord
+from ._manifest import FORMAT, Fold, Manifest, StepRecord, valid_event
 from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
 from ._stores import Store
 from .exceptions import DamagedStateError, ResumableError, StateFormatError
@@ -96,16 +96,18 @@ _EMPTY = Checkpoint(0, None, None, None, [])
 
 
 def _events(store: Store, secret: bytes | None) -> Iterator[dict[str, Any]]:
+    """The valid events of the log (loading it warned about the others), in order."""
     try:
         log = bytes(store.read(EVENTS))
     except FileNotFoundError:
         return
-    for line in log.splitlines():
+    # only complete lines: a last line without its newline is being written, or was cut short
+    for line in log[: log.rfind(b"\n") + 1].split(b"\n")[:-1]:
         try:
             event = json.loads(line)
         except ValueError:
             continue
-        if isinstance(event, dict) and _authentic(event, secret):
+        if isinstance(event, dict) and _authentic(event, secret) and valid_event(event):
             yield event
 
 

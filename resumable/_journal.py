@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import threading
 import time
 import uuid
@@ -24,15 +25,20 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ._codec import DamagedFileError, parse_header, utcnow
-from ._manifest import FORMAT, Fold, Manifest, StepRecord
+from ._codec import _sign as sign_header
+from ._manifest import FORMAT, Fold, Manifest, valid_event
 from ._manifest import dumps as dumps_manifest
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
 from ._stores import Store
+from ._stores._local import LocalStore
 from .exceptions import ResumableError, ResumableWarning, StateFormatError
 
 FLUSH_INTERVAL = 0.2
 _MAX_INTERVAL = 10.0
 _MAX_PENDING = 1000  # skips kept in memory before they are appended to the log
+# Files changed up to this long before the manifest's last event are checked for outputs it
+# does not know (clocks of the file system and of the event stamps may differ a little).
+_RECONCILE_SLACK = 10.0
 
 
 _Skip = tuple[float, str, str, int, str | None, str | None]
@@ -82,6 +88,27 @@ def _authentic(data: dict[str, Any], secret: bytes | None) -> bool:
     return isinstance(mac, str) and hmac.compare_digest(mac, _mac(secret, _dumps(data).encode()))
 
 
+def _named(exc: OSError, where: str) -> OSError:
+    """The same kind of error, naming the file *where* if it names none."""
+    if exc.filename is not None:
+        return exc
+    return type(exc)(exc.errno, exc.strerror, where)
+
+
+def _skipped(damaged: int, forged: int, invalid: int) -> list[str]:
+    problems = [f"{damaged} damaged (not JSON)"] if damaged else []
+    if forged:
+        problems.append(f"{forged} not authentic (written without the secret, or tampered with)")
+    if invalid:
+        problems.append(f"{invalid} not valid events (a missing or wrong field, an unknown event)")
+    return problems
+
+
+def _header_authentic(header: Mapping[str, Any], secret: bytes) -> bool:
+    mac = header.get("mac")
+    return isinstance(mac, str) and hmac.compare_digest(mac, sign_header(header, secret))
+
+
 def read_header(store: Store, key: str) -> tuple[dict[str, Any], int]:
     """Read just the header of a stored output (a few KB at most)."""
     size = _HEAD
@@ -115,6 +142,8 @@ class Journal:
         self._stop = threading.Event()
         self._manifest_interval = FLUSH_INTERVAL
         self._append_is_slow = bool(getattr(store, "slow_appends", False))
+        self._torn = False  # an append failed: the log may end with part of a line
+        self._log_entry_durable = True
         self._writer: threading.Thread | None = None
 
     @property
@@ -124,17 +153,28 @@ class Journal:
     # loading -----------------------------------------------------------------------------
 
     def load(self) -> Manifest:
-        """Load the manifest, replay the log after it, rebuild it if it is lost or damaged."""
+        """
+        Load the manifest and replay the log after it. The manifest is rebuilt from the log
+        and the step files if it is lost, damaged, or covers more of the log than there is;
+        outputs a killed run wrote but had not recorded yet are recovered (see
+        :meth:`_reconcile`).
+        """
         manifest, problem = self._read_manifest()
-        start = 0 if manifest is None else manifest.events_offset
-        if manifest is None:
-            manifest = Manifest(workflow_id=uuid.uuid4().hex, pipeline=self.pipeline)
+        tail = None if manifest is None else self._read_log(manifest.events_offset)
+        if manifest is not None and tail is None:
+            problem = "out of step with the event log (its events_offset is not a line end of the log)"
+        if manifest is None or tail is None:
+            workflow = manifest.workflow_id if manifest is not None else uuid.uuid4().hex
+            manifest = Manifest(workflow_id=workflow, pipeline=self.pipeline)
+            tail = self._read_log(0)
         self.fold = Fold(manifest)
-        self._offset = self._replay(start)
-        manifest.events_offset = self._offset
-        if problem is not None:
+        self._offset = manifest.events_offset = self._replay(*(tail or (0, b"")))
+        # a log this journal creates: its directory entry is made durable with the first sync
+        self._log_entry_durable = self._offset > 0
+        if problem is not None or manifest.status == "running":
+            # a run that did not close may have stored outputs whose events it never wrote
             restored = self._reconcile()
-            if problem != "missing" or restored or self._offset:
+            if problem is not None and (problem != "missing" or restored or self._offset):
                 warnings.warn(
                     ResumableWarning(
                         f"{self.store.location}/{MANIFEST} was {problem}; rebuilt it from the "
@@ -142,7 +182,7 @@ class Journal:
                     ),
                     stacklevel=2,
                 )
-        return manifest
+        return self.manifest
 
     def _read_manifest(self) -> tuple[Manifest | None, str | None]:
         try:
@@ -162,16 +202,29 @@ class Journal:
             return None, "not authentic (written without the secret, or tampered with)"
         try:
             return Manifest.from_dict(data), None
-        except (ValueError, TypeError, KeyError):
-            return None, "damaged"
+        except (ValueError, TypeError, KeyError) as exc:
+            return None, f"damaged ({exc})"
 
-    def _replay(self, start: int) -> int:
+    def _read_log(self, start: int) -> tuple[int, bytes] | None:
+        """
+        The log from *start*, with *start*; None if *start* is not where a line of the log
+        begins (the manifest is then out of step with the log).
+        """
         try:
-            tail = self.store.read_range(EVENTS, start)
+            if start == 0:
+                return 0, self.store.read_range(EVENTS, 0)
+            # one byte more: the one before *start* must end a line
+            tail = self.store.read_range(EVENTS, start - 1)
         except FileNotFoundError:
-            return 0
-        damaged = forged = 0
-        for line in tail.splitlines():
+            return 0, b""  # no log (yet, or deleted): the manifest is all there is
+        return (start, tail[1:]) if tail[:1] == b"\n" else None
+
+    def _replay(self, start: int, tail: bytes) -> int:
+        """Apply the complete lines of *tail*; return where they end in the log."""
+        end = tail.rfind(b"\n") + 1
+        damaged = forged = invalid = 0
+        fold = self.fold
+        for line in tail[:end].split(b"\n")[:-1]:
             try:
                 event = json.loads(line)
             except ValueError:
@@ -181,54 +234,118 @@ class Journal:
                 damaged += 1
             elif not _authentic(event, self.secret):
                 forged += 1
+            elif not valid_event(event):
+                invalid += 1
             else:
-                self.fold.apply(event)
+                fold.apply(event)
         if self.readonly:
-            return start + len(tail)
-        if damaged or forged:
-            problems = [f"{damaged} damaged (e.g. cut short by a power loss)"] if damaged else []
-            if forged:
-                problems.append(f"{forged} not authentic (written without the secret, or tampered with)")
+            return start + end  # a line being written now, or cut short by a kill: not yet an event
+        if damaged or forged or invalid:
             warnings.warn(
-                ResumableWarning(f"{self.store.location}/{EVENTS}: skipped lines: {'; '.join(problems)}."),
+                ResumableWarning(
+                    f"{self.store.location}/{EVENTS}: skipped {damaged + forged + invalid} line(s): "
+                    + "; ".join(_skipped(damaged, forged, invalid))
+                    + " (`resumable verify` lists them)."
+                ),
                 stacklevel=3,
             )
-        if tail and not tail.endswith(b"\n"):
-            # a line cut short: end it, so the next event starts on a line of its own
-            self.store.append(EVENTS, b"\n", durable=False)
-            return start + len(tail) + 1
-        return start + len(tail)
+        if end < len(tail):
+            # The last line was cut short (a kill, a full disk): drop it, so that the next
+            # event is not glued to it.
+            self._cut_log(start + end)
+        return start + end
+
+    def _cut_log(self, size: int) -> None:
+        """Make the log its first *size* bytes (which end a line), atomically and durably."""
+        try:
+            kept = self.store.read_range(EVENTS, 0, size)
+            self.store.write(EVENTS, [kept], durable=True)
+        except OSError as exc:
+            raise _named(exc, f"{self.store.location}/{EVENTS}") from exc
+        self._log_entry_durable = True
 
     def _reconcile(self) -> int:
-        """Add completed slots found in step files; drop completed slots whose file is gone."""
+        """
+        Recover outputs the manifest does not know: an output file is only written when its
+        step completes, but a killed run may not have written the event saying so.
+
+        A read-only journal folds them into its manifest; a writing one also appends a
+        ``step_completed`` event marked ``recovered`` for each (so history reaches them).
+        Only headers are read, and only of files the manifest has no record of, or (on a
+        local disk) changed since the manifest's last event. Completed slots whose file is
+        gone are dropped. Returns the number of outputs recovered.
+        """
         m = self.manifest
         files = {k[: -len(OUTPUT_SUFFIX)]: k for k in self.store.list() if is_output_file(k)}
-        restored: list[tuple[str, str]] = []
+        changed_since = self._known_until()
+        found: list[tuple[str, dict[str, Any]]] = []
         for slot, key in files.items():
             rec = m.steps.get(slot)
-            if rec is not None and rec.status == "completed":
+            known = rec is not None and (rec.file is not None or rec.status == "completed")
+            if known and changed_since is not None and not self._changed(key, changed_since):
                 continue
-            try:
-                header, _ = read_header(self.store, key)
-            except (DamagedFileError, OSError):
-                continue  # a damaged file is recomputed when its step is called
-            if header.get("slot") != slot:
+            event = self._recovered(slot, key)
+            if event is None or (
+                rec is not None
+                and (rec.file == event["file"] or (rec.status == "completed" and rec.file is None))
+            ):
                 continue
-            created = str(header.get("created_at", ""))
-            m.steps[slot] = StepRecord(
-                status="completed",
-                fingerprint=header.get("fingerprint"),
-                finished_at=created,
-                bytes=header.get("size"),
-            )
-            restored.append((created, slot))
+            found.append((str(event.pop("created_at")), event))
         gone = [s for s in m.completed_steps if s not in files]
-        for slot in gone:
-            m.steps.pop(slot, None)
-        known = [s for s in m.completed_steps if s in files]
-        m.completed_steps[:] = known + [slot for _, slot in sorted(restored)]
-        self.fold = Fold(m)
-        return len(restored)
+        if gone:
+            for slot in gone:
+                m.steps.pop(slot, None)
+            m.completed_steps[:] = [s for s in m.completed_steps if s in files]
+            self.fold = Fold(m)
+        found.sort(key=lambda item: item[0])  # in the order the outputs were stored
+        with self.lock:
+            for _, event in found:
+                self.fold.apply(event)
+                if not self.readonly:
+                    self._pending.append(event)
+            if not self.readonly:
+                self._write_pending(durable=False)
+        return len(found)
+
+    def _known_until(self) -> int | None:
+        """Nanoseconds since the epoch before which the manifest knows every local file."""
+        if not isinstance(self.store, LocalStore) or not self.manifest.last_update:
+            return None
+        try:
+            last = datetime.fromisoformat(self.manifest.last_update)
+        except ValueError:
+            return None
+        return int((last.timestamp() - _RECONCILE_SLACK) * 1e9)
+
+    def _changed(self, key: str, since: int) -> bool:
+        path = self.store.path(key)  # type: ignore[attr-defined]
+        try:
+            # ctime: a rename or a hard link (a rollback, a kept version) changes it too
+            return os.stat(path).st_ctime_ns >= since
+        except OSError:
+            return False
+
+    def _recovered(self, slot: str, key: str) -> dict[str, Any] | None:
+        """The completion event the header of *key* proves, or None if it proves none."""
+        try:
+            header, head_len = read_header(self.store, key)
+        except (DamagedFileError, StateFormatError, OSError):
+            return None  # a damaged file is recomputed when its step is called
+        if header["slot"] != slot or type(header.get("hsum")) is not str:
+            return None
+        if self.secret is not None and not _header_authentic(header, self.secret):
+            return None
+        fingerprint = header.get("fingerprint")
+        return {
+            "t": utcnow(),
+            "event": "step_completed",
+            "slot": slot,
+            "fingerprint": fingerprint if type(fingerprint) is str else None,
+            "file": header["hsum"],
+            "bytes": head_len + header["size"],
+            "recovered": True,
+            "created_at": header.get("created_at") or "",
+        }
 
     # recording ---------------------------------------------------------------------------
 
@@ -269,20 +386,38 @@ class Journal:
                 self._write_pending(durable=False)
 
     def _write_pending(self, *, durable: bool) -> None:
-        if self._pending:
-            lines = []
-            pending, self._pending = self._pending, []
-            for item in pending:
-                data = _skip_event(item, _stamp(item[0])) if isinstance(item, tuple) else item
-                lines.append(_dumps(_signed(data, self.secret)) + "\n")
-            chunk = "".join(lines).encode()
-            try:
-                self.store.append(EVENTS, chunk, durable=durable)
-            except BaseException:
-                self._pending[:0] = pending  # nothing is lost: retried with the next write
-                raise
-            self._offset += len(chunk)
-            self.manifest.events_offset = self._offset
+        """
+        Append the pending events in one write. It is complete or raises: after an error
+        the events stay pending, and the next write first cuts off what this one may have
+        left of them, so no line is ever lost or glued to a partial one.
+        """
+        if not self._pending:
+            return
+        lines = []
+        pending, self._pending = self._pending, []
+        for item in pending:
+            data = _skip_event(item, _stamp(item[0])) if isinstance(item, tuple) else item
+            lines.append(_dumps(_signed(data, self.secret)) + "\n")
+        chunk = "".join(lines).encode()
+        try:
+            if self._torn:
+                self._cut_log(self._offset)
+                self._torn = False
+            self.store.append(EVENTS, chunk, durable=durable)
+        except BaseException as exc:
+            self._pending[:0] = pending  # nothing is lost: retried with the next write
+            self._torn = True  # the append may have written part of the chunk
+            if isinstance(exc, OSError):
+                raise _named(exc, f"{self.store.location}/{EVENTS}") from exc
+            raise
+        self._offset += len(chunk)
+        self.manifest.events_offset = self._offset
+        if durable and not self._log_entry_durable:
+            # A log this run created is fsynced, but its name may not be: a durable write
+            # of the manifest fsyncs the directory the two share.
+            text = dumps_manifest(_signed(self.manifest.to_dict(), self.secret)).encode()
+            self.store.write(MANIFEST, [text], durable=True)
+            self._log_entry_durable = True
 
     def _mark_dirty(self) -> None:
         # Only the first change after a flush wakes the writer; later ones ride along.

@@ -9,6 +9,7 @@ log offset it covers, so a reader replays only the few events written after it.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -110,27 +111,28 @@ class Manifest:
         """
         Build a manifest from its JSON data, migrating older formats.
 
+        Every field is checked: data read from disk may have been damaged or edited.
+
         Raises:
             StateFormatError: the data comes from a newer version.
-            ValueError, TypeError, KeyError: the data is malformed.
+            ValueError: the data is malformed (the message says which field).
         """
         version = data.get("format")
-        if not isinstance(version, int):
+        if type(version) is not int:
             msg = "no format number"
-            raise ValueError(msg)  # noqa: TRY004 - malformed data, reported as damage
+            raise ValueError(msg)
         if version > FORMAT:
             raise StateFormatError("manifest.json", version, FORMAT)
         data = migrate(dict(data))
+        problem = manifest_problem(data)
+        if problem is not None:
+            raise ValueError(problem)
         steps = {k: StepRecord(**v) for k, v in data.pop("steps", {}).items()}
         batches = {k: BatchRecord(**v) for k, v in data.pop("batches", {}).items()}
         error = data.pop("error", None)
-        manifest = cls(
+        return cls(
             **data, steps=steps, batches=batches, error=None if error is None else ErrorRecord(**error)
         )
-        if not isinstance(manifest.completed_steps, list) or manifest.status not in RUN_STATUSES:
-            msg = "bad completed_steps or status"
-            raise ValueError(msg)
-        return manifest
 
 
 _RECORD_FIELDS = tuple(a.name for a in attrs.fields(StepRecord))
@@ -138,6 +140,181 @@ _RECORD_FIELDS = tuple(a.name for a in attrs.fields(StepRecord))
 
 def _record_dict(rec: StepRecord) -> dict[str, Any]:
     return {name: getattr(rec, name) for name in _RECORD_FIELDS}
+
+
+# Validation of data read from disk. A check is a set of exact types (``type(v) in check``:
+# a bool is not an int) or a predicate; one small table per record kind keeps it cheap.
+_Check = frozenset[type] | Callable[[Any], bool]
+_NONE: type = type(None)
+_STR: _Check = frozenset({str})
+_OPT_STR: _Check = frozenset({str, _NONE})
+_INT: _Check = frozenset({int})
+_OPT_INT: _Check = frozenset({int, _NONE})
+_OPT_NUM: _Check = frozenset({int, float, _NONE})
+_BOOL: _Check = frozenset({bool})
+# a slot: a step name, or a step name and an encoded key; never a path that leaves the directory
+_SLOT = re.compile(r"[^./\\\x00-\x1f][^/\\\x00-\x1f]*(?:/[^./\\\x00-\x1f][^/\\\x00-\x1f]*)?")
+
+
+def _fits(check: _Check, value: object) -> bool:
+    if isinstance(check, frozenset):
+        return type(value) in check
+    return check(value)
+
+
+def _record(fields: Mapping[str, _Check], required: tuple[str, ...]) -> Callable[[Any], bool]:
+    """A predicate: a dict with the *required* keys, no others than *fields*, each fitting."""
+
+    def check(data: object) -> bool:
+        if type(data) is not dict or not all(key in data for key in required):
+            return False
+        for key, value in data.items():
+            fit = fields.get(key)
+            if fit is None or not _fits(fit, value):
+                return False
+        return True
+
+    return check
+
+
+def _map_of(check: _Check) -> Callable[[Any], bool]:
+    return lambda data: (
+        type(data) is dict and all(type(k) is str and _fits(check, v) for k, v in data.items())
+    )
+
+
+def _slot(value: object) -> bool:
+    return type(value) is str and _SLOT.fullmatch(value) is not None
+
+
+def _slots(value: object) -> bool:
+    return type(value) is list and all(_slot(v) for v in value)
+
+
+def _strs(value: object) -> bool:
+    return type(value) is list and all(type(v) is str for v in value)
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+_STEP_RECORD = _record(
+    {
+        "status": _STR,
+        "fingerprint": _OPT_STR,
+        "reason": _OPT_STR,
+        "started_at": _OPT_STR,
+        "finished_at": _OPT_STR,
+        "duration_s": _OPT_NUM,
+        "attempts": _INT,
+        "bytes": _OPT_INT,
+        "file": _OPT_STR,
+    },
+    ("status",),
+)
+_BATCH_RECORD = _record({"done": _INT, "every": _INT, "total": _OPT_INT, "failures": _INT}, ("done", "every"))
+# an error as events carry it (the manifest's adds the step)
+_EVENT_ERROR = _record({"type": _STR, "message": _STR, "traceback": _STR}, ("type", "message", "traceback"))
+_ERROR_RECORD = _record(
+    {"step": _OPT_STR, "type": _STR, "message": _STR, "traceback": _STR},
+    ("step", "type", "message", "traceback"),
+)
+_STR_MAP = _map_of(_STR)
+_CODE = _map_of(_STR_MAP)
+_STEPS = _map_of(_STEP_RECORD)
+
+
+def _run_status(value: object) -> bool:
+    return type(value) is str and value in RUN_STATUSES
+
+
+_MANIFEST: dict[str, _Check] = {
+    "workflow_id": _STR,
+    "pipeline": _STR,
+    "format": _INT,
+    "status": _run_status,
+    "current_step": _OPT_STR,
+    "completed_steps": _slots,
+    "last_update": _OPT_STR,
+    "runs": _count,
+    "steps": lambda v: _STEPS(v) and all(_slot(k) for k in v),
+    "error": lambda v: v is None or _ERROR_RECORD(v),
+    "batches": _map_of(_BATCH_RECORD),
+    "code": _CODE,
+    "checkpoints": _count,
+    "defined": _STR_MAP,
+    "events_offset": _count,
+}
+
+
+def manifest_problem(data: Mapping[str, Any]) -> str | None:
+    """What is wrong with manifest data read from disk, or None if every field is valid."""
+    for key in ("workflow_id", "pipeline"):
+        if key not in data:
+            return f"no {key!r}"
+    for key, value in data.items():
+        check = _MANIFEST.get(key)
+        if check is None:
+            return f"unknown field {key!r}"
+        if not _fits(check, value):
+            return f"field {key!r} is not valid ({type(value).__name__})"
+    return None
+
+
+_ROLLBACK_STATE = _record(
+    {"steps": _STEPS, "completed_steps": _slots, "code": _CODE}, ("steps", "completed_steps")
+)
+_SLOT_FIELD = (("slot", _slot),)
+_RAN = {"duration_s": _OPT_NUM, "attempts": _INT}
+# per event: the fields it must have, and the optional ones the fold reads (others are ignored)
+EVENT_SCHEMA: dict[str, tuple[tuple[tuple[str, _Check], ...], dict[str, _Check]]] = {
+    "run_started": ((), {"run": _count, "pipeline": _STR}),
+    "run_finished": ((("status", _run_status),), {"defined": _strs, "error": _EVENT_ERROR}),
+    "step_started": (
+        _SLOT_FIELD,
+        {"reason": _OPT_STR, "fingerprint": _OPT_STR, "attempt": _INT, "detail": _OPT_STR},
+    ),
+    "step_retry": (_SLOT_FIELD, {"attempt": _INT}),
+    "step_completed": (
+        _SLOT_FIELD,
+        {
+            "fingerprint": _OPT_STR,
+            "bytes": _OPT_INT,
+            "file": _OPT_STR,
+            "code": _STR_MAP,
+            "recovered": _BOOL,
+            **_RAN,
+        },
+    ),
+    "step_skipped": (
+        _SLOT_FIELD,
+        {"fingerprint": _OPT_STR, "bytes": _OPT_INT, "created_at": _OPT_STR, "file": _OPT_STR},
+    ),
+    "step_failed": ((*_SLOT_FIELD, ("error", _EVENT_ERROR)), _RAN),
+    "step_interrupted": (_SLOT_FIELD, _RAN),
+    "steps_reset": ((("slots", _slots),), {}),
+    "snapshot": ((), {"label": _OPT_STR}),
+    "steps_removed": ((), {"slots": _slots, "steps": _strs}),
+    "rollback": ((("state", _ROLLBACK_STATE),), {"to": _INT}),
+    "batch": ((("batch", _STR), ("progress", _BATCH_RECORD)), {}),
+    "batch_done": ((("batch", _STR),), {}),
+}
+
+
+def valid_event(event: object) -> bool:
+    """True if *event* (a line of the log, parsed) is one the fold can apply as it is."""
+    if type(event) is not dict:
+        return False
+    name = event.get("event")
+    schema = EVENT_SCHEMA.get(name) if type(name) is str else None
+    if schema is None or type(event.get("t", "")) is not str:
+        return False
+    required, optional = schema
+    for key, check in required:
+        if key not in event or not _fits(check, event[key]):
+            return False
+    return all(key not in event or _fits(check, event[key]) for key, check in optional.items())
 
 
 def dumps(data: dict[str, Any]) -> str:

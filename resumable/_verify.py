@@ -6,6 +6,7 @@ import json
 
 from ._codec import DamagedFileError, parse_header, verify
 from ._journal import Journal, _authentic
+from ._manifest import valid_event
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
 from ._stores import Store
 from .exceptions import StateFormatError
@@ -15,7 +16,9 @@ def find_damage(store: Store, *, secret: bytes | None) -> tuple[int, list[tuple[
     """
     Check the manifest, the event log and every output file.
 
-    Returns the number of files checked and ``(location, problem)`` for each damaged one.
+    Returns the number of files checked and ``(location, problem)`` for each problem: a
+    damaged file, a manifest with a field of the wrong type or out of step with the log, a
+    line of the log that runs skip.
     """
     problems: list[tuple[str, str]] = []
     checked = _check_manifest(store, secret, problems) + _check_events(store, secret, problems)
@@ -31,31 +34,56 @@ def find_damage(store: Store, *, secret: bytes | None) -> tuple[int, list[tuple[
 def _check_manifest(store: Store, secret: bytes | None, problems: list[tuple[str, str]]) -> int:
     journal = Journal(store, pipeline="", secret=secret, readonly=True)
     try:
-        _, problem = journal._read_manifest()  # noqa: SLF001 - the same check a run makes
+        manifest, problem = journal._read_manifest()  # noqa: SLF001 - the same check a run makes
     except StateFormatError as exc:
-        problem = str(exc)
+        manifest, problem = None, str(exc)
     if problem == "missing":
         return 0
+    if manifest is not None and journal._read_log(manifest.events_offset) is None:  # noqa: SLF001
+        problem = (
+            f"events_offset {manifest.events_offset} is not the end of a line of {EVENTS} "
+            "(the next run rebuilds the manifest from the log)"
+        )
     if problem is not None:
         problems.append((f"{store.location}/{MANIFEST}", problem))
     return 1
 
 
+_SHOWN_LINES = 10  # damaged log lines listed one by one; the rest are counted
+
+
 def _check_events(store: Store, secret: bytes | None, problems: list[tuple[str, str]]) -> int:
     try:
-        log = store.read(EVENTS)
+        log = bytes(store.read(EVENTS))
     except FileNotFoundError:
         return 0
     where = f"{store.location}/{EVENTS}"
-    for number, line in enumerate(bytes(log).splitlines(), 1):
-        try:
-            event = json.loads(line)
-        except ValueError:
-            problems.append((where, f"line {number} is not valid JSON"))
-            continue
-        if not isinstance(event, dict) or not _authentic(event, secret):
-            problems.append((where, f"line {number} is not authentic"))
+    found: list[str] = []
+    # A last line without its newline is not damage: it is being written, or a kill cut it
+    # short and the next run drops it.
+    for number, line in enumerate(log[: log.rfind(b"\n") + 1].split(b"\n")[:-1], 1):
+        problem = _event_problem(line, secret)
+        if problem is not None:
+            found.append(f"line {number} {problem}")
+    problems.extend((where, p) for p in found[:_SHOWN_LINES])
+    if len(found) > _SHOWN_LINES:
+        problems.append((where, f"and {len(found) - _SHOWN_LINES} more line(s) that runs skip"))
     return 1
+
+
+def _event_problem(line: bytes, secret: bytes | None) -> str | None:
+    try:
+        event = json.loads(line)
+    except ValueError:
+        return "is not valid JSON"
+    if not isinstance(event, dict):
+        return "is not a JSON object"
+    if not _authentic(event, secret):
+        return "is not authentic"
+    if not valid_event(event):
+        name = str(event.get("event"))[:40]
+        return f"is not a valid event ({name!r}: an unknown event, or a missing or wrong field)"
+    return None
 
 
 def _check_output(store: Store, key: str, secret: bytes | None) -> str | None:
