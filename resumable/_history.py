@@ -243,9 +243,22 @@ def rollback(run: RunState, target: int | str) -> Checkpoint:
     wanted = _versions(point)
     missing = sorted(set(wanted.values()) - _kept(store) - set(current.values()))
     if missing:
+        slots = ", ".join(sorted(s for s, v in wanted.items() if v in missing))
+        if number in _newest(run.journal.manifest, run.keep_checkpoints):
+            # a retained checkpoint's versions are never pruned: a damaged file is not kept
+            why = (
+                f"the output of {slots} it needs was damaged, so no copy of it was kept when it "
+                "was recomputed"
+            )
+        else:
+            why = (
+                f"the output of {slots} it needs is no longer kept (pruned: only the newest "
+                f"{run.keep_checkpoints} checkpoints are kept, see Pipeline(keep_checkpoints=...)), "
+                "or it was damaged"
+            )
         msg = (
-            f"checkpoint {number} can no longer be restored: {len(missing)} of its outputs were pruned "
-            "(keep more history with Pipeline(keep_checkpoints=...))"
+            f"checkpoint {number} cannot be restored: {why}. Nothing was changed. Roll back to "
+            "one of the checkpoints `resumable history` (pipe.checkpoints()) lists: those can be restored."
         )
         raise ResumableError(msg)
     for slot in sorted(set(current) | set(wanted)):

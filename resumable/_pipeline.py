@@ -207,7 +207,7 @@ class Pipeline:
 
     def __enter__(self) -> Self:
         with self._lock:
-            if self._run is None:
+            if self._run is None and not _disabled():  # RESUMABLE_DISABLE=1: no state at all
                 self._run = self._new_run(maintenance=False)
             self._depth += 1
         self._tokens.append(_current.set(self))
@@ -456,6 +456,10 @@ class Pipeline:
         except (FileNotFoundError, DamagedFileError):
             return False
         return True
+
+
+def _disabled() -> bool:
+    return os.environ.get("RESUMABLE_DISABLE", "") not in {"", "0"}
 
 
 def _unusable(store: Store, exc: OSError) -> StateDirectoryError:

@@ -15,6 +15,7 @@ already catches ``TypeError`` or ``RuntimeError`` keeps working::
     ├── StateDirectoryError(ResumableError, OSError)       the state directory cannot be used
     ├── InputChangedError(ResumableError, ValueError)      a batch's input changed under a resume
     ├── StepInterruptedError(ResumableError, RuntimeError) a non-idempotent step died mid-run
+    ├── StepChangedError(ResumableError, RuntimeError)     a completed non-idempotent step changed
     └── UsageError(ResumableError, ValueError)             a bad argument to a resumable function
     ResumableWarning(UserWarning)                           e.g. a damaged file was recomputed
 
@@ -37,6 +38,7 @@ __all__ = [
     "StateDirectoryError",
     "StateFormatError",
     "StateLockedError",
+    "StepChangedError",
     "StepDefinitionError",
     "StepInterruptedError",
     "UsageError",
@@ -70,10 +72,78 @@ class FingerprintError(ResumableError, TypeError):
         extra = f" ({detail})" if detail else ""
         super().__init__(
             f"step {step!r}: cannot fingerprint argument {param!r}: {where} is a {type_name}{extra}. "
-            f"If it does not affect the output, pass ignore=({param!r},) to @step; otherwise give "
-            f"{type_name} a __resumable_fingerprint__() method returning a stable value, or pass a "
-            "supported value (str, bytes, numbers, containers, dataclasses, attrs, NumPy ...)."
+            + _fingerprint_hint(param, type_name)
         )
+
+
+# Types of code rather than data: functions, methods, classes, modules.
+_CODE_TYPES = frozenset(
+    {
+        "function",
+        "builtin_function_or_method",
+        "method",
+        "method-wrapper",
+        "method_descriptor",
+        "wrapper_descriptor",
+        "classmethod_descriptor",
+        "classmethod",
+        "staticmethod",
+        "functools.partial",
+        "module",
+        "type",
+        "abc.ABCMeta",
+        "enum.EnumType",
+        "enum.EnumMeta",
+        "code",
+        "cell",
+    }
+)
+_ITERATOR_ENDINGS = ("iterator", "generator", "coroutine", "_iter")
+
+
+def _fingerprint_hint(param: str, type_name: str) -> str:
+    """Advice that works for a value of *type_name* passed as *param*."""
+    ignore = f"pass ignore=({param!r},) to @step"
+    if type_name in _CODE_TYPES or type_name.endswith("Meta"):
+        return (
+            f"If it does not affect the output, {ignore}. If it does (one function or another), "
+            "pass something that names it instead (its name as a str, looked up inside the step), "
+            f"or {ignore} and give the step a version= that you change when it should recompute."
+        )
+    if type_name.endswith(_ITERATOR_ENDINGS):
+        return f"Pass a list or tuple of its items instead, or, if it does not affect the output, {ignore}."
+    if _user_class(type_name):
+        return (
+            f"If it does not affect the output, {ignore}; otherwise give {type_name} a "
+            "__resumable_fingerprint__() method returning a stable value (e.g. the values it was "
+            "made from), or make it a dataclass or attrs class of supported values."
+        )
+    return (
+        f"If it does not affect the output (a client, a connection, a lock ...), {ignore}; "
+        "otherwise pass the values that decide the output (a URL, a model name, a path ...) as "
+        "arguments of their own."
+    )
+
+
+def _user_class(type_name: str) -> bool:
+    """True if *type_name* is a class of the user's code (not built in, stdlib or installed)."""
+    import sys  # noqa: PLC0415 - only when a message is built
+    import sysconfig  # noqa: PLC0415
+
+    parts = type_name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        module = sys.modules.get(".".join(parts[:end]))
+        if module is None:
+            continue
+        if module.__name__ == "__main__":
+            return True
+        file = getattr(module, "__file__", None)
+        if not isinstance(file, str):
+            return False  # built into the interpreter
+        paths = sysconfig.get_paths()
+        installed = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+        return not any(file.startswith(p + "/") for p in installed)
+    return False
 
 
 class SerializationError(ResumableError, TypeError):
@@ -155,6 +225,27 @@ class StepInterruptedError(ResumableError, RuntimeError):
             f"step {slot!r} is marked idempotent=False and a run died while it was running{since}: "
             "its side effects may have partly happened. Check them, then confirm the rerun with "
             f"`resumable reset {slot}` or pipe.reset({slot!r})."
+        )
+
+
+class StepChangedError(ResumableError, RuntimeError):
+    """
+    A completed ``idempotent=False`` step was called with a different fingerprint (its code, a
+    constant, its version or its arguments changed): running it again would repeat its side
+    effects, so it is not done without a confirmation.
+    """
+
+    def __init__(self, slot: str, changed: str, ran_at: str | None, step: str | None = None) -> None:
+        self.slot = slot
+        self.step = step or slot.split("/", 1)[0]
+        self.changed = changed
+        self.ran_at = ran_at
+        when = f" on {ran_at}" if ran_at else ""
+        super().__init__(
+            f"step {slot!r} is marked idempotent=False and already ran{when}; since then {changed}. "
+            "Running it again would repeat its side effects, so it is not run again by itself. "
+            f"To run it again, confirm with `resumable reset {slot}` or pipe.reset({slot!r}); "
+            "to keep its stored output despite code edits, pin it with @step(version=...)."
         )
 
 
