@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import os
 from typing import TYPE_CHECKING
 
 import attrs
@@ -35,7 +36,8 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
     - row chunks of steps that completed (left when a process died in between);
     - temporary files left by killed writers.
 
-    The outputs of existing steps are never removed.
+    The outputs of existing steps are never removed. With *dry_run* nothing is removed, and
+    the report lists exactly what the same call without it would remove.
     """
     report = CleanReport()
     cutoff = (dt.datetime.now(dt.UTC) - older_than).isoformat(timespec="milliseconds").replace("+00:00", "Z")
@@ -62,16 +64,24 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
             _remove(store, slot_file(slot), f"output {what}", report, dry_run=dry_run)
             for key in store.list(batch_dir(slot)):
                 _remove(store, key, f"row chunk {what}", report, dry_run=dry_run)
-        if not dry_run:
-            if dead or gone:
-                run.journal.record("steps_removed", slots=dead, steps=gone)
-            cleanup = getattr(store, "remove_temp_files", None)
-            if cleanup is not None:
-                count = cleanup()
-                if count:
-                    report.lines.append(f"{count} temporary file(s) left by killed runs")
-                    report.count += count
+        # holding the lock: no one is writing these, they are what killed writers left
+        for key in _temp_files(store):
+            _remove(store, key, "temporary file left by a killed run", report, dry_run=dry_run)
+        if not dry_run and (dead or gone):
+            run.journal.record("steps_removed", slots=dead, steps=gone)
     return report
+
+
+def _temp_files(store: object) -> list[str]:
+    """The keys of the temporary files in a local store (other stores write objects whole)."""
+    root = getattr(store, "root", None)
+    if not isinstance(root, str) or getattr(store, "remove_temp_files", None) is None:
+        return []
+    keys: list[str] = []
+    for directory, _, files in os.walk(root):
+        prefix = "" if directory == root else os.path.relpath(directory, root) + "/"
+        keys.extend(prefix + n for n in files if n.startswith(".") and n.endswith(".tmp"))
+    return sorted(keys)
 
 
 def _remove(store: object, key: str, what: str, report: CleanReport, *, dry_run: bool) -> None:

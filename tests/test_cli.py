@@ -578,3 +578,58 @@ def test_names_outside_the_state_are_refused(agent: tuple[Path, Path], tmp_path:
     with pytest.raises(UsageError, match=r"no step, slot or batch '\.\./precious'"):
         pipe.reset("../precious")
     assert b"keep me" == precious.read_bytes()
+
+
+# --- stray temporary files (issue 10 point 9) ---------------------------------------------
+
+
+def test_rollback_leaves_no_temporary_file(tmp_path: Path):
+    """Edit a step, run, `resumable rollback s`: no temporary file is left in the state."""
+    script = tmp_path / "p.py"
+    source = (
+        "from resumable import step\n"
+        "@step\ndef s() -> str:\n    return 'v' + '1'\n"
+        "@step\ndef t(x: str) -> str:\n    return x + '!'\n"
+        "print(t(s()))\n"
+    )
+    script.write_text(source)
+    run = [sys.executable, str(script)]
+    outputs = [subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, check=True).stdout]
+    script.write_text(source.replace("'v' + '1'", "'w' + '1'"))
+    outputs.append(subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, check=True).stdout)
+    state = tmp_path / "state"
+    done = _cli(state, "rollback", "s")
+    assert (0, "") == (done.returncode, done.stderr)
+    assert [] == sorted(str(p) for p in state.rglob("*.tmp"))
+    assert "nothing to clean" == _cli(state, "clean").stdout.strip()
+    assert ["v1!\n", "w1!\n"] == outputs
+    assert "'v1'" in _cli(state, "show", "s").stdout
+
+
+def test_clean_dry_run_lists_exactly_what_clean_removes(agent: tuple[Path, Path]):
+    """On a state with temp files, a removed step and old versions, both lists are the same."""
+    script, state = agent
+    script.write_text(AGENT.replace("@pipe.step\ndef verdict", "def verdict"))
+    subprocess.run([sys.executable, str(script), str(state), "v3"], check=True)
+    temps = [
+        state / ".answer.msgpack.999-1-0.tmp",
+        state / ".resumable" / "objects" / ".0123.msgpack.999-1-1.tmp",
+        state / "page" / ".1.msgpack.999-1-2.tmp",
+    ]
+    for path in temps:
+        path.write_bytes(b"left by a killed writer")
+    args = ("clean", "--older-than", "0s", "--keep", "1")
+    dry = _cli(state, *args, "--dry-run")
+    assert (0, "") == (dry.returncode, dry.stderr)
+    assert all(p.exists() for p in temps)
+    real = _cli(state, *args)
+    assert (0, "") == (real.returncode, real.stderr)
+    would = [line.removeprefix("would remove ") for line in dry.stdout.splitlines()]
+    removed = [line.removeprefix("removed ") for line in real.stdout.splitlines()]
+    assert removed == would
+    listed = {line.split(" (", 1)[0] for line in removed[:-1]}
+    assert {str(p.relative_to(state)) for p in temps} <= listed
+    assert "verdict.msgpack" in listed
+    assert any(key.startswith(".resumable/objects/") and not key.endswith(".tmp") for key in listed)
+    assert not any(p.exists() for p in temps)
+    assert "nothing to clean" == _cli(state, *args, "--dry-run").stdout.strip()
