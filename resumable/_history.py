@@ -13,6 +13,7 @@ pruned when a run closes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -362,11 +363,34 @@ def _manifest_problem(data: bytes, secret: bytes | None) -> str | None:
 
 
 def load_state(run: RunState, files: Mapping[str, bytes]) -> None:
-    """Replace every file of the state with *files* (already checked by :func:`check_state`)."""
+    """
+    Replace every file of the state with *files* (already checked by :func:`check_state`).
+
+    All or nothing: the current files are read first, and put back if a write fails (a full
+    disk ...). The manifest is written last: a kill half-way leaves a manifest out of step
+    with the log, which the next run rebuilds.
+    """
     store = run.store
-    for key in store.list():
-        if key != _LOCK_KEY and key not in files:
-            store.delete(key, durable=False)
-    for key, data in sorted(files.items(), key=lambda kv: kv[0] == MANIFEST):
-        store.write(key, [data], durable=run.durable)
+    before = {key: bytes(store.read(key)) for key in store.list() if key != _LOCK_KEY}
+    try:
+        for key, data in sorted(files.items(), key=lambda kv: kv[0] == MANIFEST):
+            if before.get(key) != data:
+                store.write(key, [data], durable=run.durable)
+        for key in before:
+            if key not in files:
+                store.delete(key, durable=False)
+    except BaseException:
+        _put_back(store, before, files)
+        raise
     run.journal.load()
+
+
+def _put_back(store: Store, before: Mapping[str, bytes], files: Mapping[str, bytes]) -> None:
+    """Undo a swap that failed half-way, as far as the store lets us."""
+    for key in sorted(set(files) - set(before)):
+        with contextlib.suppress(OSError):
+            store.delete(key, durable=False)
+    for key, data in sorted(before.items(), key=lambda kv: kv[0] == MANIFEST):
+        with contextlib.suppress(OSError):
+            if key not in files or files[key] != data:
+                store.write(key, [data], durable=True)

@@ -17,6 +17,8 @@ from resumable import (
     StateFormatError,
     StateLockedError,
 )
+from resumable._cli import main
+from resumable._stores._local import LocalStore
 
 
 def _prompt_pipeline(state_dir: Path, calls: list[str] | None = None, **options) -> Pipeline:
@@ -245,3 +247,63 @@ def test_rollback_inside_an_open_run(state_dir: Path):
         pipe.rollback("prompt")
         run = pipe.run(text="v1")
     assert [] == run.executed
+
+
+def _all_files(root: Path) -> dict[str, bytes]:
+    """Every file under *root* (internal files too, the lock aside), by relative path."""
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != "lock"
+    }
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [("answer.msgpack", "answer.msgpack"), ("manifest.json", "manifest.json"), ("steps=[]", "manifest.json")],
+)
+def test_import_of_a_damaged_archive_changes_nothing(tmp_path: Path, damage: str, named: str):
+    """`resumable import` of an archive with one bad file fails naming it; no byte changes."""
+    source = _prompt_pipeline(tmp_path / "a")
+    source.run(text="v1")
+    exported = tmp_path / "export"
+    assert 0 == main(["--state-dir", str(tmp_path / "a"), "export", "-o", str(exported)])
+    state = msgpack.unpackb(exported.read_bytes(), raw=False)
+    files = state["files"]
+    if damage == "steps=[]":
+        files["manifest.json"] = files["manifest.json"].replace(b'"steps": {', b'"steps": [], "x": {')
+    else:
+        data = bytearray(files[damage])
+        data[-3] ^= 0xFF
+        files[damage] = bytes(data)
+    exported.write_bytes(msgpack.packb(state, use_bin_type=True))
+    target = _prompt_pipeline(tmp_path / "b")
+    target.run(text="other")
+    before = _all_files(tmp_path / "b")
+    with pytest.raises(DamagedStateError, match=named):
+        target.load_state(state)
+    assert 1 == main(["--state-dir", str(tmp_path / "b"), "import", str(exported)])
+    assert before == _all_files(tmp_path / "b")
+
+
+def test_import_that_fails_half_way_puts_everything_back(tmp_path: Path):
+    """A write failing in the middle of load_state (a full disk) restores the previous files."""
+
+    class FailingStore(LocalStore):
+        writes = 0
+
+        def write(self, key: str, chunks, *, durable: bool) -> None:  # type: ignore[no-untyped-def]
+            FailingStore.writes += 1
+            if FailingStore.writes == 3:
+                raise OSError(28, "No space left on device", self.path(key))
+            super().write(key, chunks, durable=durable)
+
+    source = _prompt_pipeline(tmp_path / "a")
+    source.run(text="v1")
+    state = source.save_state()
+    target = _prompt_pipeline(tmp_path / "b")
+    target.run(text="other")
+    before = _all_files(tmp_path / "b")
+    failing = Pipeline("agent", store=FailingStore(tmp_path / "b"))
+    with pytest.raises(OSError, match="No space left"):
+        failing.load_state(state)
+    assert 3 <= FailingStore.writes
+    assert before == _all_files(tmp_path / "b")
