@@ -125,8 +125,17 @@ def read_header(store: Store, key: str) -> tuple[dict[str, Any], int]:
 class Journal:
     """Owns the manifest of an open run: applies events, logs them, writes the manifest."""
 
-    def __init__(self, store: Store, *, pipeline: str, secret: bytes | None, readonly: bool = False) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        pipeline: str,
+        secret: bytes | None,
+        readonly: bool = False,
+        durable: bool = True,
+    ) -> None:
         self.store = store
+        self.durable = durable  # False: sync events are written at once, but not fsynced
         self.readonly = readonly
         self.pipeline = pipeline
         self.secret = secret
@@ -353,9 +362,15 @@ class Journal:
         """
         Apply an event to the manifest and append it to the log (with the events pending).
 
-        *sync* events are fsynced before this returns (they must survive a power loss).
-        *defer*red events are appended with the next event, or by the background writer
-        within :data:`FLUSH_INTERVAL`: many events share one write.
+        A *sync* event is in the log before this returns, with every event recorded before
+        it, on every store (even where appends are batched), and fsynced unless the journal
+        is not :attr:`durable`: what must happen before a side effect (a non-idempotent
+        step's start). *defer*red events are appended with the next event, or by the
+        background writer within :data:`FLUSH_INTERVAL`: many events share one write.
+        Without either, an event is appended at once (batched on stores with slow appends).
+
+        Raises:
+            OSError: the log could not be written (naming it); the event stays pending.
         """
         data = {"t": utcnow(), "event": event, **fields}
         with self.lock:
@@ -364,7 +379,7 @@ class Journal:
             # Stores where an append costs a round trip (object stores) get events in batches
             # from the background writer, except those that must be on disk before going on.
             if sync or not (defer or self._append_is_slow):
-                self._write_pending(durable=sync)
+                self._write_pending(durable=sync and self.durable)
         self._mark_dirty()
 
     def record_skip(

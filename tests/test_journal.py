@@ -210,3 +210,31 @@ def test_temp_files_of_a_dead_run_are_removed(state_dir: Path):
         pass
     assert not leftover.exists()
     assert kept.exists()
+
+
+def test_sync_event_is_written_at_once_even_where_appends_are_batched():
+    """On a store with slow appends, a sync event is in the log when record returns."""
+
+    class SlowAppends(MemoryStore):
+        slow_appends = True
+        durable_appends: list[bool] = []
+
+        def append(self, key: str, data: bytes, *, durable: bool) -> None:
+            self.durable_appends.append(durable)
+            super().append(key, data, durable=durable)
+
+    store = SlowAppends()
+    journal = Journal(store, pipeline="p", secret=None, durable=False)
+    journal.load()
+    journal.record("run_started", run=1)
+    assert ([], []) == (store.durable_appends, _logged(store))
+    journal.record("step_started", slot="pay", reason="new", attempt=1, sync=True)
+    assert ([False], ["run_started", "step_started"]) == (store.durable_appends, _logged(store))
+
+
+def _logged(store: MemoryStore) -> list[str]:
+    try:
+        log = bytes(store.read("events.jsonl"))
+    except FileNotFoundError:
+        return []
+    return [json.loads(line)["event"] for line in log.splitlines()]
