@@ -181,7 +181,7 @@ def frame(encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = N
     value_size = len(encoded.body) + sum(sizes)  # the prefix's length must not change below
     header: dict[str, Any] = {
         "format": FORMAT,
-        **meta,
+        **{k: _valid_text(v) for k, v in meta.items()},
         "created_at": utcnow(),
         "encoding": "msgpack+pickle" if encoded.pickled else "msgpack",
         "checksum": (TREE_PREFIX if value_size >= TREE_MIN else CHECKSUM_PREFIX) + "0" * 64,
@@ -207,6 +207,25 @@ def frame(encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = N
         return packed[: -len(hsum)] + hsum.encode()
 
     return Framed(header, head_len, chunks, finish)
+
+
+def _valid_text(value: Any) -> Any:
+    """
+    *value* with every str that is not valid Unicode (a lone surrogate, as in a key made of
+    ``os.listdir()`` names) turned into its bytes, losslessly: the header must stay readable
+    by any msgpack reader, and strict UTF-8 cannot hold a surrogate.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return value.encode("utf-8", "surrogatepass")
+        return value
+    if type(value) is dict:
+        return {_valid_text(k): _valid_text(v) for k, v in value.items()}
+    if type(value) in {list, tuple}:
+        return type(value)(_valid_text(v) for v in value)
+    return value
 
 
 def _value_chunks(encoded: Encoded, pads: Sequence[int]) -> list[Buffer]:
@@ -332,7 +351,9 @@ def decode(
         spans.append((position, size))
         position -= pad + _BIN32
     spans.reverse()
-    decoder = (StandInDecoder if stand_ins else Decoder)(data, spans, allow_pickle=allow_pickle)
+    pickled = header.get("encoding") == "msgpack+pickle"
+    kind = StandInDecoder if stand_ins else Decoder
+    decoder = kind(data, spans, allow_pickle=allow_pickle, pickled=pickled)
     try:
         return decoder.unpack(memoryview(data)[head_len:position])
     except Undecodable as exc:
@@ -340,6 +361,19 @@ def decode(
     except Exception as exc:  # noqa: BLE001 - a checksummed file that will not decode is damaged
         msg = f"the value does not decode ({type(exc).__name__}: {exc})"
         raise DamagedFileError(msg) from None
+
+
+def check_decodes(data: Buffer, header: Mapping[str, Any], head_len: int) -> None:
+    """
+    Check that a verified file's value decodes safely, as ``resumable verify`` should: with
+    pickles left unread and classes that are not imported here standing in, so that only
+    damage fails (a malformed value, a name that leads to something other than a class of
+    the recorded kind).
+
+    Raises:
+        DamagedFileError: the value is damaged or hostile.
+    """
+    decode(data, header, head_len, allow_pickle=False, stand_ins=True)
 
 
 def value_digest(header: Mapping[str, Any]) -> str:

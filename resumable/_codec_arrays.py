@@ -6,6 +6,10 @@ of band (see :mod:`._codec`) and come back as views of the file's buffer, with n
 and no extra copy. pandas objects are stored column by column: NumPy columns as arrays,
 object columns as lists, categoricals as codes and categories, zone-aware datetimes as
 UTC with their zone, other extension dtypes as their values and dtype name.
+
+Decoding builds NumPy arrays and scalars and pandas objects only: a dtype that could
+hold Python objects, an extension dtype name that is not a pandas extension dtype, or a
+payload of the wrong shape is refused as damage.
 """
 
 from __future__ import annotations
@@ -27,7 +31,12 @@ from ._codec_types import (
     SERIES,
     Decoder,
     Encoder,
+    _damage,
+    _fields,
 )
+
+_ANY = object
+_OPT_STR = (str, type(None))
 
 
 def descr(dtype: Any) -> object:
@@ -103,8 +112,37 @@ def _index_payload(pd: Any, index: Any) -> list[Any]:
     return ["index", _column_payload(pd, pd.Series(index, copy=False)), index.name, freq]
 
 
+def _checked(payload: object, types: tuple[Any, ...]) -> list[Any]:
+    """*payload* (already decoded) if it is a list of values of these types; damage otherwise."""
+    if type(payload) is not list or len(payload) != len(types) or not payload:
+        _damage("malformed pandas value")
+    for value, tp in zip(payload, types, strict=True):
+        if not isinstance(value, tp) or (tp is int and type(value) is bool):
+            _damage(f"malformed pandas value: a {type(value).__name__} where {tp} belongs")
+    return payload
+
+
+def _ndarray() -> type:
+    import numpy as np  # noqa: PLC0415 - pandas implies NumPy
+
+    return np.ndarray
+
+
+_COLUMN_FIELDS: dict[str, tuple[Any, ...]] = {
+    "np": (str, _ndarray),
+    "obj": (str, list),
+    "cat": (str, _ndarray, list, bool),
+    "tz": (str, _ndarray, str),
+    "ext": (str, str, list),
+}
+
+
 def _column_values(pd: Any, payload: list[Any]) -> Any:
-    kind = payload[0]
+    kind = payload[0] if type(payload) is list and payload else None
+    if not isinstance(kind, str) or kind not in _COLUMN_FIELDS:
+        _damage(f"unknown kind of pandas column {kind!r}")
+    fields = tuple(t() if t is _ndarray else t for t in _COLUMN_FIELDS[kind])
+    payload = _checked(payload, fields)
     if kind in {"np", "obj"}:
         return payload[1]
     if kind == "cat":
@@ -112,11 +150,32 @@ def _column_values(pd: Any, payload: list[Any]) -> Any:
         return pd.Categorical.from_codes(payload[1], categories=categories, ordered=payload[3])
     if kind == "tz":
         return pd.DatetimeIndex(payload[1]).tz_localize("UTC").tz_convert(payload[2])
-    return pd.array(payload[2], dtype=payload[1])
+    return pd.array(payload[2], dtype=_extension_dtype(pd, payload[1]))
+
+
+def _extension_dtype(pd: Any, name: str) -> Any:
+    """The pandas extension dtype called *name*; anything else is damage."""
+    try:
+        dtype = pd.api.types.pandas_dtype(name)
+    except (TypeError, ValueError):
+        _damage(f"unknown pandas dtype {name!r}")
+    if not isinstance(dtype, pd.api.extensions.ExtensionDtype):
+        _damage(f"{name!r} is not a pandas extension dtype")
+    return dtype
+
+
+_INDEX_FIELDS: dict[str, tuple[Any, ...]] = {
+    "range": (str, int, int, int, _ANY),
+    "multi": (str, list, list, list),
+    "index": (str, list, _ANY, _OPT_STR),
+}
 
 
 def _index_from(pd: Any, payload: list[Any]) -> Any:
-    kind = payload[0]
+    kind = payload[0] if type(payload) is list and payload else None
+    if not isinstance(kind, str) or kind not in _INDEX_FIELDS:
+        _damage(f"unknown kind of pandas index {kind!r}")
+    payload = _checked(payload, _INDEX_FIELDS[kind])
     if kind == "range":
         return pd.RangeIndex(payload[1], payload[2], payload[3], name=payload[4])
     if kind == "multi":
@@ -128,13 +187,34 @@ def _index_from(pd: Any, payload: list[Any]) -> Any:
     return index
 
 
+def _dtype(descr: Any) -> Any:
+    """The dtype a stored description names; one that can hold Python objects is damage."""
+    import numpy as np  # noqa: PLC0415 - NumPy only when the data holds arrays
+
+    if not isinstance(descr, (str, list)):
+        _damage(f"malformed dtype {descr!r}")
+    to_dtype: Any = np.lib.format.descr_to_dtype  # typed for the descriptions it writes
+    dtype = to_dtype(descr)
+    if dtype.hasobject:  # no encoder writes one: object arrays are not stored raw
+        _damage(f"dtype {descr!r} holds Python objects")
+    return dtype
+
+
+def _shape(shape: list[Any], order: str) -> list[int]:
+    if not all(type(n) is int and n >= 0 for n in shape) or order not in {"C", "F"}:
+        _damage("malformed array shape or order")
+    return shape
+
+
 def decode_ndarray_ref(dec: Decoder, payload: bytes) -> Any:
     """An array whose buffer follows the value in the file: a view of the file's buffer."""
     import numpy as np  # noqa: PLC0415 - NumPy only when the data holds arrays
 
-    descr, shape, order, indices = dec.unpack(payload)
-    dtype = np.lib.format.descr_to_dtype(descr)
-    count = _prod(shape)
+    descr, shape, order, indices = _fields(dec, payload, (_ANY, list, str, list))
+    dtype = _dtype(descr)
+    count = _prod(_shape(shape, order))
+    if not indices or not all(type(i) is int and 0 <= i < len(dec.buffers) for i in indices):
+        _damage("malformed array: a buffer index out of range")
     if len(indices) == 1:
         offset, _ = dec.buffers[indices[0]]
         flat = np.frombuffer(dec.data, dtype=dtype, count=count, offset=offset)
@@ -162,17 +242,17 @@ def _shaped(flat: Any, shape: list[int], order: str) -> Any:
 def decode_ndarray(dec: Decoder, payload: bytes) -> Any:
     import numpy as np  # noqa: PLC0415 - NumPy only when the data holds arrays
 
-    descr, shape, order, raw = dec.unpack(payload)
-    dtype = np.lib.format.descr_to_dtype(descr)
-    flat = np.frombuffer(bytearray(raw), dtype=dtype, count=_prod(shape))
+    descr, shape, order, raw = _fields(dec, payload, (_ANY, list, str, bytes))
+    dtype = _dtype(descr)
+    flat = np.frombuffer(bytearray(raw), dtype=dtype, count=_prod(_shape(shape, order)))
     return _shaped(flat, shape, order)
 
 
 def decode_npscalar(dec: Decoder, payload: bytes) -> Any:
     import numpy as np  # noqa: PLC0415 - NumPy only when the data holds arrays
 
-    descr, raw = dec.unpack(payload)
-    dtype = np.lib.format.descr_to_dtype(descr)
+    descr, raw = _fields(dec, payload, (_ANY, bytes))
+    dtype = _dtype(descr)
     if dtype.itemsize == 0:  # np.str_("") and np.bytes_(b""): nothing to read
         return dtype.type()
     return np.frombuffer(raw, dtype=dtype)[0]
@@ -186,7 +266,7 @@ def _pandas() -> Any:
 
 def decode_dataframe(dec: Decoder, payload: bytes) -> Any:
     pd = _pandas()
-    columns_p, index_p, cols = dec.unpack(payload)
+    columns_p, index_p, cols = _fields(dec, payload, (list, list, list))
     index = _index_from(pd, index_p)
     data = {i: _column_values(pd, c) for i, c in enumerate(cols)}
     frame = pd.DataFrame(data, index=index)
@@ -196,24 +276,26 @@ def decode_dataframe(dec: Decoder, payload: bytes) -> Any:
 
 def decode_series(dec: Decoder, payload: bytes) -> Any:
     pd = _pandas()
-    name, index_p, column = dec.unpack(payload)
+    name, index_p, column = _fields(dec, payload, (_ANY, list, list))
     return pd.Series(_column_values(pd, column), index=_index_from(pd, index_p), name=name)
 
 
 def decode_timestamp(dec: Decoder, payload: bytes) -> Any:
     pd = _pandas()
-    value, tz, unit = dec.unpack(payload)
+    value, tz, unit = _fields(dec, payload, (int, _OPT_STR, str))
     stamp = pd.Timestamp(value, unit="ns")
     stamp = stamp if tz is None else stamp.tz_localize("UTC").tz_convert(tz)
     return stamp.as_unit(unit)
 
 
 def decode_timedelta(dec: Decoder, payload: bytes) -> Any:
-    value, unit = dec.unpack(payload)
+    value, unit = _fields(dec, payload, (int, str))
     return _pandas().Timedelta(value, unit="ns").as_unit(unit)
 
 
 def decode_missing(_dec: Decoder, payload: bytes) -> Any:
+    if payload not in {b"NA", b"NaT"}:
+        _damage("malformed pandas missing value")
     pd = _pandas()
     return pd.NA if payload == b"NA" else pd.NaT
 

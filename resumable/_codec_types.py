@@ -5,7 +5,11 @@ NumPy buffers of :data:`OOB_MIN` bytes or more are not copied into the msgpack b
 the body holds a reference and the file carries the raw buffer after it (see _codec).
 Decoding never imports a module named in the data: classes (attrs, dataclass,
 pydantic, Enum) are looked up in ``sys.modules`` only, and pickles are refused unless
-allowed.
+allowed. Decoding calls nothing but the constructors of the kinds of value it knows: a
+class named in the data must be exactly the class of that name and of the recorded kind
+(an ``Enum`` subclass, an attrs, dataclass or pydantic class), every payload must have
+the shape its encoder writes, and anything else is refused as damage (:class:`Refused`),
+even when decoding for display.
 """
 
 from __future__ import annotations
@@ -55,6 +59,13 @@ class Unstorable(Exception):  # noqa: N818 - internal signal, never escapes the 
 
 class Undecodable(Exception):  # noqa: N818 - internal signal, never escapes the codec
     """Raised by the decoder for data it refuses or cannot turn back into a value."""
+
+
+class Refused(Undecodable):
+    """
+    The data names something the decoder must not construct, or has a shape no encoder
+    writes: damage or tampering, never shown as a stand-in.
+    """
 
 
 def qualified_name(tp: type) -> str:
@@ -118,21 +129,104 @@ class Encoder:
         return self.pickle_fallback(obj, "it has no msgpack encoding")
 
     def pickle_fallback(self, obj: object, why: str) -> msgpack.ExtType:
-        if _is_generator_like(obj):
-            msg = "generators and iterators cannot be stored: return a list instead"
-            raise Unstorable(obj, msg)
+        _refuse_resource(obj)
         if not self.allow_pickle:
             msg = f"{why} and allow_pickle=False forbids the cloudpickle fallback"
             raise Unstorable(obj, msg)
-        import cloudpickle  # noqa: PLC0415 - heavy, needed only for the fallback
-
         try:
-            data = cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            data = _pickle_checked(obj)
+        except Unstorable:
+            raise
         except Exception as exc:  # noqa: BLE001 - any pickling failure means "unstorable"
             msg = f"{why} and it cannot be pickled either ({type(exc).__name__}: {exc})"
             raise Unstorable(obj, msg) from None
         self.pickled = True
         return msgpack.ExtType(PICKLE, data)
+
+
+def _pickle_checked(obj: object) -> bytes:
+    """cloudpickle *obj*, refusing any OS resource inside it (it would come back as something else)."""
+    import io  # noqa: PLC0415 - only on the pickle fallback
+
+    import cloudpickle  # noqa: PLC0415 - heavy, needed only for the fallback
+
+    class Checked(cloudpickle.Pickler):  # type: ignore[misc]
+        def reducer_override(self, obj: object) -> Any:
+            _refuse_resource(obj)
+            return super().reducer_override(obj)
+
+    out = io.BytesIO()
+    Checked(out, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return out.getvalue()
+
+
+# Kinds of OS resources (module, class names, what they are): an output holding one cannot
+# be stored, and pickling would silently turn a file into a StringIO or fail obscurely.
+# Looked up in sys.modules only: if the module is not imported, no such object exists.
+_RESOURCES: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("io", ("IOBase",), "an open file"),
+    ("tempfile", ("_TemporaryFileWrapper", "SpooledTemporaryFile"), "an open file"),
+    ("socket", ("socket",), "a socket"),
+    ("_thread", ("LockType", "RLock"), "a lock"),
+    ("threading", ("Thread", "Condition", "Semaphore", "Event", "Barrier"), "a thread or a lock"),
+    ("multiprocessing.synchronize", ("SemLock", "Condition", "Event", "Barrier"), "a lock"),
+    ("multiprocessing.process", ("BaseProcess",), "a process"),
+    ("multiprocessing.connection", ("Connection",), "a pipe"),
+    ("sqlite3", ("Connection", "Cursor", "Blob"), "a database connection"),
+    (
+        "asyncio",
+        (
+            "Future",
+            "AbstractEventLoop",
+            "Handle",
+            "BaseTransport",
+            "StreamReader",
+            "StreamWriter",
+            "AbstractServer",
+        ),
+        "an asyncio object",
+    ),
+    ("asyncio", ("Lock", "Event", "Semaphore", "Condition", "Queue", "Barrier"), "an asyncio lock or queue"),
+    ("concurrent.futures", ("Executor", "Future"), "an executor or a future"),
+    ("mmap", ("mmap",), "a memory map"),
+    ("subprocess", ("Popen",), "a subprocess"),
+    ("selectors", ("BaseSelector",), "a selector"),
+)
+
+
+def _os_resource(obj: object) -> str | None:
+    """What kind of OS resource *obj* is (an open file, a socket, a lock ...), or None."""
+    if _is_generator_like(obj):
+        return "a generator or coroutine"
+    tp = type(obj)
+    for module, names, what in _RESOURCES:
+        mod = sys.modules.get(module)
+        if mod is None:
+            continue
+        classes = tuple(c for c in (getattr(mod, n, None) for n in names) if isinstance(c, type))
+        if classes and issubclass(tp, classes):
+            if module == "io" and issubclass(tp, (mod.StringIO, mod.BytesIO)):
+                return None  # in memory: stored like any other object
+            return what
+    # e.g. a connection of a database driver: it owns a file descriptor
+    if callable(getattr(tp, "fileno", None)) and callable(getattr(tp, "close", None)):
+        return "an object holding an OS handle (it has fileno() and close())"
+    return None
+
+
+def _refuse_resource(obj: object) -> None:
+    """Raise Unstorable if *obj* is an OS resource or a generator: it cannot be stored."""
+    what = _os_resource(obj)
+    if what is None:
+        return
+    if what.startswith("a generator"):
+        msg = "generators and iterators cannot be stored: return a list instead"
+    else:
+        msg = (
+            f"it is {what}, which lives only in the process that opened it and cannot be "
+            "stored: return the data it gives access to (a file's contents or path, query results ...)"
+        )
+    raise Unstorable(obj, msg)
 
 
 def _importable(tp: type) -> bool:
@@ -216,10 +310,12 @@ class Decoder:
         buffers: list[tuple[int, int]],
         *,
         allow_pickle: bool,
+        pickled: bool = False,
     ) -> None:
         self.data = data
         self.buffers = buffers
         self.allow_pickle = allow_pickle
+        self.pickled = pickled  # the header says the value holds pickles
         self.readonly = memoryview(data).readonly
 
     def unpack(self, body: bytes | memoryview) -> Any:
@@ -239,6 +335,8 @@ class Decoder:
         return decode(self, payload)
 
     def _pickle(self, payload: bytes) -> Any:
+        if not self.pickled:  # the encoder always declares its pickles: this one was slipped in
+            _damage("it holds a pickle its header does not declare")
         if not self.allow_pickle:
             _refuse("it holds a pickled value and pickles are not allowed (allow_pickle=False)")
         return pickle.loads(payload)  # noqa: S301 - allowed by the caller, checksummed/authenticated
@@ -251,20 +349,25 @@ class StandInDecoder(Decoder):
     """
 
     def ext_hook(self, code: int, payload: bytes) -> Any:
+        # Only a class that is not imported (or no longer exists) gets a stand-in; a class
+        # of the wrong kind is refused like any other damage.
         if code == OBJECT:
-            _, module, qualname, state = self.unpack(payload)
+            _, module, qualname, state = _fields(self, payload, (str, str, str, dict))
             try:
                 return _decode_object(self, payload)
+            except Refused:
+                raise
             except Undecodable:
-                fields = state if isinstance(state, dict) else {"state": state}
-                return {"__class__": f"{module}.{qualname}", **fields}
+                return {"__class__": f"{module}.{qualname}", **state}
         if code == ENUM:
-            module, qualname, value = self.unpack(payload)
+            module, qualname, value = _fields(self, payload, (str, str, object))
             try:
                 return _decode_enum(self, payload)
+            except Refused:
+                raise
             except Undecodable:
                 return {"__enum__": f"{module}.{qualname}", "value": value}
-        if code == PICKLE and not self.allow_pickle:
+        if code == PICKLE and self.pickled and not self.allow_pickle:
             return {"__pickled__": f"{len(payload)} bytes, not loaded (pickles are not allowed)"}
         return super().ext_hook(code, payload)
 
@@ -273,37 +376,92 @@ def _refuse(reason: str) -> NoReturn:
     raise Undecodable(reason)
 
 
-def _find_class(module: str, qualname: str, kind: str) -> Any:
-    """Look a class up among modules already imported; never import one."""
+def _damage(reason: str) -> NoReturn:
+    raise Refused(reason)
+
+
+FieldType = type | tuple[type, ...]
+
+
+def _fields(dec: Decoder, payload: bytes, types: tuple[FieldType, ...]) -> list[Any]:
+    """The payload's list of fields, refused unless it has exactly these types."""
+    fields = dec.unpack(payload)
+    if type(fields) is not list or len(fields) != len(types):
+        _damage(f"malformed value: expected {len(types)} fields, got a {type(fields).__name__}")
+    for value, tp in zip(fields, types, strict=True):
+        # bool is an int to isinstance, but no encoder writes one where an int belongs
+        if not isinstance(value, tp) or (tp is int and type(value) is bool):
+            _damage(f"malformed value: a {type(value).__name__} where {tp} belongs")
+    return fields
+
+
+def _attribute(obj: object, name: str) -> object:
+    """``obj.name`` read from the object's own namespace: no ``__getattr__``, no descriptor runs."""
+    try:
+        namespace = vars(obj)
+    except TypeError:
+        return None
+    return namespace.get(name)
+
+
+def _find_class(module: str, qualname: str, kind: str, is_kind: Callable[[type], bool]) -> Any:
+    """
+    Look the class ``module.qualname`` up among modules already imported (never import one)
+    and check that it is of *kind*.
+
+    Raises:
+        Undecodable: the module is not imported, or it has no such class any more.
+        Refused: the name leads to something that is not a class of *kind* (damage).
+    """
     mod = sys.modules.get(module)
-    obj: Any = mod
+    if mod is None:
+        _refuse(f"the stored value is a {module}.{qualname} ({kind}) but module {module!r} is not imported")
+    obj: object = mod
     for part in qualname.split("."):
-        obj = getattr(obj, part, None)
-    if mod is None or not isinstance(obj, type):
-        where = f"module {module!r} is not imported" if mod is None else "it no longer exists"
-        _refuse(f"the stored value is a {module}.{qualname} ({kind}) but {where}")
+        obj = _attribute(obj, part)
+    if obj is None:
+        _refuse(f"the stored value is a {module}.{qualname} ({kind}) but it no longer exists")
+    # The name must be the class's own: not a class reached through another module's
+    # attribute (``mymodule.subprocess.Popen``), nor a function or any other object.
+    if not (
+        isinstance(obj, type) and obj.__module__ == module and obj.__qualname__ == qualname and is_kind(obj)
+    ):
+        _damage(f"the stored value names {module}.{qualname}, which is not a {kind} class")
     return obj
 
 
-def _decode_path(kind: str, text: str) -> pathlib.PurePath:
-    path: pathlib.PurePath = _PATH_CLASSES[kind](text)
+def _is_enum(cls: type) -> bool:
+    return issubclass(cls, enum.Enum)
+
+
+def _decode_path(dec: Decoder, payload: bytes) -> pathlib.PurePath:
+    kind, text = _fields(dec, payload, (str, str))
+    cls = _PATH_CLASSES.get(kind)
+    if cls is None:
+        _damage(f"unknown kind of path {kind!r}")
+    path: pathlib.PurePath = cls(text)
     return path
 
 
 def _decode_enum(dec: Decoder, payload: bytes) -> Any:
-    module, qualname, value = dec.unpack(payload)
-    cls = _find_class(module, qualname, "Enum")
+    module, qualname, value = _fields(dec, payload, (str, str, object))
+    cls = _find_class(module, qualname, "Enum", _is_enum)
     try:
         return cls(value)
     except ValueError:
         _refuse(f"{module}.{qualname} has no member with value {value!r} any more")
 
 
+_OBJECT_KINDS = frozenset({"attrs", "dataclass", "pydantic"})
+
+
 def _decode_object(dec: Decoder, payload: bytes) -> Any:
-    kind, module, qualname, state = dec.unpack(payload)
-    cls = _find_class(module, qualname, kind)
-    if _object_kind_of_class(cls) != kind:
-        _refuse(f"{module}.{qualname} is no longer a {kind} class")
+    kind, module, qualname, state = _fields(dec, payload, (str, str, str, dict))
+    if kind not in _OBJECT_KINDS:
+        _damage(f"unknown kind of object {kind!r}")
+    cls = _find_class(module, qualname, kind, lambda c: _object_kind_of_class(c) == kind)
+    if not all(type(name) is str for name in state):
+        _damage(f"malformed state of a {module}.{qualname}: a field name that is not a str")
     obj = cls.__new__(cls)
     if kind == "pydantic":
         obj.__setstate__(state)
@@ -331,7 +489,7 @@ def _object_kind_of_class(cls: type) -> str | None:
 
 
 def _decode_when(dec: Decoder, payload: bytes, parse: Callable[[str], Any]) -> Any:
-    iso, key, fold = dec.unpack(payload)
+    iso, key, fold = _fields(dec, payload, (str, (str, type(None)), int))
     value = parse(iso)
     if key is not None:
         import zoneinfo  # noqa: PLC0415 - only for zone-aware values
@@ -346,6 +504,34 @@ def _codec_arrays() -> Any:
     return module
 
 
+def _sequence(make: Callable[[list[Any]], Any]) -> Callable[[Decoder, bytes], Any]:
+    """A decoder for a tuple, set or frozenset: its payload must be a list."""
+
+    def decode(dec: Decoder, payload: bytes) -> Any:
+        items = dec.unpack(payload)
+        if type(items) is not list:
+            _damage(f"malformed value: a {type(items).__name__} where a list belongs")
+        return make(items)
+
+    return decode
+
+
+def _decode_bigint(_dec: Decoder, payload: bytes) -> int:
+    if not payload.lstrip(b"-").isdigit():
+        _damage("malformed integer")
+    return int(payload)
+
+
+def _decode_timedelta(dec: Decoder, payload: bytes) -> dt.timedelta:
+    return dt.timedelta(*_fields(dec, payload, (int, int, int)))
+
+
+def _decode_uuid(_dec: Decoder, payload: bytes) -> uuid.UUID:
+    if len(payload) != 16:
+        _damage("malformed UUID")
+    return uuid.UUID(bytes=payload)
+
+
 def _arrays(name: str) -> Callable[[Decoder, bytes], Any]:
     """A decoder from _codec_arrays, imported when first used."""
 
@@ -357,17 +543,17 @@ def _arrays(name: str) -> Callable[[Decoder, bytes], Any]:
 
 
 _DECODERS: dict[int, Callable[[Decoder, bytes], Any]] = {
-    TUPLE: lambda dec, p: tuple(dec.unpack(p)),
-    SET: lambda dec, p: set(dec.unpack(p)),
-    FROZENSET: lambda dec, p: frozenset(dec.unpack(p)),
-    BIGINT: lambda _dec, p: int(p.decode()),
+    TUPLE: _sequence(tuple),
+    SET: _sequence(set),
+    FROZENSET: _sequence(frozenset),
+    BIGINT: _decode_bigint,
     DATETIME: lambda dec, p: _decode_when(dec, p, dt.datetime.fromisoformat),
     DATE: lambda _dec, p: dt.date.fromisoformat(p.decode()),
     TIME: lambda dec, p: _decode_when(dec, p, dt.time.fromisoformat),
-    TIMEDELTA: lambda dec, p: dt.timedelta(*dec.unpack(p)),
+    TIMEDELTA: _decode_timedelta,
     DECIMAL: lambda _dec, p: decimal.Decimal(p.decode()),
-    UUID: lambda _dec, p: uuid.UUID(bytes=p),
-    PATH: lambda dec, p: _decode_path(*dec.unpack(p)),
+    UUID: _decode_uuid,
+    PATH: _decode_path,
     COMPLEX: lambda _dec, p: complex(*struct.unpack("<dd", p)),
     ENUM: _decode_enum,
     OBJECT: _decode_object,
@@ -399,7 +585,7 @@ def find_path(root: object, target: object, name: str = "output") -> str:
     return name
 
 
-def _children(obj: object, path: str) -> list[tuple[object, str]]:
+def _children(obj: object, path: str) -> list[tuple[object, str]]:  # noqa: PLR0911 - one dispatch
     if isinstance(obj, dict):
         pairs = list(obj.items())
         return [(v, f"{path}[{k!r}]") for k, v in pairs] + [(k, f"{path} key {k!r}") for k, _ in pairs]
@@ -412,4 +598,7 @@ def _children(obj: object, path: str) -> list[tuple[object, str]]:
         return [(v, f"{path}.{k}") for k, v in _object_state(kind, obj).items()]
     if kind == "pydantic":
         return [(v, f"{path}.{k}") for k, v in dict(obj).items()]  # type: ignore[call-overload]
+    state = getattr(obj, "__dict__", None)  # a plain object, pickled with its attributes
+    if isinstance(state, dict) and not isinstance(obj, type):
+        return [(v, f"{path}.{k}") for k, v in state.items()]
     return []

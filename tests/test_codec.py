@@ -895,7 +895,7 @@ def test_changed_classes_are_refused(monkeypatch, tmp_path):
     assert (1, module.Level.HIGH) == (resumable.load(paths["record"]).a, resumable.load(paths["level"]))
     changes = {
         "fields of evolving.Record changed": dataclasses.make_dataclass("Record", ["a", "b"]),
-        "no longer a dataclass class": type("Record", (), {}),
+        "names evolving.Record, which is not a dataclass class": type("Record", (), {}),
     }
     found = []
     for expected, replacement in changes.items():
