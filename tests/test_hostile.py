@@ -13,6 +13,7 @@ import inspect
 import io
 import logging
 import mmap
+import os
 import pickle
 import select
 import socket
@@ -470,3 +471,67 @@ def test_in_memory_files_are_still_stored(state_dir: Path) -> None:
         produce()
     text, data = resumable.load(state_dir / "produce.msgpack")
     assert ("text", b"bytes") == (text.getvalue(), data.getvalue())
+
+
+# keys with surrogates -------------------------------------------------------------------
+
+SURROGATE_PROGRAM = """
+import os, sys
+from resumable import Pipeline
+
+pipe = Pipeline("names", state_dir=sys.argv[1])
+calls = []
+
+@pipe.step(key="{name}")
+def size(name):
+    calls.append(name)
+    return {"name": name, "bytes": os.fsencode(name)}
+
+with pipe:
+    names = sorted(os.listdir(sys.argv[2]))
+    values = [size(n) for n in names] + [size(n) for n in names]
+    run = pipe.status().steps
+print(len(calls), [v["bytes"] == os.fsencode(n) for v, n in zip(values, names * 2)].count(True))
+print(sorted(run))
+"""
+
+
+def test_keys_with_surrogates_are_stored_and_skipped(tmp_path: Path) -> None:
+    """A key from os.listdir() of a Latin-1 file name is stored, then skipped in the same and a fresh process."""
+    folder = tmp_path / "files"
+    folder.mkdir()
+    for raw in (b"caf\xe9", "café".encode(), b"caf%ED%B3%A9"):  # undecodable, its UTF-8 twin, its escape
+        (folder / os.fsdecode(raw)).write_text("x")
+    program = tmp_path / "names.py"
+    program.write_text(SURROGATE_PROGRAM)
+    state = tmp_path / "state"
+    runs = [
+        subprocess.run(
+            [sys.executable, str(program), str(state), str(folder)],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONUTF8": "0", "LC_ALL": "C.UTF-8"},
+        ).stdout.splitlines()
+        for _ in range(2)
+    ]
+    slots = "['size/caf%25%45%44%25%423%25%419', 'size/caf%C3%A9', 'size/caf%ED%B3%A9']"
+    assert [["3 6", slots], ["0 6", slots]] == runs
+    undecodable = os.fsdecode(b"caf\xe9")
+    shown = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "resumable",
+            "--state-dir",
+            os.fsencode(state),
+            "show",
+            "size",
+            "--key",
+            b"caf\xe9",
+        ],
+        capture_output=True,
+        check=True,
+    ).stdout
+    stored = resumable.load(state / "size" / "caf%ED%B3%A9.msgpack")
+    assert ({"name": undecodable, "bytes": b"caf\xe9"}, True) == (stored, b"caf\\xe9" in shown)
