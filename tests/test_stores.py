@@ -181,3 +181,68 @@ def test_local_lock_released_when_holder_dies(tmp_path: Path):
     )
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=False)
     LocalStore(tmp_path).lock({"pid": 0}).release()
+
+
+@pytest.mark.parametrize("code", [errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EMLINK])
+def test_local_copy_falls_back_to_a_copy_without_hard_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, code: int
+):
+    """Where a hard link cannot be made (another file system ...), copy makes a real, separate copy."""
+    store = LocalStore(tmp_path)
+    store.write("a.msgpack", [b"x" * 100_000], durable=True)
+    tried: list[str] = []
+
+    def no_link(src: str, dst: str, **kwargs: object) -> None:
+        tried.append(os.path.basename(src))
+        raise OSError(code, os.strerror(code), src, None, dst)
+
+    monkeypatch.setattr(os, "link", no_link)
+    store.copy("a.msgpack", ".resumable/objects/v1.msgpack", durable=True)
+    monkeypatch.undo()
+    kept = tmp_path / ".resumable" / "objects" / "v1.msgpack"
+    assert (["a.msgpack"], b"x" * 100_000) == (tried, kept.read_bytes())
+    assert (1, 1, 0o600) == (
+        (tmp_path / "a.msgpack").stat().st_nlink,
+        kept.stat().st_nlink,
+        stat.S_IMODE(kept.stat().st_mode),
+    )
+    assert [] == [p.name for p in kept.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_local_copy_other_link_errors_propagate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A link error that does not mean "no hard links here" (disk full) is raised, not hidden by a copy."""
+    store = LocalStore(tmp_path)
+    store.write("a.msgpack", [b"x"], durable=True)
+
+    def full(src: str, dst: str, **kwargs: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", src)
+
+    monkeypatch.setattr(os, "link", full)
+    with pytest.raises(OSError, match="No space left") as info:
+        store.copy("a.msgpack", "b.msgpack", durable=True)
+    assert (errno.ENOSPC, ["a.msgpack"]) == (info.value.errno, sorted(os.listdir(tmp_path)))
+
+
+def test_history_across_file_systems(state_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    """With link() failing with EXDEV, outputs are still kept by history and rolled back byte for byte."""
+
+    def cross_device(src: str, dst: str, **kwargs: object) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link", src, None, dst)
+
+    monkeypatch.setattr(os, "link", cross_device)
+    pipe = Pipeline("history", state_dir=state_dir)
+    outputs = iter(["first", "second"])
+
+    @pipe.step(version="1")
+    def produce(n: int) -> str:
+        return next(outputs)
+
+    with pipe:
+        produce(1)
+    first = (state_dir / "produce.msgpack").read_bytes()
+    with pipe:
+        produce(2)
+        pipe.snapshot("after")
+    with pipe:
+        pipe.rollback(1)
+    assert first == (state_dir / "produce.msgpack").read_bytes()

@@ -20,6 +20,9 @@ from . import Buffer
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _WRITE_MAX = 1 << 30  # bytes per write() call; Linux caps a single write just below 2 GiB
 _counter = itertools.count()
+# link() failing with these means "no hard links here" (another file system, one that has
+# none, or too many links): copy the bytes instead.
+_NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
 
 
 def _fsync_dir(path: str) -> None:
@@ -44,6 +47,19 @@ def _write_all(fd: int, chunks: Sequence[Buffer]) -> None:
         while view:
             written = os.write(fd, view[:_WRITE_MAX])
             view = view[written:]
+
+
+def _copy_with_reads(fd_in: int, fd_out: int) -> None:
+    os.lseek(fd_in, 0, os.SEEK_SET)
+    os.lseek(fd_out, 0, os.SEEK_SET)
+    os.ftruncate(fd_out, 0)
+    while data := os.read(fd_in, 1 << 20):
+        _write_all(fd_out, [data])
+
+
+def _open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
+    """Open *path* without following a symlink at its last component."""
+    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
 
 
 class _FileLock:
@@ -107,20 +123,51 @@ class LocalStore:
         self._replace(key, lambda fd: _write_all(fd, chunks), durable=durable)
 
     def copy(self, src: str, dst: str, *, durable: bool) -> None:
-        """Make *dst* the same file as *src*, atomically: a hard link, no bytes copied."""
+        """
+        Make *dst* the same file as *src*, atomically: a hard link, no bytes copied, where
+        the file system allows one; else a durable copy (written like :meth:`write`).
+        """
         target = self.path(dst)
         directory, name = os.path.split(target)
         tmp = os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")
         try:
-            os.link(self.path(src), tmp)
-        except FileNotFoundError:
-            if not os.path.exists(self.path(src)):
+            try:
+                os.link(self.path(src), tmp)
+            except FileNotFoundError:
+                if not os.path.exists(self.path(src)):
+                    raise
+                self._makedirs(directory, durable=durable)
+                os.link(self.path(src), tmp)
+        except OSError as exc:
+            if exc.errno not in _NO_LINK:
                 raise
-            self._makedirs(directory, durable=durable)
-            os.link(self.path(src), tmp)
+            self._copy_bytes(src, dst, durable=durable)
+            return
         os.replace(tmp, target)
         if durable:
             _fsync_dir(directory)
+
+    def _copy_bytes(self, src: str, dst: str, *, durable: bool) -> None:
+        """Copy *src* to *dst* through a temp file, fsync and rename (for when a link cannot be made)."""
+        source = self.path(src)
+        fd_in = _open_nofollow(source, os.O_RDONLY)
+
+        def fill(fd: int) -> None:
+            while True:
+                try:
+                    done = os.copy_file_range(fd_in, fd, 1 << 30)
+                except OSError as exc:  # not between these file systems (or not on this kernel)
+                    if exc.errno not in {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP}:
+                        raise
+                    _copy_with_reads(fd_in, fd)
+                    return
+                if not done:
+                    return
+
+        try:
+            self._replace(dst, fill, durable=durable)
+        finally:
+            os.close(fd_in)
 
     def _forget_append_fd(self, key: str) -> None:
         if key in self._append_fds:
