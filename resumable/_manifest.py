@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import attrs
@@ -154,6 +154,7 @@ _OPT_NUM: _Check = frozenset({int, float, _NONE})
 _BOOL: _Check = frozenset({bool})
 # a slot: a step name, or a step name and an encoded key; never a path that leaves the directory
 _SLOT = re.compile(r"[^./\\\x00-\x1f][^/\\\x00-\x1f]*(?:/[^./\\\x00-\x1f][^/\\\x00-\x1f]*)?")
+_SLOT_LINES = re.compile(f"(?:{_SLOT.pattern}\n)*")
 
 
 def _fits(check: _Check, value: object) -> bool:
@@ -164,13 +165,21 @@ def _fits(check: _Check, value: object) -> bool:
 
 def _record(fields: Mapping[str, _Check], required: tuple[str, ...]) -> Callable[[Any], bool]:
     """A predicate: a dict with the *required* keys, no others than *fields*, each fitting."""
+    # Type sets are checked inline (a manifest holds thousands of records), predicates called.
+    types = {k: c for k, c in fields.items() if isinstance(c, frozenset)}
+    predicates = {k: c for k, c in fields.items() if not isinstance(c, frozenset)}
 
     def check(data: object) -> bool:
         if type(data) is not dict or not all(key in data for key in required):
             return False
         for key, value in data.items():
-            fit = fields.get(key)
-            if fit is None or not _fits(fit, value):
+            allowed = types.get(key)
+            if allowed is not None:
+                if type(value) not in allowed:
+                    return False
+                continue
+            predicate = predicates.get(key)
+            if predicate is None or not predicate(value):
                 return False
         return True
 
@@ -178,17 +187,29 @@ def _record(fields: Mapping[str, _Check], required: tuple[str, ...]) -> Callable
 
 
 def _map_of(check: _Check) -> Callable[[Any], bool]:
-    return lambda data: (
-        type(data) is dict and all(type(k) is str and _fits(check, v) for k, v in data.items())
-    )
+    if isinstance(check, frozenset):
+        return lambda data: (
+            type(data) is dict and all(type(k) is str and type(v) in check for k, v in data.items())
+        )
+    return lambda data: type(data) is dict and all(type(k) is str and check(v) for k, v in data.items())
 
 
 def _slot(value: object) -> bool:
     return type(value) is str and _SLOT.fullmatch(value) is not None
 
 
+def _all_slots(values: Iterable[Any]) -> bool:
+    # one regex pass over them all, a line each (no slot holds a newline): far cheaper than
+    # a match per slot in a manifest of thousands
+    values = list(values)
+    if not all(type(v) is str for v in values):
+        return False
+    lines = "".join(v + "\n" for v in values)
+    return lines.count("\n") == len(values) and _SLOT_LINES.fullmatch(lines) is not None
+
+
 def _slots(value: object) -> bool:
-    return type(value) is list and all(_slot(v) for v in value)
+    return type(value) is list and _all_slots(value)
 
 
 def _strs(value: object) -> bool:
@@ -238,7 +259,7 @@ _MANIFEST: dict[str, _Check] = {
     "completed_steps": _slots,
     "last_update": _OPT_STR,
     "runs": _count,
-    "steps": lambda v: _STEPS(v) and all(_slot(k) for k in v),
+    "steps": lambda v: _STEPS(v) and _all_slots(v),
     "error": lambda v: v is None or _ERROR_RECORD(v),
     "batches": _map_of(_BATCH_RECORD),
     "code": _CODE,

@@ -26,6 +26,7 @@ BAD_EVENTS = [
     {"event": "run_finished", "status": "exploded"},
     {"event": "batch", "batch": "b", "progress": {"done": "1", "every": 2}},
     {"event": "rollback", "state": {"steps": []}},
+    {"event": "steps_reset", "slots": ["a", "b\nc"]},
     {"event": "no_such_event", "slot": "a"},
     {"slot": "a"},
     [1, 2, 3],
