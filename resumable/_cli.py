@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from . import _history, _render
 from ._codec import DamagedFileError, decode, parse_header, secret_bytes, verify
 from ._journal import read_state
-from ._pipeline import Pipeline, describe_slots
+from ._pipeline import Pipeline, describe_slots, read_checkpoints, snapshot
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, slot_id
 from ._stores import Store, open_store
 from ._verify import find_damage
@@ -214,12 +214,12 @@ def _reset(args: argparse.Namespace) -> int:
 def _history_cmd(args: argparse.Namespace) -> int:
     if args.limit < 0:
         raise UsageError(f"--limit must be 0 or more, got {args.limit}")
-    pipe = _pipeline(args, _state(args), keep_checkpoints=args.limit)
-    points = pipe.checkpoints()
+    store = _state(args)
+    points = read_checkpoints(store, secret=secret_bytes(None), newest=args.limit)
     if args.json:
         _out(json.dumps([_checkpoint_dict(c) for c in points], indent=2))
     else:
-        _out(_render.history(points, pipe.store.location))
+        _out(_render.history(points, store.location))
     return 0
 
 
@@ -246,7 +246,7 @@ def _rollback(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     import msgpack  # noqa: PLC0415 - only this command needs it here
 
-    state = _pipeline(args, _state(args)).save_state()
+    state = snapshot(_state(args))
     data = msgpack.packb(state, use_bin_type=True)
     path = os.path.abspath(args.output)
     tmp = f"{path}.{os.getpid()}.tmp"

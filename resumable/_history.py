@@ -258,7 +258,7 @@ def rollback(run: RunState, target: int | str) -> Checkpoint:
                 "or it was damaged"
             )
         msg = (
-            f"checkpoint {number} cannot be restored: {why}. Nothing was changed. Roll back to "
+            f"checkpoint {number} can no longer be restored: {why}. Nothing was changed. Roll back to "
             "one of the checkpoints `resumable history` (pipe.checkpoints()) lists: those can be restored."
         )
         raise ResumableError(msg)

@@ -373,18 +373,15 @@ class Pipeline:
         completed step, plus those made by :meth:`snapshot` (the newest
         ``keep_checkpoints`` of them).
 
-        Reading them takes no lock and writes nothing: it works while another process runs
-        the pipeline, and on a read-only state directory.
+        Raises:
+            StateLockedError: another process is running the pipeline (the command line's
+                ``resumable history`` reads them without the lock: :func:`read_checkpoints`).
         """
         from . import _history  # noqa: PLC0415 - imported when history is first used
 
-        run = self._run
-        if run is not None:
-            with run.journal.lock:
-                run.journal.flush(durable=False)
-                manifest = Manifest.from_dict(run.journal.manifest.to_dict())
-        else:
-            manifest = read_state(self.store, pipeline=self.name, secret=self.secret)
+        with self._maintenance() as run, run.journal.lock:
+            run.journal.flush(durable=False)
+            manifest = Manifest.from_dict(run.journal.manifest.to_dict())
         return _history.checkpoints(self.store, self.secret, self.keep_checkpoints, manifest)
 
     def snapshot(self, label: str) -> Checkpoint:
@@ -421,14 +418,13 @@ class Pipeline:
         The whole state (manifest, event log, outputs, kept versions) as plain data that
         msgpack can serialize: store it anywhere, give it to :meth:`load_state` later.
 
-        It takes no lock and writes nothing (but this process's own pending events): while
-        another process runs the pipeline, it is the state a kill at that moment would leave.
+        Raises:
+            StateLockedError: another process is running the pipeline (the command line's
+                ``resumable export`` copies the state without the lock: :func:`snapshot`).
         """
-        run = self._run
-        if run is not None:
-            with run.journal.lock:
-                run.journal.flush(durable=False)
-        return snapshot(self.store)
+        with self._maintenance() as run:
+            run.journal.flush(durable=False)
+            return snapshot(self.store)
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """
@@ -493,6 +489,17 @@ def _some(items: list[str], limit: int = 20) -> str:
 
 
 _LOCK_KEY = f"{INTERNAL_DIR}/lock"
+
+
+def read_checkpoints(store: Store, *, secret: bytes | None, newest: int) -> list[Checkpoint]:
+    """
+    The restorable checkpoints among the *newest*, read without the lock and writing nothing:
+    it works while another process runs the pipeline, and on a read-only directory.
+    """
+    from . import _history  # noqa: PLC0415 - imported when history is first used
+
+    manifest = read_state(store, secret=secret)
+    return _history.checkpoints(store, secret, newest, manifest)
 
 
 def snapshot(store: Store) -> dict[str, Any]:

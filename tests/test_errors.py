@@ -203,7 +203,7 @@ def test_rollback_to_a_damaged_output_says_so_and_the_hint_works(tmp_path: Path)
     outputs = {p.name: p.read_bytes() for p in state.glob("*.msgpack")}
     done = subprocess.run([*cli, "rollback", "2"], capture_output=True, text=True, check=False)
     expected = (
-        "resumable: checkpoint 2 cannot be restored: the output of s it needs was damaged, so no copy "
+        "resumable: checkpoint 2 can no longer be restored: the output of s it needs was damaged, so no copy "
         "of it was kept when it was recomputed. Nothing was changed. Roll back to one of the "
         "checkpoints `resumable history` (pipe.checkpoints()) lists: those can be restored.\n"
     )
