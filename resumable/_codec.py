@@ -391,9 +391,12 @@ def secret_bytes(secret: str | bytes | None) -> bytes | None:
     return secret
 
 
-def read_file(path: str | os.PathLike[str]) -> bytearray:
-    """Read a whole file into a fresh writable buffer (arrays decoded from it are writable)."""
-    return read_file_stamped(path)[0]
+def read_file(path: str | os.PathLike[str], *, nofollow: bool = False) -> bytearray:
+    """
+    Read a whole file into a fresh writable buffer (arrays decoded from it are writable);
+    with *nofollow*, a symbolic link is not followed (``OSError`` ELOOP).
+    """
+    return read_file_stamped(path, nofollow=nofollow)[0]
 
 
 Stamp = tuple[int, int, int, int, int]
@@ -404,9 +407,9 @@ def stamp_of(st: os.stat_result) -> Stamp:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def read_file_stamped(path: str | os.PathLike[str]) -> tuple[bytearray, Stamp]:
+def read_file_stamped(path: str | os.PathLike[str], *, nofollow: bool = False) -> tuple[bytearray, Stamp]:
     """:func:`read_file`, also returning the stamp of the version read."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0))
     try:
         st = os.fstat(fd)
         size = st.st_size

@@ -7,8 +7,10 @@ of itself, fills up, or is shared with forked workers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import enum
+import errno
 import inspect
 import io
 import logging
@@ -16,6 +18,7 @@ import mmap
 import os
 import pickle
 import select
+import signal
 import socket
 import sqlite3
 import subprocess
@@ -30,7 +33,16 @@ import msgpack
 import pytest
 
 import resumable
-from resumable import Pipeline, ResumableWarning, SerializationError, _codec, _codec_types
+from resumable import (
+    Pipeline,
+    ResumableWarning,
+    SerializationError,
+    StateDirectoryError,
+    StateLockedError,
+    UsageError,
+    _codec,
+    _codec_types,
+)
 from resumable._codec_types import (
     _RESERVED,
     BIGINT,
@@ -58,6 +70,7 @@ from resumable._codec_types import (
     TUPLE,
     UUID,
 )
+from resumable._stores._local import LocalStore
 
 SENTINELS = "hostile_sentinels"
 
@@ -535,3 +548,265 @@ def test_keys_with_surrogates_are_stored_and_skipped(tmp_path: Path) -> None:
     ).stdout
     stored = resumable.load(state / "size" / "caf%ED%B3%A9.msgpack")
     assert ({"name": undecodable, "bytes": b"caf\xe9"}, True) == (stored, b"caf\\xe9" in shown)
+
+
+# symbolic links, hard links and traversal -----------------------------------------------
+
+
+def _precious(tmp_path: Path) -> Path:
+    precious = tmp_path / "precious.txt"
+    precious.write_text("precious\n")
+    return precious
+
+
+def _run_once(state_dir: Path) -> None:
+    pipe = Pipeline("links", state_dir=state_dir)
+
+    @pipe.step
+    def produce() -> int:
+        return 1
+
+    with pipe:
+        produce()
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+@pytest.mark.parametrize("target", [".resumable/lock", "events.jsonl"])
+def test_linked_lock_and_log_are_refused(tmp_path: Path, link: str, target: str) -> None:
+    """A lock file or event log that links to a file elsewhere is refused, naming it; the target is untouched."""
+    state_dir = tmp_path / "state"
+    _run_once(state_dir)
+    precious = _precious(tmp_path)
+    planted = state_dir / target
+    planted.unlink()
+    if link == "symlink":
+        planted.symlink_to(precious)
+    else:
+        os.link(precious, planted)
+    with contextlib.ExitStack() as stack:
+        if (link, target) == ("hardlink", "events.jsonl"):  # read (harmless), not appended to
+            stack.enter_context(pytest.warns(ResumableWarning, match="skipped 1 line"))
+        info = stack.enter_context(pytest.raises(StateDirectoryError))
+        _run_once(state_dir)
+    what = "a symbolic link" if link == "symlink" else "a hard link to another file"
+    assert (f"{planted} is {what}", "precious\n") == (
+        str(info.value).split(": ", 1)[1].split(",")[0].split(" which")[0],
+        precious.read_text(),
+    )
+
+
+def test_store_never_follows_links_out(tmp_path: Path) -> None:
+    """Reads, writes, deletes and listings do not go through a symbolic link out of the state directory."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "1.msgpack").write_bytes(b"outside")
+    store = LocalStore(tmp_path / "state")
+    store.write("a.msgpack", [b"ours"], durable=False)
+    (tmp_path / "state" / "fetch").symlink_to(outside)
+    (tmp_path / "state" / "b.msgpack").symlink_to(outside / "1.msgpack")
+    refused = []
+    for action in (
+        lambda: store.delete("fetch/1.msgpack", durable=True),
+        lambda: store.write("fetch/2.msgpack", [b"x"], durable=True),
+        lambda: store.append("fetch/log", b"x", durable=True),
+        lambda: store.copy("a.msgpack", "fetch/3.msgpack", durable=True),
+        lambda: store.read("b.msgpack"),
+        lambda: store.read_range("b.msgpack", 0),
+    ):
+        with pytest.raises(StateDirectoryError) as info:
+            action()
+        refused.append(info.value.errno)
+    assert [errno.ELOOP] * 6 == refused
+    assert (["1.msgpack"], b"outside") == (os.listdir(outside), (outside / "1.msgpack").read_bytes())
+    assert (["a.msgpack", "b.msgpack", "fetch"], []) == (sorted(store.list()), store.list("fetch/"))
+    store.delete("b.msgpack", durable=True)  # the link itself goes, not what it points to
+    assert (b"outside", False) == (
+        (outside / "1.msgpack").read_bytes(),
+        (tmp_path / "state" / "b.msgpack").exists(),
+    )
+
+
+@pytest.mark.parametrize(
+    "key", ["../precious.msgpack", "/etc/passwd", "a/../../x", "./a", "a//b", "a/./b", "a\x00"]
+)
+def test_store_refuses_keys_that_leave_it(tmp_path: Path, key: str) -> None:
+    """Keys with '..', '.' or empty components, absolute keys and NUL bytes are refused by the store."""
+    store = LocalStore(tmp_path / "state")
+    precious = _precious(tmp_path)
+    errors = []
+    for action in (
+        lambda: store.read(key),
+        lambda: store.write(key, [b"x"], durable=False),
+        lambda: store.delete(key, durable=False),
+        lambda: store.append(key, b"x", durable=False),
+    ):
+        with pytest.raises(UsageError, match="is not a key inside the store") as info:
+            action()
+        errors.append(isinstance(info.value, ValueError))
+    assert ([True] * 4, "precious\n") == (errors, precious.read_text())
+
+
+# a full disk -----------------------------------------------------------------------------
+
+
+def test_appends_go_on_after_short_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An append whose write() calls write a few bytes each is completed, not cut short."""
+    store = LocalStore(tmp_path)
+    real_write = os.write
+    calls: list[int] = []
+
+    def short(fd: int, data: bytes) -> int:
+        calls.append(fd)
+        return real_write(fd, bytes(data[:3]))
+
+    monkeypatch.setattr(os, "write", short)
+    store.append("events.jsonl", b'{"event": "one"}\n', durable=True)
+    store.append("events.jsonl", b'{"event": "two"}\n', durable=False)
+    monkeypatch.undo()
+    assert (12, b'{"event": "one"}\n{"event": "two"}\n') == (
+        len(calls),
+        (tmp_path / "events.jsonl").read_bytes(),
+    )
+
+
+@pytest.mark.parametrize("failure", ["ENOSPC", "no progress"])
+def test_full_disk_errors_name_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """Disk full in an append, a write or a header-last write: the OSError names the file written."""
+    store = LocalStore(tmp_path)
+    store.append("events.jsonl", b"old\n", durable=True)
+    store.write("a.msgpack", [b"old"], durable=True)
+    real_write = os.write
+
+    def full(fd: int, data: bytes) -> int:
+        if failure == "ENOSPC":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, b"") if len(data) else 0
+
+    monkeypatch.setattr(os, "write", full)
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: full(fd, data))
+    errors = []
+    for key, action in (
+        ("events.jsonl", lambda: store.append("events.jsonl", b"new line\n", durable=True)),
+        ("a.msgpack", lambda: store.write("a.msgpack", [b"new"], durable=True)),
+        ("a.msgpack", lambda: store.write_header_last("a.msgpack", 2, [b"new"], lambda: b"hd", durable=True)),
+    ):
+        with pytest.raises(OSError, match="No space left on device") as info:
+            action()
+        errors.append((info.value.errno, info.value.filename))
+    monkeypatch.undo()
+    assert [
+        (errno.ENOSPC, str(tmp_path / key)) for key in ("events.jsonl", "a.msgpack", "a.msgpack")
+    ] == errors
+    assert (b"old", ["a.msgpack", "events.jsonl"]) == (
+        (tmp_path / "a.msgpack").read_bytes(),
+        sorted(os.listdir(tmp_path)),
+    )
+
+
+def test_a_step_whose_output_cannot_be_written_reports_the_output(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The disk fills while a step's output is written: the error names the output file; the old output stays."""
+    pipe = Pipeline("full", state_dir=state_dir)
+    outputs = iter(["first", "second"])
+
+    @pipe.step(version="1")
+    def produce(n: int) -> str:
+        return next(outputs)
+
+    with pipe:
+        produce(1)
+    real_write = os.write
+    written: dict[int, str] = {}
+    real_open = os.open
+
+    def tracking_open(path: str, flags: int, mode: int = 0o777, **kwargs: Any) -> int:
+        fd = real_open(path, flags, mode, **kwargs)
+        written[fd] = os.fspath(path)
+        return fd
+
+    def full(fd: int, data: bytes) -> int:
+        if ".produce.msgpack." in written.get(fd, ""):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "open", tracking_open)
+    monkeypatch.setattr(os, "write", full)
+    with pipe, pytest.raises(OSError, match="No space left on device") as info:
+        produce(2)
+    monkeypatch.undo()
+    assert (str(state_dir / "produce.msgpack"), "first", "failed") == (
+        info.value.filename,
+        resumable.load(state_dir / "produce.msgpack"),
+        pipe.status().steps["produce"].status,
+    )
+
+
+# the run lock and forked workers ------------------------------------------------------
+
+FORKING_HOLDER = """
+import os, sys, time
+from resumable._stores._local import LocalStore
+
+lock = LocalStore(sys.argv[1]).lock({"pid": os.getpid()})
+if sys.argv[2] == "pool":
+    import concurrent.futures, multiprocessing
+    pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
+    child = pool.submit(os.getpid).result()
+    pool.submit(time.sleep, 120)
+else:
+    child = os.fork()
+    if child == 0:
+        time.sleep(120)
+        os._exit(0)
+print(child, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("how", ["fork", "pool"])
+def test_forked_workers_do_not_keep_the_lock(tmp_path: Path, how: str) -> None:
+    """After SIGKILL of a lock holder, its forked children (still alive) do not block the next run."""
+    program = tmp_path / "holder.py"
+    program.write_text(FORKING_HOLDER)
+    state = tmp_path / "state"
+    parent = subprocess.Popen(
+        [sys.executable, str(program), str(state), how], stdout=subprocess.PIPE, text=True
+    )
+    child = 0
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        with pytest.raises(StateLockedError):
+            LocalStore(state).lock({"pid": os.getpid()})  # the parent holds it while it lives
+        parent.kill()
+        parent.wait()
+        os.kill(child, 0)  # the child is still alive
+        lock = LocalStore(state).lock({"pid": os.getpid()})
+        lock.release()
+    finally:
+        parent.kill()
+        parent.wait()
+        if parent.stdout is not None:
+            parent.stdout.close()
+        if child:
+            os.kill(child, signal.SIGKILL)
+    assert -signal.SIGKILL == parent.returncode
+
+
+def test_a_forked_child_releasing_does_not_unlock_the_parent(tmp_path: Path) -> None:
+    """release() in a forked child is a no-op: the parent still holds the lock afterwards."""
+    held = LocalStore(tmp_path).lock({"pid": os.getpid()})
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child exits at once
+        held.release()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    try:
+        with pytest.raises(StateLockedError):
+            LocalStore(tmp_path).lock({"pid": 0})
+    finally:
+        held.release()
+    assert 0 == status

@@ -63,6 +63,30 @@ class Store(Protocol):
         """Take the store's run lock for *holder* (pid, host, since ...)."""
 
 
+def check_key(key: str, location: str) -> str:
+    """
+    Return *key* if it is a relative path inside the store; raise otherwise.
+
+    Keys come from the library (slots are encoded so that they cannot leave the state),
+    but a second line of defence refuses any key that could: an absolute path, a ``.`` or
+    ``..`` component, an empty component (a trailing ``/`` marks a prefix and is allowed),
+    or a NUL byte.
+
+    Raises:
+        UsageError: it is not such a key.
+    """
+    *dirs, name = key.split("/")
+    if key.startswith("/") or "\x00" in key or name in {".", ".."} or any(p in {"", ".", ".."} for p in dirs):
+        from ..exceptions import UsageError  # noqa: PLC0415 - only on this error path
+
+        msg = (
+            f"{key!r} is not a key inside the store {location}: keys are relative paths with no "
+            "'.' or '..' component"
+        )
+        raise UsageError(msg)
+    return key
+
+
 def open_store(
     location: str | os.PathLike[str] | Store,
     storage_options: Mapping[str, Any] | None = None,

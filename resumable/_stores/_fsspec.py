@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..exceptions import ResumableError
-from . import Buffer
+from . import Buffer, check_key
 from ._lease import LEASE_KEY, Lease, LeaseConflict, ttl_from_env
 from ._segments import SEGMENTS, Index, Segment, SegmentedLogs, named_error
 
@@ -105,7 +105,7 @@ class FsspecStore(SegmentedLogs):
     # paths ------------------------------------------------------------------------------
 
     def _path(self, key: str) -> str:
-        return self._prefix + key
+        return self._prefix + check_key(key, self.location)
 
     def _where(self, key: str) -> str:
         return f"{self.location}/{key}"

@@ -1,4 +1,13 @@
-"""The local directory store: temp file, fsync, rename, directory fsync."""
+"""
+The local directory store: temp file, fsync, rename, directory fsync.
+
+Nothing in the state directory is followed out of it: state files are opened with
+``O_NOFOLLOW``, the lock file and the event log must be plain files with one link, a
+write, append, copy or delete refuses a key whose directories include a symbolic link,
+and listing never descends into one. The run lock is a ``flock`` that forked children
+(process-pool workers) give up at once, so a run killed with its workers still alive
+never blocks the next one.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +17,15 @@ import fcntl
 import itertools
 import json
 import os
+import stat
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._codec import Stamp, read_file, read_file_stamped, stamp_of
 from .._slots import INTERNAL_DIR
-from ..exceptions import StateLockedError
-from . import Buffer
+from ..exceptions import StateDirectoryError, StateLockedError
+from . import Buffer, check_key
 
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _WRITE_MAX = 1 << 30  # bytes per write() call; Linux caps a single write just below 2 GiB
@@ -27,9 +37,11 @@ _NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP,
 
 def _fsync_dir(path: str) -> None:
     # fsync the directory too, or the rename can be lost on power failure.
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        raise _with_path(exc, path) from exc
     finally:
         os.close(fd)
 
@@ -42,11 +54,23 @@ def _with_path(exc: OSError, path: str) -> OSError:
 
 
 def _write_all(fd: int, chunks: Sequence[Buffer]) -> None:
+    """Write every byte of *chunks*, going on after short writes; complete or raise."""
     for chunk in chunks:
         view = memoryview(chunk).cast("B")
         while view:
             written = os.write(fd, view[:_WRITE_MAX])
+            if written <= 0:  # no progress: the disk is full (a regular file never returns 0 else)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             view = view[written:]
+
+
+def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.pwrite(fd, view, offset)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view, offset = view[written:], offset + written
 
 
 def _copy_with_reads(fd_in: int, fd_out: int) -> None:
@@ -62,15 +86,35 @@ def _open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
 
 
+# Descriptors of the run locks this process holds. A forked child shares their open file
+# description, and a flock lasts while any process has it open: the child closes its copies
+# at once, so orphaned workers of a killed run do not keep the state directory locked.
+_held_locks: set[int] = set()
+
+
+def _drop_inherited_locks() -> None:
+    # Runs in the child right after fork, when it has one thread: no lock may be taken here.
+    for fd in tuple(_held_locks):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held_locks.clear()
+
+
+os.register_at_fork(after_in_child=_drop_inherited_locks)
+
+
 class _FileLock:
     def __init__(self, fd: int) -> None:
         self._fd: int | None = fd
+        self._pid = os.getpid()
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
-        if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+        if fd is None or os.getpid() != self._pid:
+            return  # a forked child: its copy is closed already, and unlocking would free the parent's
+        _held_locks.discard(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 class LocalStore:
@@ -87,7 +131,52 @@ class LocalStore:
 
     def path(self, key: str) -> str:
         """The file path of *key* (keys use "/", as does every POSIX system)."""
-        return f"{self.root}/{key}"
+        return f"{self.root}/{check_key(key, self.root)}"
+
+    def _linked(self, path: str, what: str = "a symbolic link") -> StateDirectoryError:
+        problem = (
+            f"{path} is {what}, which resumable does not follow inside a state directory "
+            "(it could make it read or write files elsewhere); remove it"
+        )
+        return StateDirectoryError(self.root, problem, errno=errno.ELOOP)
+
+    def _linked_dir(self, key: str) -> str | None:
+        """The first directory on the way to *key* that is a symbolic link, if any."""
+        path = self.root
+        for part in key.split("/")[:-1]:
+            path = f"{path}/{part}"
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                return None  # created as a real directory when written
+            if stat.S_ISLNK(st.st_mode):
+                return path
+        return None
+
+    def _check_dirs(self, key: str) -> None:
+        """Refuse to change anything under *key* if one of its directories is a symbolic link."""
+        linked = self._linked_dir(key)
+        if linked is not None:
+            raise self._linked(linked)
+
+    def _open_own(self, path: str, flags: int) -> int:
+        """
+        Open a state file that is changed in place (the lock, the event log): never through a
+        symbolic link, and only a plain file with no other name (a hard link to a file
+        elsewhere would be truncated or appended to).
+        """
+        try:
+            fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._linked(path) from None
+            raise
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            os.close(fd)
+            what = "not a plain file" if not stat.S_ISREG(st.st_mode) else "a hard link to another file"
+            raise self._linked(path, what)
+        return fd
 
     def _makedirs(self, directory: str, *, durable: bool) -> None:
         missing = []
@@ -103,18 +192,37 @@ class LocalStore:
                 _fsync_dir(os.path.dirname(d))
 
     def read(self, key: str) -> bytearray:
-        return read_file(self.path(key))
+        path = self.path(key)
+        try:
+            return read_file(path, nofollow=True)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._linked(path) from None
+            raise
 
     def read_stamped(self, key: str) -> tuple[bytearray, Stamp]:
         """The object and the stamp of the version read (see :meth:`stamp`)."""
-        return read_file_stamped(self.path(key))
+        path = self.path(key)
+        try:
+            return read_file_stamped(path, nofollow=True)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._linked(path) from None
+            raise
 
     def stamp(self, key: str) -> Stamp:
         """What identifies the current version of *key*; raises FileNotFoundError."""
         return stamp_of(os.stat(self.path(key)))
 
     def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
-        with open(self.path(key), "rb") as f:
+        path = self.path(key)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._linked(path) from None
+            raise
+        with open(fd, "rb") as f:
             f.seek(start)
             return f.read(-1 if end is None else max(0, end - start))
 
@@ -128,16 +236,18 @@ class LocalStore:
         the file system allows one; else a durable copy (written like :meth:`write`).
         """
         target = self.path(dst)
+        self._check_dirs(src)
+        self._check_dirs(dst)
         directory, name = os.path.split(target)
         tmp = os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")
         try:
             try:
-                os.link(self.path(src), tmp)
+                os.link(self.path(src), tmp, follow_symlinks=False)
             except FileNotFoundError:
-                if not os.path.exists(self.path(src)):
+                if not os.path.lexists(self.path(src)):
                     raise
                 self._makedirs(directory, durable=durable)
-                os.link(self.path(src), tmp)
+                os.link(self.path(src), tmp, follow_symlinks=False)
         except OSError as exc:
             if exc.errno not in _NO_LINK:
                 raise
@@ -150,7 +260,12 @@ class LocalStore:
     def _copy_bytes(self, src: str, dst: str, *, durable: bool) -> None:
         """Copy *src* to *dst* through a temp file, fsync and rename (for when a link cannot be made)."""
         source = self.path(src)
-        fd_in = _open_nofollow(source, os.O_RDONLY)
+        try:
+            fd_in = _open_nofollow(source, os.O_RDONLY)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._linked(source) from None
+            raise
 
         def fill(fd: int) -> None:
             while True:
@@ -199,21 +314,26 @@ class LocalStore:
             if len(data) != head_len:  # pragma: no cover - the codec guarantees it
                 msg = f"header of {len(data)} bytes, expected {head_len}"
                 raise ValueError(msg)
-            os.pwrite(fd, data, 0)
+            _pwrite_all(fd, data, 0)
 
         self._replace(key, fill, durable=durable)
 
     def _replace(self, key: str, fill: Callable[[int], None], *, durable: bool) -> None:
         """Write a temp file with *fill*, fsync it, rename it over *key*, fsync the directory."""
         target = self.path(key)
+        self._check_dirs(key)
         directory, name = os.path.split(target)
         tmp = os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")
+        # O_EXCL: never opens an existing file, nor follows a symbolic link planted there
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            fd = os.open(tmp, flags, 0o600)
-        except FileNotFoundError:
-            self._makedirs(directory, durable=durable)
-            fd = os.open(tmp, flags, 0o600)
+            try:
+                fd = os.open(tmp, flags, 0o600)
+            except FileNotFoundError:
+                self._makedirs(directory, durable=durable)
+                fd = os.open(tmp, flags, 0o600)
+        except OSError as exc:
+            raise _with_path(exc, target) from exc
         try:
             try:
                 fill(fd)
@@ -234,21 +354,29 @@ class LocalStore:
             _fsync_dir(directory)
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:
+        """Append all of *data* or raise (an ``OSError`` naming the file)."""
+        path = self.path(key)
         with self._fd_lock:
             fd = self._append_fds.get(key)
-            if fd is None:
-                path = self.path(key)
-                flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
-                try:
-                    fd = os.open(path, flags, 0o600)
-                except FileNotFoundError:
-                    self._makedirs(os.path.dirname(path), durable=durable)
-                    fd = os.open(path, flags, 0o600)
-                self._append_fds[key] = fd
-            # one write() per record: O_APPEND keeps concurrent appenders from interleaving
-            os.write(fd, data)
-            if durable:
-                os.fsync(fd)
+            try:
+                if fd is None:
+                    self._check_dirs(key)
+                    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+                    try:
+                        fd = self._open_own(path, flags)
+                    except FileNotFoundError:
+                        self._makedirs(os.path.dirname(path), durable=durable)
+                        fd = self._open_own(path, flags)
+                    self._append_fds[key] = fd
+                # O_APPEND keeps concurrent appenders from interleaving within one write();
+                # a short write (disk full) goes on where it stopped, or raises
+                _write_all(fd, [data])
+                if durable:
+                    os.fsync(fd)
+            except OSError as exc:
+                if isinstance(exc, StateDirectoryError):
+                    raise
+                raise _with_path(exc, path) from exc
 
     def close_appends(self) -> None:
         """Close the event-log descriptors kept open between appends."""
@@ -259,6 +387,7 @@ class LocalStore:
 
     def delete(self, key: str, *, durable: bool) -> None:
         path = self.path(key)
+        self._check_dirs(key)  # never deletes through a linked directory, out of the state
         self._forget_append_fd(key)
         try:
             os.unlink(path)
@@ -289,6 +418,8 @@ class LocalStore:
     def list(self, prefix: str = "") -> list[str]:
         base = prefix.rpartition("/")[0]
         start = self.path(base) if base else self.root
+        if base and self._linked_dir(f"{base}/") is not None:
+            return []  # the prefix leads out of the state directory: nothing of ours is there
         keys: list[str] = []
         stack = [(start, base)]
         while stack:
@@ -311,25 +442,34 @@ class LocalStore:
 
     def lock(self, holder: Mapping[str, Any]) -> _FileLock:
         path = self.path(_LOCK_FILE)
+        self._check_dirs(_LOCK_FILE)
         self._makedirs(os.path.dirname(path), durable=False)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = self._open_own(path, os.O_RDWR | os.O_CREAT)
+        _held_locks.add(fd)  # before flock: a fork right after it must not keep the lock
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
+            _held_locks.discard(fd)
             os.close(fd)
             if exc.errno not in {errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES}:
-                raise
+                raise _with_path(exc, path) from exc
             raise StateLockedError(self.location, self._holder(path)) from None
         # The kernel drops a flock when its process dies, so a crash never blocks the next run.
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(dict(holder)).encode(), 0)
-        return _FileLock(fd)
+        lock = _FileLock(fd)
+        try:
+            os.ftruncate(fd, 0)
+            _pwrite_all(fd, json.dumps(dict(holder)).encode(), 0)
+        except OSError as exc:
+            lock.release()
+            raise _with_path(exc, path) from exc
+        return lock
 
     @staticmethod
     def _holder(path: str) -> dict[str, Any] | None:
         try:
-            with open(path, encoding="utf-8") as f:
-                info = json.load(f)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            with open(fd, encoding="utf-8") as f:
+                info = json.loads(f.read(64 * 1024))
         except (OSError, ValueError):
             return None
         return info if isinstance(info, dict) else None
