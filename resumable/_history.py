@@ -14,6 +14,7 @@ pruned when a run closes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -55,12 +56,24 @@ def object_key(file: str) -> str:
 
 
 def copy_object(store: Store, src: str, dst: str, *, durable: bool) -> None:
-    """Make *dst* an exact copy of *src*, atomically (a hard link where the store can)."""
+    """
+    Make *dst* an exact copy of *src*, atomically (a hard link where the store can; a
+    store's ``copy`` that cannot link across file systems falls back to reading and writing).
+    """
     copy = getattr(store, "copy", None)
     if copy is not None:
-        copy(src, dst, durable=durable)
-    else:
-        store.write(dst, [store.read(src)], durable=durable)
+        try:
+            copy(src, dst, durable=durable)
+        except OSError as exc:
+            if exc.errno not in _NO_LINK:
+                raise
+        else:
+            return
+    store.write(dst, [store.read(src)], durable=durable)
+
+
+# copy() errors that mean "cannot link here" (a custom store's copy may make hard links)
+_NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
 
 
 def keep_version(store: Store, slot: str, file: str | None, *, durable: bool) -> None:
