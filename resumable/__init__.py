@@ -23,19 +23,21 @@ from .exceptions import (
     StateDirectoryError,
     StateFormatError,
     StateLockedError,
+    StepChangedError,
     StepDefinitionError,
     StepInterruptedError,
     UsageError,
 )
 
 if _typing.TYPE_CHECKING:
-    from ._batch import RowFailure, checkpointed, checkpointed_map
+    from ._batch import Checkpointed, RowFailure, checkpointed, checkpointed_map
     from ._history import Checkpoint
 
 __version__ = "0.1.0"
 # Imported on first use: most scripts never need them, and `import resumable` stays cheap.
 _LAZY = {
     "Checkpoint": "._history",
+    "Checkpointed": "._batch",
     "RowFailure": "._batch",
     "checkpointed": "._batch",
     "checkpointed_map": "._batch",
@@ -44,6 +46,7 @@ _LAZY = {
 __all__ = [
     "BatchRecord",
     "Checkpoint",
+    "Checkpointed",
     "DamagedStateError",
     "ErrorRecord",
     "FingerprintError",
@@ -59,6 +62,7 @@ __all__ = [
     "StateFormatError",
     "StateLockedError",
     "Step",
+    "StepChangedError",
     "StepDefinitionError",
     "StepInterruptedError",
     "StepRecord",

@@ -9,17 +9,16 @@ its ``name=``, and its chunks stay until the state is reset. How chunks are stor
 
 from __future__ import annotations
 
-import contextvars
 import inspect
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
 
 from ._batch_exec import (
     DEFAULT_CONCURRENCY,
+    Checkpointed,
     Job,
     Progress,
     run_async,
-    run_each,
     run_executor,
     run_sequential,
     workers_of,
@@ -27,28 +26,28 @@ from ._batch_exec import (
 from ._batch_input import Source
 from ._batch_ledger import DamagedChunksError, Ledger, RowFailure, Where
 from ._context import current_pipeline
-from ._execute import Execution, current_execution
+from ._execute import current_execution
 from ._slots import batch_dir, check_name
 from ._step import _disabled
-from .exceptions import ResumableError, StepDefinitionError
+from .exceptions import ResumableError, StepDefinitionError, UsageError
 
 if TYPE_CHECKING:
     from concurrent.futures import Executor
 
-__all__ = ["RowFailure", "checkpointed", "checkpointed_map"]
+__all__ = ["Checkpointed", "RowFailure", "checkpointed", "checkpointed_map"]
 
 T = TypeVar("T")
 R = TypeVar("R")
 
-# How many unnamed batches the running step has started (they are told apart by order).
-_ordinal: contextvars.ContextVar[tuple[Execution, int] | None] = contextvars.ContextVar(
-    "resumable_batch_ordinal", default=None
-)
-
 
 def checkpointed(
-    items: Iterable[T], *, every: int = 100, name: str | None = None, progress: bool | None = None
-) -> Iterator[T]:
+    items: Iterable[T],
+    *,
+    every: int = 100,
+    name: str | None = None,
+    progress: bool | None = None,
+    state: dict[str, Any] | None = None,
+) -> Checkpointed[T]:
     """
     Iterate over the items not done yet, committing progress every *every* items.
 
@@ -60,17 +59,38 @@ def checkpointed(
         for row in checkpointed(rows, every=500):
             db.insert(row)
 
+    Items done by an earlier run never reach the loop body again, so anything the body
+    accumulates (a counter, a total) must live in *state*: a dict committed with every
+    chunk and restored on resume, as ``.state`` of the returned iterator::
+
+        loop = checkpointed(rows, every=500, state={"sent": 0, "errors": 0})
+        for row in loop:
+            ...
+            loop.state["sent"] += 1
+
+    Its values must be storable without pickle where pickle is off (numbers, strings,
+    lists, dicts ...); keep it small: it is written with every chunk.
+
     Inside a step the batch belongs to the step; outside, pass *name*. A progress bar is
     shown on a terminal (see :func:`checkpointed_map` for *progress*).
 
     Raises:
         ResumableError: outside a step without *name*, or *name* is not a valid name.
+        UsageError: *every* is not a positive int, or *state* is not a dict.
         InputChangedError: the items differ from those of the run being resumed.
     """
     _check_every(every)
+    if state is None:
+        state = {}
+    elif not isinstance(state, dict):
+        msg = f"checkpointed(state=...) must be a dict, got {type(state).__name__}"
+        raise UsageError(msg)
     source = Source(items)
-    ledger = Ledger(_locate(name, "checkpointed"), kind="each", every=every, total=source.total)
-    return run_each(ledger, source, progress)
+    where = _locate(name, "checkpointed", items)
+    ledger = Ledger(where, kind="each", every=every, total=source.total)
+    execution = current_execution.get()
+    owner = None if where is None else execution.loops if execution is not None else where.run.loops
+    return Checkpointed(ledger, source, progress, state, owner)
 
 
 @overload
@@ -164,12 +184,12 @@ def checkpointed_map(  # noqa: PLR0913 - the documented options
     _check_every(every)
     if on_error not in {"raise", "record"}:
         msg = f"on_error must be 'raise' or 'record', got {on_error!r}"
-        raise ValueError(msg)
+        raise UsageError(msg)
     if concurrency is not None and (
         isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1
     ):
         msg = f"concurrency must be an int >= 1 or None, got {concurrency!r}"
-        raise ValueError(msg)
+        raise UsageError(msg)
     record = on_error == "record"
     source = Source(items)
     if _is_async(fn):
@@ -178,10 +198,10 @@ def checkpointed_map(  # noqa: PLR0913 - the documented options
                 "checkpointed_map(): an async fn runs on the event loop, so executor= cannot be "
                 "used with it; use concurrency= to run calls concurrently"
             )
-            raise TypeError(msg)
+            raise UsageError(msg)
         job = Job(fn, record=record, progress=progress, concurrency=concurrency or DEFAULT_CONCURRENCY)
-        return _map_async(job, _locate(name, "checkpointed_map"), source, every)
-    where = _locate(name, "checkpointed_map")
+        return _map_async(job, _locate(name, "checkpointed_map", items), source, every)
+    where = _locate(name, "checkpointed_map", items)
     if executor is None and concurrency is not None and concurrency > 1:
         from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 - only when asked for
 
@@ -245,7 +265,7 @@ def _again(source: Source, ledger: Ledger, attempt: int) -> Source:
     return source.again()
 
 
-def _locate(name: str | None, api: str) -> Where | None:
+def _locate(name: str | None, api: str, items: object) -> Where | None:
     """Where the batch lives: the running step's slot, or the current pipeline under *name*."""
     if _disabled():
         return None  # RESUMABLE_DISABLE=1: nothing is read or written
@@ -265,9 +285,7 @@ def _locate(name: str | None, api: str) -> Where | None:
         return Where(run, directory, label=name, display=name, remedy=remedy)
     plan = execution.plan
     if name is None:
-        previous = _ordinal.get()
-        n = previous[1] + 1 if previous is not None and previous[0] is execution else 0
-        _ordinal.set((execution, n))
+        n = next(execution.batches)
         sub, display = ("", plan.slot) if n == 0 else (f"{n + 1}/", f"{plan.slot}#{n + 1}")
     else:
         sub, display = f"{name}/", f"{plan.slot}:{name}"
@@ -280,6 +298,8 @@ def _locate(name: str | None, api: str) -> Where | None:
         remedy=remedy,
         identity=plan.identity.identity,
         args=plan.args,
+        params=plan.params,
+        items_params=frozenset(p for p, v in (plan.bound or {}).items() if v is items),
     )
 
 
@@ -304,7 +324,7 @@ def _check_name(name: object, *, in_step: bool) -> None:
 def _check_every(every: object) -> None:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
         msg = f"every must be an int >= 1 (rows per checkpoint), got {every!r}"
-        raise ValueError(msg)
+        raise UsageError(msg)
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:

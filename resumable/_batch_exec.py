@@ -12,8 +12,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Generator, Iterator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._batch_input import Source
 from ._batch_ledger import Ledger, RowFailure
@@ -22,7 +22,11 @@ if TYPE_CHECKING:
     import asyncio
     from concurrent.futures import Executor, Future
 
+    from ._execute import Loops
+
 log = logging.getLogger("resumable")
+
+T = TypeVar("T")
 
 DEFAULT_CONCURRENCY = 16  # async calls in flight when concurrency= is not given
 _OFF = frozenset({"0", "false", "no", "off"})
@@ -150,9 +154,59 @@ def run_sequential(ledger: Ledger, source: Source, job: Job, progress: Progress)
         ledger.commit(start, rows, results)
 
 
-def run_each(ledger: Ledger, source: Source, setting: bool | None) -> Iterator[Any]:
+class Checkpointed(Generic[T]):
+    """
+    What :func:`~resumable.checkpointed` returns: an iterator over the items not yet done,
+    and :attr:`state`, the loop's own small state (counters, totals), committed with every
+    chunk of rows and restored on resume::
+
+        loop = checkpointed(rows, every=500, state={"errors": 0})
+        for row in loop:
+            if not send(row):
+                loop.state["errors"] += 1
+        print(loop.state["errors"])  # right after a resume too
+    """
+
+    __slots__ = ("__weakref__", "_owner", "_rows", "state")
+
+    def __init__(
+        self, ledger: Ledger, source: Source, setting: bool | None, state: dict[str, Any], owner: Loops | None
+    ) -> None:
+        ledger.open()
+        ledger.restore_state(state)
+        #: the loop state: as committed with the last finished row, then as the loop changes it
+        self.state = state
+        self._rows = _each(ledger, source, setting, state)
+        self._owner = owner  # closes the loop if an exception leaves its step (or run)
+        if owner is not None:
+            owner.add(self)
+
+    def __iter__(self) -> Checkpointed[T]:
+        return self
+
+    def __next__(self) -> T:
+        try:
+            row: T = next(self._rows)
+        except StopIteration:
+            self._done()
+            raise
+        return row
+
+    def close(self) -> None:
+        """Leave the loop: the rows finished so far are committed (as when it is left by ``break``)."""
+        self._rows.close()
+        self._done()
+
+    def _done(self) -> None:
+        if self._owner is not None:
+            self._owner.discard(self)
+            self._owner = None
+
+
+def _each(
+    ledger: Ledger, source: Source, setting: bool | None, state: dict[str, Any]
+) -> Generator[Any, None, None]:
     """Yield the rows still to do; a row is done when the consumer asks for the next one."""
-    ledger.open()
     progress = Progress(setting, ledger)
     try:
         for start, rows in ledger.pieces(source):
@@ -164,9 +218,9 @@ def run_each(ledger: Ledger, source: Source, setting: bool | None) -> Iterator[A
                     if progress.bar is not None:
                         progress.bar.update(1)
             except BaseException:  # the loop was left (GeneratorExit), or an exception thrown in
-                ledger.salvage(start, rows[:done], None)
+                ledger.salvage(start, rows[:done], state)
                 raise
-            ledger.commit(start, rows, None)
+            ledger.commit(start, rows, state)
         ledger.finish()
     finally:
         progress.close()

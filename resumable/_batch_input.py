@@ -17,6 +17,7 @@ import msgpack
 
 from ._codec_types import qualified_name
 from ._fingerprint import _Unhashable, digest_value
+from .exceptions import UsageError
 
 log = logging.getLogger("resumable")
 
@@ -29,7 +30,7 @@ class Source:
     def __init__(self, items: Iterable[Any]) -> None:
         if hasattr(items, "__aiter__") and not hasattr(items, "__iter__"):
             msg = "batch input must be an iterable (a list, a range, a generator ...), not an async iterable"
-            raise TypeError(msg)
+            raise UsageError(msg)
         self.items = items
         self.pos = 0
         self._seq: Sequence[Any] | None = items if isinstance(items, Sequence) else None

@@ -81,7 +81,17 @@ class Chunk(NamedTuple):
 class Where:
     """Where a batch lives, what it is called, and (inside a step) whose it is."""
 
-    __slots__ = ("args", "directory", "display", "identity", "label", "remedy", "run")
+    __slots__ = (
+        "args",
+        "directory",
+        "display",
+        "identity",
+        "items_params",
+        "label",
+        "params",
+        "remedy",
+        "run",
+    )
 
     def __init__(  # noqa: PLR0913 - plain data
         self,
@@ -93,6 +103,8 @@ class Where:
         remedy: str,
         identity: str | None = None,
         args: str | None = None,
+        params: dict[str, str] | None = None,
+        items_params: frozenset[str] = frozenset(),
     ) -> None:
         self.run = run
         self.directory = directory
@@ -101,6 +113,8 @@ class Where:
         self.remedy = remedy  # how to start over, for InputChangedError
         self.identity = identity  # the owning step's code or version identity
         self.args = args  # the digest of the owning step's arguments
+        self.params = params  # and a digest per parameter, to tell which ones changed
+        self.items_params = items_params  # the parameters that are the batch's items themselves
 
 
 class DamagedChunksError(Exception):
@@ -136,6 +150,7 @@ class Ledger:
         self.resumed = 0
         self._stored: dict[str, Any] | None = None  # the batch record as stored
         self._lenient = False  # the owning step's arguments changed: drop what no longer matches
+        self._carries_state = False  # a loop state was restored from the committed chunks
         self._lock = threading.Lock()
         self._reported = 0.0
         self._digester = Digester(self.display)
@@ -212,16 +227,10 @@ class Ledger:
                 "they cannot share rows: give one of them another name=."
             )
             raise ResumableError(msg)
-        if record.get("identity") != where.identity:
-            return "the step's code or version changed since its rows were committed"
-        if record.get("args") != where.args:
-            # The step reruns because its arguments changed: committed rows whose input is
-            # unchanged are kept, the others are redone (no InputChangedError).
-            self._lenient = True
-            log.info(
-                "batch %r: the step's arguments changed; committed rows whose input is unchanged are kept",
-                where.display,
-            )
+        stale = self._arguments_changed(record, chunks) or self._code_changed(record, chunks)
+        if stale is not None:
+            return stale
+        if self._lenient:
             return None
         old_total = record.get("total")
         if self.total is not None and old_total is not None and old_total != self.total:
@@ -233,6 +242,64 @@ class Ledger:
                 "batch %r: every=%s now (committed chunks have every=%s); committed rows are kept",
                 where.display, self.every, record.get("every"),
             )  # fmt: skip
+        return None
+
+    def _code_changed(self, record: dict[str, Any], chunks: list[Chunk]) -> str | None:
+        """
+        Keep the rows earlier code computed (work already paid for), except those chunks
+        that hold failed rows: the change is likely their fix. Say so once, and how to redo all.
+        A new ``version`` declares the results different: then nothing is kept.
+        """
+        where = self.where
+        assert where is not None  # noqa: S101 - only called with storage
+        identity = str(record.get("identity"))
+        if identity == str(where.identity):
+            return None
+        if identity.startswith("version:") and str(where.identity).startswith("version:"):
+            return "the step's version changed: its results are declared different"
+        failed = [c for c in chunks if c.failures]
+        if failed:
+            self._delete(failed)
+            chunks[:] = [c for c in chunks if not c.failures]
+        redo = f"; the {_rows(failed)} row(s) of chunks with failed rows are done again" if failed else ""
+        if chunks:
+            warnings.warn(
+                ResumableWarning(
+                    f"batch {where.display!r}: resuming with {_rows(chunks)} row(s) that earlier code "
+                    f"of the step computed (its code or version changed since){redo}. To compute them "
+                    f"again with the current code: resumable reset {where.label} "
+                    f"(or pipe.reset({where.label!r}))."
+                ),
+                stacklevel=_stacklevel(),
+            )
+        elif failed:
+            log.info("batch %r: its code changed%s", where.display, redo)
+        return None
+
+    def _arguments_changed(self, record: dict[str, Any], chunks: list[Chunk]) -> str | None:
+        """Why rows made with the step's other arguments cannot be used (None: only the items changed)."""
+        where = self.where
+        assert where is not None  # noqa: S101 - only called with storage
+        if record.get("args") == where.args:
+            return None
+        changed = _changed(record.get("params"), where.params)
+        if changed is None or not changed <= where.items_params:
+            what = f" ({', '.join(sorted(changed))})" if changed else ""
+            if chunks:
+                warnings.warn(
+                    ResumableWarning(
+                        f"batch {where.display!r}: the step's arguments changed{what}, so its "
+                        f"{_rows(chunks)} committed row(s), computed with the old ones, are not reused."
+                    ),
+                    stacklevel=_stacklevel(),
+                )
+            return f"the step's arguments changed{what}"
+        # Only the items changed: committed rows whose input row is unchanged are kept, the
+        # others are redone (no InputChangedError).
+        self._lenient = True
+        log.info(
+            "batch %r: its items changed; committed rows whose input is unchanged are kept", where.display
+        )
         return None
 
     def _without_overlaps(self, chunks: list[Chunk]) -> list[Chunk]:
@@ -353,7 +420,7 @@ class Ledger:
         encoded = encode(
             results,
             allow_pickle=run.allow_pickle,
-            what=f"the results of batch {where.display!r}, {chunk.rows}",
+            what=f"the {_WHAT[self.kind]} of batch {where.display!r}, {chunk.rows}",
         )
         meta = {
             "slot": where.label,
@@ -412,6 +479,7 @@ class Ledger:
             "total": self.total,  # None until an iterator's end is reached
             "identity": where.identity,
             "args": where.args,
+            "params": where.params,
         }
 
     def _save_record(self) -> None:
@@ -437,6 +505,14 @@ class Ledger:
         where.run.journal.record("batch", defer=True, batch=where.label, progress=progress)
 
     def _drop(self, chunks: list[Chunk]) -> None:
+        if self._carries_state and chunks:
+            warnings.warn(
+                ResumableWarning(
+                    f"batch {self.display!r}: {_rows(chunks)} committed row(s) are done again because "
+                    "its items changed, but the loop state restored already counts them."
+                ),
+                stacklevel=_stacklevel(),
+            )
         self._delete(chunks)
         dropped = set(chunks)
         self.chunks = [c for c in self.chunks if c not in dropped]
@@ -488,6 +564,13 @@ class Ledger:
         return out
 
     def _load(self, chunk: Chunk) -> list[Any]:
+        value = self._read(chunk)
+        if not isinstance(value, list) or len(value) != chunk.end - chunk.start:
+            msg = "it does not hold one result per row"
+            raise DamagedFileError(msg)
+        return value
+
+    def _read(self, chunk: Chunk) -> Any:
         where = self.where
         assert where is not None  # noqa: S101 - only stored chunks are loaded
         run = where.run
@@ -497,14 +580,49 @@ class Ledger:
         if header.get("rows") != [chunk.start, chunk.end] or header.get("digest") != chunk.digest:
             msg = "it holds other rows than its name says"
             raise DamagedFileError(msg)
-        value = decode(data, header, head_len, allow_pickle=run.allow_pickle)
-        if not isinstance(value, list) or len(value) != chunk.end - chunk.start:
-            msg = "it does not hold one result per row"
-            raise DamagedFileError(msg)
-        return value
+        return decode(data, header, head_len, allow_pickle=run.allow_pickle)
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """
+        Put the loop state committed with the newest chunk into *state* (a ``checkpointed``
+        loop's): it is the state after the last committed row.
+        """
+        if not self.chunks:
+            return
+        self._carries_state = True
+        newest = max(self.chunks, key=lambda c: c.end)
+        try:
+            value = self._read(newest)
+        except (DamagedFileError, FileNotFoundError) as exc:
+            value, why = None, f"{newest.file_name} cannot be used ({exc})"
+        else:
+            why = f"{newest.file_name} holds no loop state"
+        if type(value) is not dict:
+            warnings.warn(
+                ResumableWarning(
+                    f"batch {self.display!r}: its loop state is not restored: {why}; "
+                    f"state= starts from the value passed in."
+                ),
+                stacklevel=_stacklevel(),
+            )
+            return
+        state.clear()
+        state.update(value)
 
 
 _API = {"map": "checkpointed_map", "each": "checkpointed"}
+_WHAT = {"map": "results", "each": "loop state"}  # what a chunk holds
+
+
+def _changed(old: object, new: dict[str, str] | None) -> set[str] | None:
+    """The parameters whose digests differ (None if a record predates per-parameter digests)."""
+    if not isinstance(old, dict) or new is None:
+        return None
+    return {name for name in old.keys() | new.keys() if old.get(name) != new.get(name)}
+
+
+def _rows(chunks: list[Chunk]) -> str:
+    return f"{sum(c.end - c.start for c in chunks):,}"
 
 
 def _is_open(run: RunState) -> bool:

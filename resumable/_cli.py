@@ -20,11 +20,11 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
-from . import _history, _render
+from . import _history, _render, _why
 from ._codec import DamagedFileError, decode, parse_header, secret_bytes, verify
 from ._journal import read_state
 from ._pipeline import Pipeline, describe_slots, read_checkpoints, snapshot
-from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, slot_id
+from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, slot_id, step_of
 from ._stores import Store, open_store
 from ._verify import find_damage
 from .exceptions import ResumableError, StateDirectoryError, UsageError
@@ -38,7 +38,7 @@ EXIT_NO_STATE = 3
 """There is no state where the command looked (nothing has run with that directory)."""
 
 # Commands that only read: no lock, nothing created or written (`why` joins them).
-READ_ONLY = frozenset({"status", "show", "history", "verify", "export"})
+READ_ONLY = frozenset({"status", "show", "why", "history", "verify", "export"})
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -91,6 +91,11 @@ def _parser() -> argparse.ArgumentParser:
     reset.add_argument(
         "--only", action="store_true", help="forget only these, not the steps completed after them"
     )
+
+    why = commands.add_parser("why", help="why a step last ran or was skipped, with a diff of its code")
+    why.add_argument("step", help="the step's name (or a slot such as fetch_page/3)")
+    why.add_argument("--key", help="only the slot of this key")
+    why.add_argument("--json", action="store_true", help="print the decisions as JSON")
 
     history = commands.add_parser("history", help="list the checkpoints rollback can restore")
     history.add_argument("--json", action="store_true", help="print the checkpoints as JSON")
@@ -203,6 +208,29 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _why_cmd(args: argparse.Namespace) -> int:
+    store = _state(args)
+    step, key = args.step, args.key
+    if key is None and "/" in step:  # a slot such as fetch_page/3
+        decisions = [d for d in explain_step(store, step_of(step)) if d.slot == step]
+    else:
+        decisions = explain_step(store, step, key)
+    if not decisions:
+        where = f"{step!r} with key {key!r}" if key is not None else repr(args.step)
+        msg = f"no run has called {where} in {store.location}: nothing to explain (see `resumable status`)"
+        raise UsageError(msg)
+    if args.json:
+        _out(json.dumps([_why.as_dict(d) for d in decisions], indent=2, ensure_ascii=False))
+    else:
+        _out(_why.render(decisions, args.step).rstrip("\n"))
+    return 0
+
+
+def explain_step(store: Store, step: str, key: str | None = None) -> list[_why.Decision]:
+    """The last decision about each slot of *step* (or its slot for *key*), from the log."""
+    return _why.explain(_history.events(store, secret_bytes(None)), store, step, key)
+
+
 def _reset(args: argparse.Namespace) -> int:
     if args.all == bool(args.steps):
         raise UsageError("name the steps to reset, or pass --all (not both)")
@@ -313,6 +341,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "status": _status,
     "show": _show,
     "reset": _reset,
+    "why": _why_cmd,
     "history": _history_cmd,
     "rollback": _rollback,
     "export": _export,

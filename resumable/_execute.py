@@ -10,12 +10,15 @@ that cannot be stored fails with the previous one intact), written atomically, a
 from __future__ import annotations
 
 import contextvars
+import itertools
 import logging
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from . import _why
 from ._codec import encode, frame, value_digest
 from ._codec_types import qualified_name
 from ._fingerprint import digest_value, provenance, trackable
@@ -40,12 +43,41 @@ _MAX_TRACEBACK = 20_000
 class Execution:
     """The step running in this context (so batch helpers inside it know their slot)."""
 
-    __slots__ = ("plan", "run", "spec")
+    __slots__ = ("batches", "loops", "plan", "run", "spec")
 
     def __init__(self, run: RunState, spec: StepSpec[Any, Any], plan: Plan) -> None:
         self.run = run
         self.spec = spec
         self.plan = plan
+        # numbers the step's unnamed batches in call order (next() is atomic: threads may share it)
+        self.batches = itertools.count()
+        self.loops = Loops()  # its `checkpointed` loops still open
+
+
+class Loops:
+    """
+    The ``checkpointed`` loops of a step call (or of a run, outside steps) not finished yet.
+
+    A loop kept in a variable (``loop = checkpointed(...)``) outlives an exception raised in
+    its body: the traceback holds the frame that holds it. Closing the loops as the
+    exception leaves the step (or the run) commits their finished rows at once, while the
+    run can still write them.
+    """
+
+    __slots__ = ("_open",)
+
+    def __init__(self) -> None:
+        self._open: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def add(self, loop: Any) -> None:
+        self._open.add(loop)
+
+    def discard(self, loop: Any) -> None:
+        self._open.discard(loop)
+
+    def close(self) -> None:
+        for loop in list(self._open):
+            loop.close()
 
 
 current_execution: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
@@ -72,10 +104,11 @@ class StepExecution:
             raise StepInterruptedError(plan.slot, rec.started_at, step=spec.name)
         detail = f" ({found.detail})" if found.detail else ""
         log.info("step %r running: %s%s", plan.slot, found.reason, detail)
+        _why.record_code(self.store, spec.name, plan.identity)
         self.journal.record(
             "step_started",
             # a non-idempotent step's start must be on disk before its side effects begin
-            sync=not spec.idempotent and self.durable,
+            sync=not spec.idempotent,
             defer=spec.idempotent,
             slot=plan.slot,
             step=spec.name,
@@ -83,6 +116,9 @@ class StepExecution:
             detail=found.detail or None,
             fingerprint=plan.fingerprint,
             attempt=1,
+            code=plan.identity.code,
+            was=found.was,
+            params=found.params,
         )
         return time.perf_counter()
 
@@ -92,7 +128,7 @@ class StepExecution:
         """After an attempt raised: the delay before the next one, or None (recorded: re-raise)."""
         if isinstance(exc, Exception) and attempt <= spec.retries:
             return self._retry_delay(spec, plan, attempt, exc)
-        self.failed(spec, plan, exc, started, attempt)
+        self._failed_noting(spec, plan, exc, started, attempt)
         return None
 
     def _retry_delay(self, spec: StepSpec[Any, Any], plan: Plan, attempt: int, exc: Exception) -> float:
@@ -112,7 +148,7 @@ class StepExecution:
             encoded = encode(value, allow_pickle=self.allow_pickle, what=f"the output of step {plan.slot!r}")
         except SerializationError as exc:
             exc.step = spec.name
-            self.failed(spec, plan, exc, started, attempts)
+            self._failed_noting(spec, plan, exc, started, attempts)
             raise
         ident = plan.identity
         meta = {
@@ -147,7 +183,7 @@ class StepExecution:
             else:
                 self.store.write(slot_file(plan.slot), framed.chunks(), durable=self.durable)
         except BaseException as exc:
-            self.failed(spec, plan, exc, started, attempts)
+            self._failed_noting(spec, plan, exc, started, attempts)
             raise
         plan.output_digest = value_digest(header)
         _remember(value, header)
@@ -185,6 +221,15 @@ class StepExecution:
             self.journal.record("batch_done", batch=batch)
         return len(keys)
 
+    def _failed_noting(
+        self, spec: StepSpec[Any, Any], plan: Plan, exc: BaseException, started: float, attempts: int
+    ) -> None:
+        """Record a failure to store; if the log cannot take it either, the first error wins."""
+        try:
+            self.failed(spec, plan, exc, started, attempts)
+        except OSError as log_error:  # e.g. the disk is full: report the output's error
+            exc.add_note(f"(the failure could not be recorded in the event log either: {log_error})")
+
     def failed(
         self, spec: StepSpec[Any, Any], plan: Plan, exc: BaseException, started: float, attempts: int
     ) -> None:
@@ -197,7 +242,7 @@ class StepExecution:
             return
         self.last_failure = exc
         log.info("step %r failed after %d attempt(s): %s: %s", plan.slot, attempts, type(exc).__name__, exc)
-        self.journal.record(
+        self.journal.record(  # raises OSError only if the log cannot be written: the caller notes it
             "step_failed",
             slot=plan.slot,
             step=spec.name,
@@ -211,10 +256,12 @@ class StepExecution:
         started = self.begin(spec, plan, found)
         attempt = 1
         while True:
-            token = current_execution.set(Execution(self, spec, plan))  # type: ignore[arg-type]
+            execution = Execution(self, spec, plan)  # type: ignore[arg-type]
+            token = current_execution.set(execution)
             try:
                 value = call()
             except BaseException as exc:
+                execution.loops.close()
                 delay = self._retry_or_fail(spec, plan, exc, started, attempt)
                 if delay is None:
                     raise
@@ -226,7 +273,7 @@ class StepExecution:
             try:
                 time.sleep(delay)
             except BaseException as exc:
-                self.failed(spec, plan, exc, started, attempt)
+                self._failed_noting(spec, plan, exc, started, attempt)
                 raise
             attempt += 1
 
@@ -239,10 +286,12 @@ class StepExecution:
         started = self.begin(spec, plan, found)
         attempt = 1
         while True:
-            token = current_execution.set(Execution(self, spec, plan))  # type: ignore[arg-type]
+            execution = Execution(self, spec, plan)  # type: ignore[arg-type]
+            token = current_execution.set(execution)
             try:
                 value = await call()
             except BaseException as exc:
+                execution.loops.close()
                 delay = self._retry_or_fail(spec, plan, exc, started, attempt)
                 if delay is None:
                     raise
@@ -258,7 +307,7 @@ class StepExecution:
             try:
                 await asyncio.sleep(delay)
             except BaseException as exc:
-                self.failed(spec, plan, exc, started, attempt)
+                self._failed_noting(spec, plan, exc, started, attempt)
                 raise
             attempt += 1
 

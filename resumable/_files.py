@@ -77,9 +77,13 @@ class FileDigests:
         if known is not None and known[0] == signature:
             return known[1]
         digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            while block := f.read(_READ_SIZE):
-                digest.update(block)
+        try:
+            with open(path, "rb") as f:
+                while block := f.read(_READ_SIZE):
+                    digest.update(block)
+        except OSError as exc:  # unreadable: fingerprinting must not guess
+            msg = f"cannot read {path!r} to fingerprint it: {exc.strerror or exc}"
+            raise OSError(exc.errno, msg) from None
         result = digest.digest()
         if time.time_ns() - st.st_mtime_ns > _RACY_NS:
             with self._lock:

@@ -104,12 +104,14 @@ class _Point:
     steps: dict[str, StepRecord] | None
     """The slots' records at this checkpoint (None unless asked for: memory grows with them)."""
     code: dict[str, dict[str, str]]
+    after_rollback: int | None = None
+    """The checkpoint a rollback restored just before this one was made (no checkpoint between)."""
 
 
 _EMPTY = Checkpoint(0, None, None, None, [])
 
 
-def _events(store: Store, secret: bytes | None) -> Iterator[dict[str, Any]]:
+def events(store: Store, secret: bytes | None) -> Iterator[dict[str, Any]]:
     """The valid events of the log (loading it warned about the others), in order."""
     try:
         log = bytes(store.read(EVENTS))
@@ -130,8 +132,11 @@ def replay(store: Store, secret: bytes | None, want: Iterable[int] = ()) -> list
     wanted = set(want)
     fold = Fold(Manifest(workflow_id="", pipeline=""))
     points: list[_Point] = []
-    for event in _events(store, secret):
+    rolled_back_to: int | None = None
+    for event in events(store, secret):
         fold.apply(event)
+        if event.get("event") == "rollback":
+            rolled_back_to = event.get("to", 0)
         if event.get("event") not in {"step_completed", "snapshot"}:
             continue
         m = fold.manifest
@@ -144,9 +149,10 @@ def replay(store: Store, secret: bytes | None, want: Iterable[int] = ()) -> list
         )
         if checkpoint.id in wanted:
             steps = {s: attrs.evolve(r) for s, r in m.steps.items()}
-            points.append(_Point(checkpoint, steps, {k: dict(v) for k, v in m.code.items()}))
+            points.append(_Point(checkpoint, steps, {k: dict(v) for k, v in m.code.items()}, rolled_back_to))
         else:
-            points.append(_Point(checkpoint, None, {}))
+            points.append(_Point(checkpoint, None, {}, rolled_back_to))
+        rolled_back_to = None
     return points
 
 
@@ -240,6 +246,9 @@ def find(points: list[_Point], target: int | str) -> int:
     if not made_by:
         msg = f"no checkpoint, snapshot label or step {target!r} in the history"
         raise ResumableError(msg)
+    last = points[made_by[-1]]
+    if last.after_rollback is not None:  # the state just before it is the one a rollback restored
+        return last.after_rollback
     before = made_by[-1] - 1
     return points[before].checkpoint.id if before >= 0 else 0
 

@@ -294,8 +294,18 @@ EVENT_SCHEMA: dict[str, tuple[tuple[tuple[str, _Check], ...], dict[str, _Check]]
     "run_finished": ((("status", _run_status),), {"defined": _strs, "error": _EVENT_ERROR}),
     "step_started": (
         _SLOT_FIELD,
-        {"reason": _OPT_STR, "fingerprint": _OPT_STR, "attempt": _INT, "detail": _OPT_STR},
+        {
+            "reason": _OPT_STR,
+            "fingerprint": _OPT_STR,
+            "attempt": _INT,
+            "detail": _OPT_STR,
+            "code": _OPT_STR,
+            "was": _OPT_STR,
+            "params": lambda v: v is None or _strs(v),
+        },
     ),
+    # a pinned version kept an output that other code made (read by `resumable why`)
+    "step_kept": (_SLOT_FIELD, {"code": _OPT_STR, "was": _OPT_STR}),
     "step_retry": (_SLOT_FIELD, {"attempt": _INT}),
     "step_completed": (
         _SLOT_FIELD,

@@ -25,13 +25,13 @@ from ._codec import (
     value_digest,
     verify,
 )
-from ._execute import StepExecution, _error_fields, _remember
+from ._execute import Loops, StepExecution, _error_fields, _remember
 from ._files import file_digests
 from ._fingerprint import StoredOutput
 from ._journal import Journal, read_header
 from ._slots import slot_file
 from ._stores import Store
-from .exceptions import ResumableWarning, SerializationError
+from .exceptions import ResumableWarning, SerializationError, StepChangedError
 
 if TYPE_CHECKING:
     from ._step import Plan, StepSpec
@@ -42,6 +42,13 @@ log = logging.getLogger("resumable")
 # size, all together under the second): a later skip of the same slot decodes from memory.
 _VERIFIED_MAX_FILE = 64 * 1024
 _VERIFIED_MAX_TOTAL = 16 * 1024 * 1024
+
+
+def _changed_phrase(found: Found) -> str:
+    """``its code changed (const PRICE)`` style, for StepChangedError."""
+    what = {"inputs changed": "its arguments", "version changed": "its version", "code changed": "its code"}
+    detail = f" ({found.detail})" if found.detail else ""
+    return f"{what.get(found.reason, 'its fingerprint')} changed{detail}"
 
 
 def _stacklevel() -> int:
@@ -57,13 +64,26 @@ def _stacklevel() -> int:
 class Found:
     """The result of looking a call up: a hit with its value, or a miss with a reason."""
 
-    __slots__ = ("detail", "hit", "reason", "value")
+    __slots__ = ("detail", "hit", "params", "ran_at", "reason", "value", "was")
 
-    def __init__(self, *, hit: bool, value: Any = None, reason: str = "", detail: str = "") -> None:
+    def __init__(  # noqa: PLR0913 - plain data
+        self,
+        *,
+        hit: bool,
+        value: Any = None,
+        reason: str = "",
+        detail: str = "",
+        was: str | None = None,
+        params: list[str] | None = None,
+        ran_at: str | None = None,
+    ) -> None:
         self.hit = hit
         self.value = value
         self.reason = reason
         self.detail = detail
+        self.was = was  # for a miss on a stored output: the code digest that made it
+        self.params = params  # and the parameters whose values differ from its
+        self.ran_at = ran_at  # and when it was made
 
 
 class RunState(StepExecution):
@@ -84,7 +104,8 @@ class RunState(StepExecution):
         self.keep_checkpoints = keep_checkpoints
         self.allow_pickle = allow_pickle
         self.secret = secret
-        self.journal = Journal(store, pipeline=pipeline, secret=secret)
+        self.journal = Journal(store, pipeline=pipeline, secret=secret, durable=durable)
+        self.loops = Loops()  # `checkpointed` loops of named batches, outside steps
         self._lock: Any = None
         self._single_slot: dict[str, str] = {}
         self._warned: set[str] = set()
@@ -149,6 +170,7 @@ class RunState(StepExecution):
         no retained checkpoint needs, write the manifest durably and release the lock.
         """
         try:
+            self.loops.close()  # loops of named batches left by an exception: commit their rows
             self.journal.stop_writer()
             if not self.maintenance:
                 fields: dict[str, Any] = {"status": status}
@@ -278,6 +300,9 @@ class RunState(StepExecution):
         self.last_outcome = "ok"
         if plan.slot not in self._skipped:  # one log line per slot and run is enough
             self._skipped.add(plan.slot)
+            code = header.get("code")
+            if spec.version is not None and isinstance(code, str) and code != plan.identity.code:
+                self._kept(spec, plan, code)
             self.journal.record_skip(
                 plan.slot,
                 plan.fingerprint,
@@ -317,6 +342,13 @@ class RunState(StepExecution):
             )
         return note
 
+    def _kept(self, spec: StepSpec[Any, Any], plan: Plan, was: str) -> None:
+        """Record that a pinned version kept an output made by other code (for `why`)."""
+        from . import _why  # noqa: PLC0415 - only when a pinned step's code changed
+
+        _why.record_code(self.store, spec.name, plan.identity)
+        self.journal.record("step_kept", defer=True, slot=plan.slot, code=plan.identity.code, was=was)
+
     def _old_code(self, step: str) -> dict[str, str] | None:
         return self._code_before.get(step) or self.journal.manifest.code.get(step)
 
@@ -331,19 +363,27 @@ class RunState(StepExecution):
     def _mismatch(self, spec: StepSpec[Any, Any], plan: Plan, header: dict[str, Any]) -> Found:
         ident = plan.identity
         stored = header.get("identity")
+        old_params = header.get("params")
+        params = None
+        if isinstance(old_params, dict):
+            names = old_params.keys() | plan.params.keys()
+            params = sorted(n for n in names if old_params.get(n) != plan.params.get(n))
+        was = header.get("code") if isinstance(header.get("code"), str) else None
+        made = header.get("created_at") if isinstance(header.get("created_at"), str) else None
         if stored == ident.identity:
-            return Found(hit=False, reason="inputs changed")
-        if spec.version is not None or str(stored).startswith("version:"):
+            reason, detail = "inputs changed", ", ".join(params or [])
+        elif spec.version is not None or str(stored).startswith("version:"):
             old = str(stored).removeprefix("version:").removeprefix("code:")[:12]
-            return Found(hit=False, reason="version changed", detail=f"{old} -> {spec.version}")
-        from . import _codehash  # noqa: PLC0415 - only when explaining a change
+            reason, detail = "version changed", f"{old} -> {spec.version}"
+        else:
+            from . import _codehash, _why  # noqa: PLC0415 - only when explaining a change
 
-        old_components = self._old_code(spec.name)
-        return Found(
-            hit=False,
-            reason="code changed",
-            detail=_codehash.describe_change(old_components, ident.components),
-        )
+            old_components = _why.code_components(self.store, was) or self._old_code(spec.name)
+            reason, detail = "code changed", _codehash.describe_change(old_components, ident.components)
+        found = Found(hit=False, reason=reason, detail=detail, was=was, params=params, ran_at=made)
+        if not spec.idempotent:
+            raise StepChangedError(plan.slot, _changed_phrase(found), made, step=spec.name)
+        return found
 
     def _check_single_slot(self, spec: StepSpec[Any, Any], plan: Plan) -> None:
         first = self._single_slot.setdefault(spec.name, plan.args)

@@ -69,21 +69,27 @@ class Step(Protocol[P, R_co]):
 class Identity:
     """What a step's outputs are tied to: its version, or else its code (as of one call)."""
 
-    __slots__ = ("code", "components", "identity", "left_out", "sources")
+    __slots__ = ("_reads", "code", "components", "identity", "left_out", "sources")
 
-    def __init__(
+    def __init__(  # noqa: PLR0913, PLR0917 - plain data
         self,
         identity: str,
         code: str,
         components: dict[str, str],
         sources: dict[str, str] | None = None,
         left_out: dict[str, str] | None = None,
+        reads: list[tuple[str, Callable[[], object]]] | None = None,
     ) -> None:
         self.identity = identity
         self.code = code
         self.components = components
         self.sources = sources or {}  # component -> normalized source, for `resumable why`
         self.left_out = left_out or {}  # names the code reads that cannot be fingerprinted
+        self._reads = reads or []
+
+    def values(self) -> dict[str, object]:
+        """The values this identity's ``const`` components stand for, as they are now."""
+        return {label: read() for label, read in self._reads if label in self.components}
 
 
 class Plan:
@@ -263,7 +269,8 @@ class StepSpec(Generic[P, R]):
         components = {**shape.static, **values}
         code = _codehash.combine(components)
         label = f"version:{self.version}" if self.version is not None else f"code:{code}"
-        return Identity(label, code, components, shape.sources, {**shape.left_out, **left_out})
+        left = {**shape.left_out, **left_out}
+        return Identity(label, code, components, shape.sources, left, shape.reads)
 
     # binding -----------------------------------------------------------------------------
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from resumable import (
     ResumableWarning,
     RowFailure,
     SerializationError,
+    UsageError,
     checkpointed,
     checkpointed_map,
 )
@@ -160,8 +162,8 @@ def test_several_batches_in_one_step_are_kept_apart(pipe: Pipeline, state_dir: P
         both()
     assert [(0, 4, 0), (4, 8, 0)] == chunks(state_dir, "steps/both")
     assert [(0, 4, 0), (4, 5, 0)] == chunks(state_dir, "steps/both/2")
-    fail["on"] = False
-    with pipe:
+    fail["on"] = False  # a value the step's code reads: its rows are kept, with a warning
+    with pipe, pytest.warns(ResumableWarning, match="resuming with (8|5) row"):
         assert ([0, 1, 2, 3, 4, 5, 6, 7], [0, -1, -2, -3, -4, -5, -6, -7], [100, 101, 102]) == both()
     assert [] == [p for p in (state_dir / BATCHES).rglob("*") if p.is_file()]
 
@@ -707,18 +709,36 @@ def test_async_iterables_are_refused():
         def __aiter__(self) -> Iterator[int]:
             return iter([])
 
-    with pytest.raises(TypeError, match="not an async iterable"):
+    with pytest.raises(UsageError, match="not an async iterable"):
         checkpointed(Rows(), name="x")  # type: ignore[arg-type]
 
 
-def test_a_loop_closed_after_its_run_commits_nothing(pipe: Pipeline, state_dir: Path, caplog):
-    """A generator closed after the run has closed (e.g. at exit) writes nothing; the log says so."""
+def test_a_loop_still_open_when_its_run_closes_commits_its_finished_rows(pipe: Pipeline, state_dir: Path):
+    """A loop kept in a variable past its run: the run commits its finished rows as it closes."""
     with pipe:
         it = checkpointed(range(10), every=5, name="late")
         assert [0, 1, 2] == [next(it), next(it), next(it)]
-    it.close()
-    assert [] == chunks(state_dir, "named/late")
-    assert any("already closed; 2 finished rows are not committed" in m for m in caplog.messages)
+    assert [(0, 2, 0)] == chunks(state_dir, "named/late")  # row 2 was being worked on: not done
+    it.close()  # nothing more: the loop is closed already
+    assert [(0, 2, 0)] == chunks(state_dir, "named/late")
+
+
+def test_a_loop_in_a_variable_commits_its_rows_when_an_exception_leaves_the_step(
+    pipe: Pipeline, state_dir: Path
+):
+    """The traceback keeps the loop alive, but its finished rows are committed as the step fails."""
+
+    @pipe.step
+    def send() -> None:
+        loop = checkpointed(range(10), every=5)
+        for x in loop:
+            if x == 7:
+                raise RuntimeError("boom")
+
+    with pipe, pytest.raises(RuntimeError) as caught:
+        send()
+    assert caught.traceback  # the frame, and the loop, are still referenced here
+    assert [(0, 5, 0), (5, 7, 0)] == chunks(state_dir, "steps/send")
 
 
 def test_a_failing_salvage_does_not_hide_the_error(state_dir: Path, caplog):
@@ -769,3 +789,244 @@ def test_chunks_damaged_again_and_again_give_up(pipe: Pipeline, monkeypatch: pyt
     monkeypatch.setattr(_batch_ledger.Ledger, "assemble", always_damaged)
     with pipe, pytest.raises(ResumableError, match="check the disk"):
         checkpointed_map(abs, range(3), name="b")
+
+
+# code and argument changes -------------------------------------------------------------
+
+
+def test_a_code_fix_keeps_the_committed_rows_with_one_warning(pipe: Pipeline, state_dir: Path):
+    """The most common resume: fix the bug that crashed row 12 and rerun; rows 0-9 are not redone."""
+    calls: list[int] = []
+
+    def make(broken: bool) -> Callable[[], list[int]]:
+        if broken:
+
+            def f(x: int) -> int:
+                if x == 12:
+                    raise RuntimeError("bug at 12")
+                calls.append(x)
+                return x * 10
+
+        else:
+
+            def f(x: int) -> int:
+                calls.append(x)
+                return x * 10
+
+        @pipe.step(name="enrich")
+        def enrich() -> list[int]:
+            return checkpointed_map(f, range(20), every=5)
+
+        return enrich
+
+    with pipe, pytest.raises(RuntimeError, match="bug at 12"):
+        make(broken=True)()
+    calls.clear()
+    with pipe, pytest.warns(ResumableWarning, match=r"resuming with 12 row\(s\).*resumable reset enrich"):
+        assert [x * 10 for x in range(20)] == make(broken=False)()
+    assert list(range(12, 20)) == calls
+    assert [] == chunks(state_dir, "steps/enrich")  # completed: its rows went into its output
+
+
+def test_the_warning_after_a_fix_is_advice_that_works(pipe: Pipeline):
+    """Following the warning (reset the step) computes every row again with the new code."""
+    fn = Counter(fail_at=7)
+
+    def make(scale: int) -> Callable[[], list[int]]:
+        @pipe.step(name="enrich")
+        def enrich() -> list[int]:
+            return [x * scale for x in checkpointed_map(fn, range(10), every=5)]
+
+        return enrich
+
+    with pipe, pytest.raises(RuntimeError):
+        make(1)()
+    fn.fail_at = 8  # fails again, after the warning
+    with pytest.warns(ResumableWarning, match=r"pipe.reset\('enrich'\)"), pipe, pytest.raises(RuntimeError):
+        make(2)()
+    pipe.reset("enrich")
+    fn.fail_at, fn.calls = None, []
+    with pipe:
+        assert [x * 20 for x in range(10)] == make(2)()
+    assert list(range(10)) == fn.calls
+
+
+def test_a_code_change_redoes_the_chunks_that_hold_failed_rows(pipe: Pipeline):
+    """With on_error='record', the chunks with failures are done again after a fix; the rest is kept."""
+    calls: list[int] = []
+
+    def make(bad: int | None) -> Callable[[], list[Any]]:
+        def f(x: int) -> int:
+            if x == bad:
+                raise ValueError(x)
+            calls.append(x)
+            return x
+
+        @pipe.step(name="enrich")
+        def enrich() -> list[Any]:
+            out = checkpointed_map(f, range(12), every=4, on_error="record")
+            if any(isinstance(r, RowFailure) for r in out):
+                raise RuntimeError("some rows failed")
+            return out
+
+        return enrich
+
+    with pipe, pytest.raises(RuntimeError, match="some rows failed"):
+        make(5)()
+    calls.clear()
+    with (
+        pipe,
+        pytest.warns(ResumableWarning, match=r"resuming with 8 row.*the 4 row\(s\) of chunks with failed"),
+    ):
+        assert list(range(12)) == make(None)()
+    assert [4, 5, 6, 7] == calls
+
+
+def test_rows_made_with_other_arguments_are_not_reused(pipe: Pipeline):
+    """A changed argument that is not the items themselves: rows computed with the old one are dropped."""
+    fn = Counter(fail_at=15)
+
+    @pipe.step
+    def enrich(factor: int) -> list[int]:
+        return [r * factor for r in checkpointed_map(fn, range(20), every=5)]
+
+    with pipe, pytest.raises(RuntimeError):
+        enrich(2)
+    fn.fail_at, fn.calls = None, []
+    with pipe, pytest.warns(ResumableWarning, match=r"arguments changed \(factor\), so its 15 committed"):
+        assert [x * 30 for x in range(20)] == enrich(3)
+    assert list(range(20)) == fn.calls
+
+
+def test_a_new_version_starts_the_batch_over_silently_a_code_edit_does_not(pipe: Pipeline):
+    """A bumped version declares different results: nothing is kept, and nothing warns."""
+    fn = Counter(fail_at=7)
+
+    def make(version: str) -> Callable[[], list[int]]:
+        @pipe.step(name="enrich", version=version)
+        def enrich() -> list[int]:
+            return checkpointed_map(fn, range(10), every=5)
+
+        return enrich
+
+    with pipe, pytest.raises(RuntimeError):
+        make("1")()
+    fn.fail_at, fn.calls = None, []
+    with pipe:
+        make("2")()
+    assert list(range(10)) == fn.calls
+
+
+# several batches in one step -----------------------------------------------------------
+
+
+def test_unnamed_batches_after_a_nested_step_keep_their_own_rows(pipe: Pipeline):
+    """A step run between two unnamed batches does not make the second one reuse the first's rows."""
+
+    @pipe.step
+    def inner(x: int) -> int:
+        return x * 2
+
+    @pipe.step
+    def outer() -> tuple[list[int], int, list[int]]:
+        a = checkpointed_map(lambda x: x + 1, range(5), every=2)
+        b = inner(3)
+        c = checkpointed_map(lambda x: x * 10, range(5), every=2)
+        return a, b, c
+
+    with pipe:
+        assert ([1, 2, 3, 4, 5], 6, [0, 10, 20, 30, 40]) == outer()
+
+
+def test_checkpointed_then_checkpointed_map_in_one_step(pipe: Pipeline):
+    """A side-effect loop and a map in one step are two batches, not one shared by two helpers."""
+    seen: list[int] = []
+
+    @pipe.step
+    def both() -> list[int]:
+        seen.extend(checkpointed(range(3), every=2))
+        return checkpointed_map(lambda x: -x, range(3), every=2)
+
+    with pipe:
+        assert [0, -1, -2] == both()
+    assert [0, 1, 2] == seen
+
+
+# loop state ----------------------------------------------------------------------------
+
+
+def test_loop_state_is_committed_with_the_rows_and_restored_on_resume(pipe: Pipeline, state_dir: Path):
+    """A counter kept in state= comes out right after a resume; resumed rows never reach the body."""
+    sent: list[int] = []
+
+    def send_all(fail_at: int | None) -> dict[str, Any]:
+        loop = checkpointed(range(20), every=5, name="send", state={"sent": 0, "odd": 0})
+        for x in loop:
+            if x == fail_at:
+                raise RuntimeError(f"network down at {x}")
+            sent.append(x)
+            loop.state["sent"] += 1
+            loop.state["odd"] += x % 2
+        return loop.state
+
+    with pipe, pytest.raises(RuntimeError, match="at 13"):
+        send_all(13)
+    with pipe:
+        assert {"sent": 20, "odd": 10} == send_all(None)
+    assert list(range(20)) == sent  # each row sent once
+
+
+def test_loop_state_is_the_dict_passed_in(pipe: Pipeline):
+    """state= is restored into the caller's own dict, before the first row."""
+    counts = {"n": 0}
+    with pipe:
+        for _ in checkpointed(range(3), name="a", state=counts):
+            counts["n"] += 1
+    assert {"n": 3} == counts
+    again = {"n": 0}
+    with pipe:
+        loop = checkpointed(range(3), name="a", state=again)
+        assert {"n": 3} == again  # restored at once; every row was already done
+        assert [] == list(loop)
+
+
+def test_loop_state_in_a_step(pipe: Pipeline):
+    """Inside a step, the state lives with the step's batch; a rerun after a kill-like failure resumes it."""
+    fail = {"at": 7}
+
+    @pipe.step
+    def total(n: int) -> int:
+        loop = checkpointed(range(n), every=3, state={"sum": 0})
+        for x in loop:
+            if x == fail["at"]:
+                raise RuntimeError("boom")
+            loop.state["sum"] += x
+        return int(loop.state["sum"])
+
+    with pipe, pytest.raises(RuntimeError):
+        total(10)
+    fail["at"] = -1
+    with pipe, pytest.warns(ResumableWarning, match="resuming with 7 row"):
+        assert sum(range(10)) == total(10)
+
+
+def test_loop_state_must_be_a_dict_of_storable_values(pipe: Pipeline):
+    with pytest.raises(UsageError, match="must be a dict"):
+        checkpointed(range(3), name="a", state=[0])  # type: ignore[arg-type]
+    with pipe, pytest.raises(SerializationError, match="loop state of batch 'b'"):
+        for _ in (loop := checkpointed(range(3), name="b", state={"lock": threading.Lock()})):
+            pass
+    assert loop.state
+
+
+def test_a_damaged_loop_state_warns_and_starts_from_the_value_passed_in(pipe: Pipeline, state_dir: Path):
+    with pipe:
+        for x in (loop := checkpointed(range(10), every=2, name="a", state={"n": 0})):
+            if x == 5:
+                break
+            loop.state["n"] += 1
+    newest = max((state_dir / BATCHES / "named" / "a").glob("*-*.msgpack"))
+    newest.write_bytes(newest.read_bytes()[:-3] + b"xyz")
+    with pipe, pytest.warns(ResumableWarning, match="loop state is not restored"):
+        loop = checkpointed(range(10), every=2, name="a", state={"n": 0})
+    assert {"n": 0} == loop.state

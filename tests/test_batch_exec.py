@@ -13,7 +13,15 @@ from typing import Any
 import pytest
 from test_batch import chunks
 
-from resumable import BatchRecord, Pipeline, ResumableWarning, RowFailure, checkpointed, checkpointed_map
+from resumable import (
+    BatchRecord,
+    Pipeline,
+    ResumableWarning,
+    RowFailure,
+    UsageError,
+    checkpointed,
+    checkpointed_map,
+)
 from resumable._batch_exec import wanted, workers_of
 
 
@@ -223,7 +231,7 @@ def test_async_fn_with_executor_is_refused():
     async def fn(x: int) -> int:
         return x
 
-    with ThreadPoolExecutor(1) as pool, pytest.raises(TypeError, match="executor="):
+    with ThreadPoolExecutor(1) as pool, pytest.raises(UsageError, match="executor="):
         checkpointed_map(fn, [1], name="x", executor=pool)
 
 

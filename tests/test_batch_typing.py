@@ -14,7 +14,7 @@ from collections.abc import Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, assert_type
 
-from resumable import RowFailure, checkpointed, checkpointed_map
+from resumable import Checkpointed, RowFailure, checkpointed, checkpointed_map
 
 
 def label(x: int) -> str:
@@ -35,7 +35,11 @@ pending.close()
 recorded = checkpointed_map(ask, [1], name="e", on_error="record")
 __ = assert_type(recorded, Coroutine[Any, Any, list[str | RowFailure]])
 recorded.close()
-assert_type(checkpointed(["x", "y"], every=5, name="f"), Iterator[str])
+assert_type(checkpointed(["x", "y"], every=5, name="f"), Checkpointed[str])
+loop = checkpointed(range(3), name="g", state={"n": 0})
+assert_type(loop.state, dict[str, Any])
+for i in loop:
+    assert_type(i, int)
 
 
 async def main() -> None:

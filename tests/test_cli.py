@@ -393,6 +393,8 @@ READ_ONLY = (
     ["history", "--json"],
     ["show", "answer"],
     ["show", "page", "--key", "1", "--json"],
+    ["why", "answer"],
+    ["why", "page", "--key", "1", "--json"],
     ["verify"],
 )
 
@@ -420,7 +422,14 @@ def test_read_only_commands_change_nothing(agent: tuple[Path, Path], tmp_path: P
 
 def test_read_only_commands_create_no_state_directory(tmp_path: Path):
     """Run where there is no state, the read-only commands create neither ./state nor .resumable."""
-    for args in (["status"], ["history"], ["show", "answer"], ["verify"], ["export", "-o", "x"]):
+    for args in (
+        ["status"],
+        ["history"],
+        ["show", "answer"],
+        ["why", "x"],
+        ["verify"],
+        ["export", "-o", "x"],
+    ):
         done = subprocess.run(
             [sys.executable, "-m", "resumable", *args],
             capture_output=True,
@@ -466,6 +475,7 @@ def test_read_only_commands_work_while_a_run_holds_the_lock(agent: tuple[Path, P
         ["status", "--json"],
         ["history"],
         ["show", "answer"],
+        ["why", "answer"],
         ["verify"],
         ["export", "-o", "out.state"],
         ["reset", "answer"],
@@ -601,8 +611,12 @@ def test_rollback_leaves_no_temporary_file(tmp_path: Path):
     done = _cli(state, "rollback", "s")
     assert (0, "") == (done.returncode, done.stderr)
     assert [] == sorted(str(p) for p in state.rglob("*.tmp"))
+    outputs.append(subprocess.run(run, cwd=tmp_path, capture_output=True, text=True, check=True).stdout)
+    done = _cli(state, "rollback", "s")  # the version in place is the one restored
+    assert (0, "") == (done.returncode, done.stderr)
+    assert [] == sorted(str(p) for p in state.rglob("*.tmp"))
     assert "nothing to clean" == _cli(state, "clean").stdout.strip()
-    assert ["v1!\n", "w1!\n"] == outputs
+    assert ["v1!\n", "w1!\n", "w1!\n"] == outputs
     assert "'v1'" in _cli(state, "show", "s").stdout
 
 
@@ -633,3 +647,82 @@ def test_clean_dry_run_lists_exactly_what_clean_removes(agent: tuple[Path, Path]
     assert any(key.startswith(".resumable/objects/") and not key.endswith(".tmp") for key in listed)
     assert not any(p.exists() for p in temps)
     assert "nothing to clean" == _cli(state, *args, "--dry-run").stdout.strip()
+
+
+WHY = """
+import sys
+from resumable import step
+
+RATE = 3
+LOCK = __import__("threading").Lock()
+
+
+def helper(x):
+    return x * RATE
+
+
+@step(version=sys.argv[1] if sys.argv[1] != "-" else None)
+def price(x: int) -> int:
+    with LOCK:
+        return helper(x)
+
+
+@step(key="{n}")
+def page(n: int) -> int:
+    return n + 1
+
+
+print(price(2), page(1), page(2))
+"""
+
+
+def test_why_explains_each_kind_of_rerun(tmp_path: Path):
+    """Edit a helper, a value, pin a version: `why` names what changed, with a diff."""
+    script = tmp_path / "p.py"
+    script.write_text(WHY)
+    state = tmp_path / "state"
+
+    def run(version: str = "-") -> None:
+        subprocess.run([sys.executable, str(script), version], cwd=tmp_path, check=True, capture_output=True)
+
+    run()
+    first = _cli(state, "why", "price")
+    assert first.stdout.startswith("price: ran (run 1, 20")
+    assert ": new\n" in first.stdout
+    assert "not part of its identity (cannot be fingerprinted): LOCK (_thread.lock)" in first.stdout
+    script.write_text(WHY.replace("RATE = 3", "RATE = 4"))
+    run()
+    out = _cli(state, "why", "price").stdout
+    assert "price: ran (run 2, " in out
+    assert "code changed (const RATE)" in out
+    assert "  value RATE: 3 -> 4" in out
+    script.write_text(WHY.replace("RATE = 3", "RATE = 4").replace("x * RATE", "x * RATE + 0"))
+    run()
+    out = _cli(state, "why", "price").stdout
+    assert "  function helper changed" in out
+    assert "    -    return x * RATE\n    +    return x * RATE + 0" in out
+    run("1")  # pinning a version: runs once (the identity is now the version) ...
+    script.write_text(WHY.replace("x * RATE", "x * RATE * 1"))
+    run("1")  # ... and then keeps the output despite an edit
+    out = _cli(state, "why", "price").stdout
+    assert "price: skipped (run 5, " in out
+    assert "its code changed, but its version is pinned" in out
+    assert "value RATE: 3 -> 4" not in out  # compared with the code that made the output
+    assert "  function helper changed" in out
+    assert "    +    return x * RATE * 1" in out
+
+
+def test_why_picks_slots_and_prints_json(tmp_path: Path):
+    script = tmp_path / "p.py"
+    script.write_text(WHY)
+    state = tmp_path / "state"
+    subprocess.run([sys.executable, str(script), "-"], cwd=tmp_path, check=True, capture_output=True)
+    both = _cli(state, "why", "page").stdout.splitlines()
+    assert [line.split(":")[0] for line in both] == ["page/1", "page/2"]
+    assert ["page/2"] == [
+        d["slot"] for d in json.loads(_cli(state, "why", "page", "--key", "2", "--json").stdout)
+    ]
+    assert _cli(state, "why", "page/1").stdout.startswith("page/1: ran (run 1")
+    done = _cli(state, "why", "nope")
+    assert (2, "") == (done.returncode, done.stdout)
+    assert "no run has called 'nope'" in done.stderr

@@ -58,6 +58,7 @@ def samples() -> Iterator[tuple[str, str]]:
 
 
 SAMPLES = list(samples())
+PIPELINE = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)[0]  # the documented one
 
 HOLD = """
 import sys, time
@@ -72,9 +73,7 @@ with Pipeline(state_dir=sys.argv[1]):
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The state docs/cli.md's pipeline leaves after the two documented runs."""
     root = tmp_path_factory.mktemp("demo")
-    source = re.search(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)
-    assert source is not None
-    (root / "pipeline.py").write_text(source.group(1))
+    (root / "pipeline.py").write_text(PIPELINE)
     for text in ("What is a checkpoint?", "What is fsync?"):
         subprocess.run([sys.executable, "pipeline.py", text], cwd=root, check=True, capture_output=True)
     return root / "state"
@@ -89,6 +88,10 @@ def _flip_last_byte(path: Path) -> None:
 def _prepare(cwd: Path, command: str, documented: str) -> None:
     """Set up what the sample shows happened before it: an export, damage."""
     state = cwd / "state"
+    if "code changed" in documented:  # the sample after an edit of `answer`
+        (cwd / "pipeline.py").write_text(PIPELINE.replace("prompt.upper()", "prompt.lower()"))
+        run = [sys.executable, "pipeline.py", "What is fsync?"]
+        subprocess.run(run, cwd=cwd, check=True, capture_output=True)
     if "DAMAGED" in documented:
         _flip_last_byte(state / "answer.msgpack")
     if " import " in f" {command} ":
@@ -111,7 +114,18 @@ def test_docs_show_commands():
         command.split()[1] if not command.split()[1].startswith("-") else command.split()[3]
         for command, _ in SAMPLES
     }
-    assert {"status", "show", "reset", "history", "rollback", "export", "import", "verify", "clean"} == shown
+    assert {
+        "status",
+        "show",
+        "why",
+        "reset",
+        "history",
+        "rollback",
+        "export",
+        "import",
+        "verify",
+        "clean",
+    } == shown
 
 
 @pytest.mark.parametrize(("command", "documented"), SAMPLES, ids=[c for c, _ in SAMPLES])

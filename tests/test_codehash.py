@@ -23,7 +23,6 @@ from pathlib import Path
 import pytest
 
 from resumable import Pipeline, _codehash
-from resumable import _codehash
 from resumable._codehash import code_components, combine, describe_change, function_digest, snapshot_source
 from resumable._step import _identity_of
 

@@ -11,7 +11,6 @@ import dataclasses
 import datetime as dt
 import enum
 import gc
-import weakref
 import hashlib
 import io
 import math
@@ -22,6 +21,7 @@ import subprocess
 import sys
 import threading
 import uuid
+import weakref
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path, PosixPath, PurePosixPath
@@ -50,7 +50,7 @@ from strategies import (
     numpy_arrays,
 )
 
-from resumable import FingerprintError, Pipeline, ResumableWarning, _codec, _fingerprint
+from resumable import FingerprintError, Pipeline, _codec, _fingerprint
 from resumable._fingerprint import (
     StoredOutput,
     digest_arguments,

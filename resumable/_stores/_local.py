@@ -254,6 +254,10 @@ class LocalStore:
             self._copy_bytes(src, dst, durable=durable)
             return
         os.replace(tmp, target)
+        # rename() does nothing when both names are links to one file already (a rollback to
+        # the version in place): then the temporary name is still there
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
         if durable:
             _fsync_dir(directory)
 

@@ -179,9 +179,11 @@ def output_files(state: Path) -> dict[str, Path]:
 def completed_events(state: Path) -> set[str]:
     """Slots with a ``step_completed`` event in the event log."""
     try:
-        lines = (state / "events.jsonl").read_text().splitlines()
+        text = (state / "events.jsonl").read_text()
     except FileNotFoundError:
         return set()
+    # only whole lines: the running process may be in the middle of appending one
+    lines = text[: text.rfind("\n") + 1].splitlines()
     events = [json.loads(line) for line in lines if line.strip()]
     return {e["slot"] for e in events if e["event"] == "step_completed"}
 

@@ -1,0 +1,252 @@
+"""
+Why a step ran or was skipped: ``resumable why STEP`` and ``Pipeline.why``.
+
+When a step starts running, the code it runs is recorded once per code digest in
+``.resumable/code/<digest>.json``: the digest of each component (the function, its
+helpers, the steps and values it uses), their normalized source and a short repr of each
+value. The ``step_started`` event says why it ran and which code it replaces (``was``), so
+the explanation of a rerun is a diff between two such records, whatever happened since.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging
+import re
+import threading
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ._slots import slot_id
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from ._step import Identity
+    from ._stores import Store
+
+log = logging.getLogger("resumable")
+
+CODE_DIR = ".resumable/code/"
+_DIGEST = re.compile(r"[0-9a-f]{32}")
+_recorded: set[tuple[str, str]] = set()  # (store location, code digest) written by this process
+_recorded_lock = threading.Lock()
+
+
+def record_code(store: Store, step: str, identity: Identity) -> None:
+    """Keep the components of the code a step is about to run (once per code digest)."""
+    mark = (store.location, identity.code)
+    with _recorded_lock:
+        if mark in _recorded:
+            return
+        _recorded.add(mark)
+    from ._codehash import short_repr  # noqa: PLC0415 - loaded with the step already
+
+    record = {
+        "step": step,
+        "components": identity.components,
+        "sources": identity.sources,
+        "values": {label: short_repr(value) for label, value in identity.values().items()},
+        "left_out": identity.left_out,
+    }
+    data = json.dumps(record, indent=1, sort_keys=True, ensure_ascii=False).encode()
+    try:
+        store.write(f"{CODE_DIR}{identity.code}.json", [data], durable=False)
+    except OSError as exc:  # an explanation is not worth failing a step for
+        log.debug("code record of step %r not written: %s", step, exc)
+        with _recorded_lock:
+            _recorded.discard(mark)
+
+
+def read_code(store: Store, code: object) -> dict[str, Any] | None:
+    """The code record *code* names, or None if there is none (or it is malformed)."""
+    if not isinstance(code, str) or not _DIGEST.fullmatch(code):
+        return None
+    try:
+        record = json.loads(bytes(store.read(f"{CODE_DIR}{code}.json")))
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(record, dict):
+        return None
+    return {key: _strings(record.get(key)) for key in ("components", "sources", "values", "left_out")} | {
+        "step": str(record.get("step", ""))
+    }
+
+
+def _strings(value: object) -> dict[str, str]:
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): v for k, v in value.items() if isinstance(v, str)}
+
+
+def code_components(store: Store, code: object) -> dict[str, str] | None:
+    """The component digests of a recorded code digest, or None."""
+    record = read_code(store, code)
+    return record["components"] if record is not None else None
+
+
+@attrs.frozen
+class Decision:
+    """
+    What the last run did with one slot, and why.
+
+    ``outcome`` is ``"ran"``, ``"skipped"`` or ``"not called"`` (in the last run; ``run`` then
+    says which run last decided it). For a step that ran, ``reason`` is one of ``new``,
+    ``inputs changed``, ``code changed``, ``version changed``, ``reset``, ``corrupt``;
+    ``changes`` lists what differs from the stored output it replaced: code components with a
+    unified diff of their source, values (old -> new) and parameters.
+    """
+
+    slot: str
+    outcome: str
+    run: int | None
+    at: str | None
+    reason: str | None = None
+    detail: str | None = None
+    changes: list[Change] = attrs.field(factory=list)
+    left_out: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Change:
+    """One thing that differs between the code (or arguments) of two calls."""
+
+    kind: str  # "code", "function", "step", "table", "value", "parameter"
+    name: str
+    old: str | None = None
+    new: str | None = None
+    diff: str | None = None
+
+
+def _slot_matches(slot: str, step: str, key: str | None) -> bool:
+    if key is not None:
+        return slot == slot_id(step, key)
+    return slot == step or slot.startswith(step + "/")
+
+
+def explain(
+    events: Iterable[dict[str, Any]], store: Store, step: str, key: str | None = None
+) -> list[Decision]:
+    """The last decision about every slot of *step* (or its slot for *key*), from the event log."""
+    run = 0
+    last: dict[str, tuple[int, dict[str, Any]]] = {}
+    kept: dict[str, tuple[int, dict[str, Any]]] = {}
+    for event in events:
+        kind = event.get("event")
+        if kind == "run_started":
+            number = event.get("run")
+            run = number if isinstance(number, int) else run + 1
+        elif kind in {"step_started", "step_skipped", "step_kept"}:
+            slot = event.get("slot")
+            if isinstance(slot, str) and _slot_matches(slot, step, key):
+                (kept if kind == "step_kept" else last)[slot] = (run, event)
+    decisions = []
+    for slot, (when, event) in sorted(last.items()):
+        at = event.get("t") if isinstance(event.get("t"), str) else None
+        if event.get("event") == "step_skipped":
+            decision = Decision(slot, "skipped" if when == run else "not called", when, at)
+            pinned = kept.get(slot)
+            if pinned is not None and pinned[0] == when:
+                decision = _kept(store, decision, pinned[1])
+        else:
+            decision = _ran(store, slot, when if when == run else None, at, event)
+            if when != run:
+                decision = attrs.evolve(decision, outcome="not called", run=when)
+        decisions.append(decision)
+    return decisions
+
+
+def _kept(store: Store, decision: Decision, event: dict[str, Any]) -> Decision:
+    """A skip of an output other code made, kept because the step's version is pinned."""
+    new, old = read_code(store, event.get("code")), read_code(store, event.get("was"))
+    changes = code_changes(old, new) if old is not None and new is not None else []
+    return attrs.evolve(decision, reason="kept: version pinned", changes=changes)
+
+
+def _ran(store: Store, slot: str, run: int | None, at: str | None, event: dict[str, Any]) -> Decision:
+    reason = event.get("reason") if isinstance(event.get("reason"), str) else None
+    detail = event.get("detail") if isinstance(event.get("detail"), str) else None
+    changes: list[Change] = []
+    new = read_code(store, event.get("code"))
+    old = read_code(store, event.get("was"))
+    if reason == "code changed" and old is not None and new is not None:
+        changes = code_changes(old, new)
+    params = event.get("params")
+    if isinstance(params, list):
+        changes += [Change("parameter", str(p)) for p in params]
+    left_out = new["left_out"] if new is not None else {}
+    return Decision(slot, "ran", run, at, reason, detail, changes, left_out)
+
+
+_KINDS = {"code": "code", "fn": "function", "step": "step", "table": "table", "const": "value"}
+
+
+def code_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
+    """What differs between two code records, component by component."""
+    changes = []
+    before, after = old["components"], new["components"]
+    for label in sorted(before.keys() | after.keys()):
+        if before.get(label) == after.get(label):
+            continue
+        prefix, _, name = label.partition(" ")
+        kind = _KINDS.get(prefix, prefix)
+        name = name or "its own code"
+        if kind == "value":
+            changes.append(Change(kind, name, old["values"].get(label), new["values"].get(label)))
+            continue
+        a, b = old["sources"].get(label), new["sources"].get(label)
+        diff = None
+        if a is not None or b is not None:
+            lines = difflib.unified_diff(
+                (a or "").splitlines(), (b or "").splitlines(), "before", "after", lineterm="", n=2
+            )
+            diff = "\n".join(lines) or None
+        changes.append(Change(kind, name, before.get(label), after.get(label), diff))
+    return changes
+
+
+def render(decisions: list[Decision], step: str) -> str:
+    """The text `resumable why` prints."""
+    if not decisions:
+        return f"step {step!r}: no run has called it yet\n"
+    out: list[str] = []
+    for d in decisions:
+        when = f" (run {d.run}, {d.at})" if d.run is not None else ""
+        if d.outcome == "skipped" and d.reason:
+            out.append(f"{d.slot}: skipped{when}: its code changed, but its version is pinned")
+        elif d.outcome == "skipped":
+            out.append(f"{d.slot}: skipped{when}: the stored output matches its code and arguments")
+        elif d.outcome == "not called":
+            out.append(f"{d.slot}: not called in the last run; last decided in run {d.run}")
+        else:
+            detail = f" ({d.detail})" if d.detail else ""
+            out.append(f"{d.slot}: ran{when}: {d.reason}{detail}")
+        for c in d.changes:
+            out.extend(_render_change(c))
+        if d.left_out:
+            names = ", ".join(f"{n} ({t})" for n, t in sorted(d.left_out.items()))
+            out.append(f"  not part of its identity (cannot be fingerprinted): {names}")
+    return "\n".join(out) + "\n"
+
+
+def _render_change(c: Change) -> list[str]:
+    if c.kind == "value":
+        return [f"  value {c.name}: {c.old or '(none)'} -> {c.new or '(none)'}"]
+    if c.kind == "parameter":
+        return []  # the reason's detail names them already
+    head = f"  {c.kind} {c.name} changed" if c.kind != "code" else "  its own code changed"
+    if c.old is None:
+        head = f"  {c.kind} {c.name} added"
+    elif c.new is None:
+        head = f"  {c.kind} {c.name} removed"
+    lines = [head]
+    if c.diff:
+        lines += [f"    {line}" for line in c.diff.splitlines()]
+    return lines
+
+
+def as_dict(decision: Decision) -> dict[str, Any]:
+    """A decision as plain data (for ``--json``)."""
+    return attrs.asdict(decision)
