@@ -186,7 +186,7 @@ class StepExecution:
             self._failed_noting(spec, plan, exc, started, attempts)
             raise
         plan.output_digest = value_digest(header)
-        _remember(value, header)
+        _remember(value, header, loaded=False)
         if plan.slot in self.journal.manifest.batches:  # the output now holds what they held
             self.forget_batches(plan.slot)
         fields: dict[str, Any] = {}
@@ -312,11 +312,12 @@ class StepExecution:
             attempt += 1
 
 
-def _remember(value: object, header: dict[str, Any]) -> None:
+def _remember(value: object, header: dict[str, Any], *, loaded: bool = True) -> None:
     # Passed to another step, the value is known by the stored checksum as long as it still
     # encodes to the stored bytes (provenance checks that at every use).
     pads = tuple(pad for pad, _ in header["buffers"])
-    provenance.remember(value, header["checksum"], pads)
+    pickled = loaded and header.get("encoding") == "msgpack+pickle"
+    provenance.remember(value, header["checksum"], pads, loaded_pickle=pickled)
 
 
 def _error_fields(exc: BaseException) -> dict[str, str]:

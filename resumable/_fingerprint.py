@@ -88,13 +88,23 @@ class StoredOutput:
 
 
 class _Entry:
-    __slots__ = ("checksum", "pads", "ref", "tp")
+    __slots__ = ("baseline", "checksum", "pads", "ref", "tp")
 
-    def __init__(self, checksum: str, pads: tuple[int, ...], ref: weakref.ref[Any] | None, tp: type) -> None:
+    def __init__(
+        self,
+        checksum: str,
+        pads: tuple[int, ...],
+        ref: weakref.ref[Any] | None,
+        tp: type,
+        baseline: str | None = None,
+    ) -> None:
         self.checksum = checksum  # the stored file's checksum of the value bytes
         self.pads = pads  # its buffers' padding, to lay a re-encoding out the same way
         self.ref = ref  # a weak reference where the type allows one (identity is then exact)
         self.tp = tp
+        # what it encodes to in this process, where that may differ from the stored bytes
+        # (a pickle of a class defined in a script names that class by a per-process id)
+        self.baseline = baseline or checksum
 
 
 class _Provenance:
@@ -114,15 +124,27 @@ class _Provenance:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()
         self._lock = threading.Lock()
 
-    def remember(self, obj: object, checksum: str, pads: tuple[int, ...] = ()) -> None:
-        """Remember that *obj* is the value stored with *checksum*."""
+    def remember(
+        self, obj: object, checksum: str, pads: tuple[int, ...] = (), *, loaded_pickle: bool = False
+    ) -> None:
+        """
+        Remember that *obj* is the value stored with *checksum*. A value just decoded from
+        bytes holding a pickle (*loaded_pickle*) is encoded once more now: pickles are not
+        byte-stable across processes, and later checks compare with what it encodes to here.
+        """
         if not trackable(obj):
             return
         try:
             ref: weakref.ref[Any] | None = weakref.ref(obj)
         except TypeError:  # lists, dicts, tuples: known by id, checked by content
             ref = None
-        entry = _Entry(checksum, pads, ref, type(obj))
+        baseline = None
+        if loaded_pickle:
+            try:
+                baseline = self._encoding_checksum(obj, pads)
+            except _Unhashable:
+                return  # it cannot be encoded again: it is fingerprinted as it is when passed on
+        entry = _Entry(checksum, pads, ref, type(obj), baseline)
         key = id(obj)
         with self._lock:
             self._entries[key] = entry
@@ -147,14 +169,20 @@ class _Provenance:
         Raises:
             _Unhashable: it cannot be encoded any more.
         """
+        actual = self._encoding_checksum(obj, entry.pads)
+        if actual == entry.baseline:
+            return True, entry.checksum.partition(":")[2]
+        return False, actual.partition(":")[2]
+
+    @staticmethod
+    def _encoding_checksum(obj: object, pads: tuple[int, ...]) -> str:
         from ._codec import encode, value_checksum  # noqa: PLC0415 - the codec imports NumPy lazily
 
         try:
             encoded = encode(obj, allow_pickle=True)
         except SerializationError as exc:
             raise _Unhashable("value", obj, f"it cannot be encoded ({exc})") from None
-        actual = value_checksum(encoded, entry.pads)
-        return actual == entry.checksum, actual.partition(":")[2]
+        return value_checksum(encoded, pads)
 
     def lookup(self, obj: object) -> str | None:
         """The stored digest of *obj* if it is a step output that is unchanged, else None."""

@@ -245,7 +245,7 @@ class StepChangedError(ResumableError, RuntimeError):
             f"step {slot!r} is marked idempotent=False and already ran{when}; since then {changed}. "
             "Running it again would repeat its side effects, so it is not run again by itself. "
             f"To run it again, confirm with `resumable reset {slot}` or pipe.reset({slot!r}); "
-            "to keep its stored output despite code edits, pin it with @step(version=...)."
+            "to keep its stored output instead, undo that change."
         )
 
 
