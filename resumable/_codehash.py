@@ -34,6 +34,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
+
 from ._codec_types import qualified_name
 from ._fingerprint import _Unhashable, digest_value
 
@@ -244,7 +246,19 @@ def value_digest(value: object) -> str | None:
     return digest
 
 
+def _refuse(value: object) -> None:
+    raise TypeError(type(value).__name__)
+
+
 def _fresh_digest(value: object) -> str | None:
+    # Plain JSON-like data (exact types: dict, list, str, bytes, int, float, bool, None) is
+    # packed by msgpack's C packer, which tells them all apart: a few microseconds per KB.
+    try:
+        packed = msgpack.packb(value, use_bin_type=True, strict_types=True, default=_refuse)
+    except (TypeError, ValueError, OverflowError):
+        pass
+    else:
+        return "p" + hashlib.sha256(packed).hexdigest()[:15]
     from ._codec import encode, value_checksum  # noqa: PLC0415 - the codec is loaded by then anyway
     from .exceptions import SerializationError  # noqa: PLC0415
 

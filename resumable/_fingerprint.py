@@ -87,6 +87,9 @@ class StoredOutput:
         return self._value
 
 
+_NO_WEAKREF: set[type] = {dict, list, tuple}  # types known to refuse weak references
+
+
 class _Entry:
     __slots__ = ("baseline", "checksum", "pads", "ref", "tp")
 
@@ -134,10 +137,12 @@ class _Provenance:
         """
         if not trackable(obj):
             return
-        try:
-            ref: weakref.ref[Any] | None = weakref.ref(obj)
-        except TypeError:  # lists, dicts, tuples: known by id, checked by content
-            ref = None
+        ref: weakref.ref[Any] | None = None  # lists, dicts, tuples: known by id, checked by content
+        if type(obj) not in _NO_WEAKREF:
+            try:
+                ref = weakref.ref(obj)
+            except TypeError:
+                _NO_WEAKREF.add(type(obj))
         baseline = None
         if loaded_pickle:
             try:
