@@ -315,8 +315,9 @@ class StepExecution:
 def _remember(value: object, header: dict[str, Any], *, loaded: bool = True) -> None:
     # Passed to another step, the value is known by the stored checksum as long as it still
     # encodes to the stored bytes (provenance checks that at every use).
-    pads = tuple(pad for pad, _ in header["buffers"])
-    pickled = loaded and header.get("encoding") == "msgpack+pickle"
+    buffers = header["buffers"]
+    pads = tuple(pad for pad, _ in buffers) if buffers else ()
+    pickled = loaded and header["encoding"] == "msgpack+pickle"
     provenance.remember(value, header["checksum"], pads, loaded_pickle=pickled)
 
 

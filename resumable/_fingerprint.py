@@ -23,9 +23,8 @@ import sys
 import threading
 import uuid
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -90,24 +89,14 @@ class StoredOutput:
 _NO_WEAKREF: set[type] = {dict, list, tuple}  # types known to refuse weak references
 
 
-class _Entry:
-    __slots__ = ("baseline", "checksum", "pads", "ref", "tp")
-
-    def __init__(
-        self,
-        checksum: str,
-        pads: tuple[int, ...],
-        ref: weakref.ref[Any] | None,
-        tp: type,
-        baseline: str | None = None,
-    ) -> None:
-        self.checksum = checksum  # the stored file's checksum of the value bytes
-        self.pads = pads  # its buffers' padding, to lay a re-encoding out the same way
-        self.ref = ref  # a weak reference where the type allows one (identity is then exact)
-        self.tp = tp
-        # what it encodes to in this process, where that may differ from the stored bytes
-        # (a pickle of a class defined in a script names that class by a per-process id)
-        self.baseline = baseline or checksum
+class _Entry(NamedTuple):
+    checksum: str  # the stored file's checksum of the value bytes
+    pads: tuple[int, ...]  # its buffers' padding, to lay a re-encoding out the same way
+    ref: weakref.ref[Any] | None  # a weak reference where the type allows one (identity is then exact)
+    tp: type
+    # what it encodes to in this process, where that may differ from the stored bytes (a
+    # pickle of a class defined in a script names that class by a per-process id)
+    baseline: str
 
 
 class _Provenance:
@@ -124,7 +113,7 @@ class _Provenance:
     MAX_ENTRIES = 4096
 
     def __init__(self) -> None:
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        self._entries: dict[int, _Entry] = {}  # in insertion order, oldest first
         self._lock = threading.Lock()
 
     def remember(
@@ -149,13 +138,14 @@ class _Provenance:
                 baseline = self._encoding_checksum(obj, pads)
             except _Unhashable:
                 return  # it cannot be encoded again: it is fingerprinted as it is when passed on
-        entry = _Entry(checksum, pads, ref, type(obj), baseline)
+        entry = _Entry(checksum, pads, ref, type(obj), baseline or checksum)
         key = id(obj)
+        entries = self._entries
         with self._lock:
-            self._entries[key] = entry
-            self._entries.move_to_end(key)
-            if len(self._entries) > self.MAX_ENTRIES:
-                self._entries.popitem(last=False)
+            entries.pop(key, None)  # (re)inserted last: the oldest entries go first
+            entries[key] = entry
+            if len(entries) > self.MAX_ENTRIES:
+                del entries[next(iter(entries))]
 
     def entry(self, obj: object) -> _Entry | None:
         """What is remembered of *obj* if it (or an object at its address) is a step output."""

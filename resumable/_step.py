@@ -130,6 +130,19 @@ class Plan:
         self.replaces: str | None = None  # the version of the output a rerun replaces
 
 
+def _codehash_module() -> Any:
+    """:mod:`resumable._codehash`, imported on first use (an import statement per call costs ~1 us)."""
+    global _codehash_ref  # noqa: PLW0603 - a lazily filled module reference
+    if _codehash_ref is None:
+        from . import _codehash  # noqa: PLC0415 - code digests only matter once steps run
+
+        _codehash_ref = _codehash
+    return _codehash_ref
+
+
+_codehash_ref: Any = None
+
+
 def _disabled() -> bool:
     return os.environ.get("RESUMABLE_DISABLE", "") not in {"", "0"}
 
@@ -238,9 +251,7 @@ class StepSpec(Generic[P, R]):
             if ident is None:
                 ident = self._identity = self._make_identity(shape, {}, {})
             return ident
-        from . import _codehash  # noqa: PLC0415 - see __init__
-
-        values, left_out = _codehash.read_values(shape)
+        values, left_out = _codehash_module().read_values(shape)
         current = self._current  # one tuple: threads see a consistent pair
         if current is not None and current[0] == (values, left_out):
             return current[1]

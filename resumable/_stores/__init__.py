@@ -8,6 +8,7 @@ five operations, which is what a custom backend implements.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
@@ -75,8 +76,7 @@ def check_key(key: str, location: str) -> str:
     Raises:
         UsageError: it is not such a key.
     """
-    *dirs, name = key.split("/")
-    if key.startswith("/") or "\x00" in key or name in {".", ".."} or any(p in {"", ".", ".."} for p in dirs):
+    if not _valid_key(key):
         from ..exceptions import UsageError  # noqa: PLC0415 - only on this error path
 
         msg = (
@@ -85,6 +85,14 @@ def check_key(key: str, location: str) -> str:
         )
         raise UsageError(msg)
     return key
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _valid_key(key: str) -> bool:
+    *dirs, name = key.split("/")
+    return not (
+        key.startswith("/") or "\x00" in key or name in {".", ".."} or any(p in {"", ".", ".."} for p in dirs)
+    )
 
 
 def open_store(
