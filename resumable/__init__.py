@@ -32,12 +32,15 @@ from .exceptions import (
 if _typing.TYPE_CHECKING:
     from ._batch import Checkpointed, RowFailure, checkpointed, checkpointed_map
     from ._history import Checkpoint
+    from ._why import Change, Decision
 
 __version__ = "0.1.0"
 # Imported on first use: most scripts never need them, and `import resumable` stays cheap.
 _LAZY = {
+    "Change": "._why",
     "Checkpoint": "._history",
     "Checkpointed": "._batch",
+    "Decision": "._why",
     "RowFailure": "._batch",
     "checkpointed": "._batch",
     "checkpointed_map": "._batch",
@@ -45,9 +48,11 @@ _LAZY = {
 
 __all__ = [
     "BatchRecord",
+    "Change",
     "Checkpoint",
     "Checkpointed",
     "DamagedStateError",
+    "Decision",
     "ErrorRecord",
     "FingerprintError",
     "InputChangedError",

@@ -18,7 +18,6 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
-from . import _why
 from ._codec import encode, frame, value_digest
 from ._codec_types import qualified_name
 from ._fingerprint import digest_value, provenance, trackable
@@ -104,6 +103,8 @@ class StepExecution:
             raise StepInterruptedError(plan.slot, rec.started_at, step=spec.name)
         detail = f" ({found.detail})" if found.detail else ""
         log.info("step %r running: %s%s", plan.slot, found.reason, detail)
+        from . import _why  # noqa: PLC0415 - kept out of `import resumable`
+
         _why.record_code(self.store, spec.name, plan.identity)
         self.journal.record(
             "step_started",

@@ -32,6 +32,7 @@ from .exceptions import StateDirectoryError, StepDefinitionError, UsageError
 
 if TYPE_CHECKING:
     from ._history import Checkpoint
+    from ._why import Decision
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -364,6 +365,29 @@ class Pipeline:
         if slots:
             run.journal.record("steps_reset", slots=slots)
         return slots
+
+    def why(self, step: str, key: str | None = None) -> list[Decision]:
+        """
+        Why each slot of *step* (or its slot for *key*) last ran or was skipped, from the
+        event log: the reason, and what changed since the output it replaced (code
+        components with a unified diff of their source, values, arguments). The same as
+        ``resumable why STEP``; it takes no lock (events this process has not written yet are
+        written first).
+
+        Raises:
+            UsageError: no run has called *step* (or that slot).
+        """
+        from . import _history, _why  # noqa: PLC0415 - only when explaining
+
+        run = self._run
+        if run is not None and not run.closed:
+            run.journal.flush(durable=False)
+        decisions = _why.explain(_history.events(self.store, self.secret), self.store, step, key)
+        if not decisions:
+            where = f"{step!r} with key {key!r}" if key is not None else repr(step)
+            msg = f"no run has called {where} in {self.store.location}: nothing to explain"
+            raise UsageError(msg)
+        return decisions
 
     # history -----------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ the explanation of a rerun is a diff between two such records, whatever happened
 
 from __future__ import annotations
 
-import difflib
 import json
 import logging
 import re
@@ -196,6 +195,8 @@ def code_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
         if kind == "value":
             changes.append(Change(kind, name, old["values"].get(label), new["values"].get(label)))
             continue
+        import difflib  # noqa: PLC0415 - only when explaining
+
         a, b = old["sources"].get(label), new["sources"].get(label)
         diff = None
         if a is not None or b is not None:

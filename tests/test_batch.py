@@ -1030,3 +1030,40 @@ def test_a_damaged_loop_state_warns_and_starts_from_the_value_passed_in(pipe: Pi
     with pipe, pytest.warns(ResumableWarning, match="loop state is not restored"):
         loop = checkpointed(range(10), every=2, name="a", state={"n": 0})
     assert {"n": 0} == loop.state
+
+
+@pytest.mark.parametrize("mode", ["threads", "async"])
+def test_a_code_fix_keeps_committed_rows_on_executors_and_async(pipe: Pipeline, mode: str):
+    """Rows committed by a thread pool or by async calls are kept across a fix, like sequential ones."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    calls: list[int] = []
+
+    def make(bad: int | None) -> Callable[[], list[int]]:
+        def f(x: int) -> int:
+            if x == bad:
+                raise RuntimeError(f"bug at {x}")
+            calls.append(x)
+            return x * 10
+
+        async def g(x: int) -> int:
+            return f(x)
+
+        @pipe.step(name="enrich")
+        def enrich() -> list[int]:
+            if mode == "async":
+                return asyncio.run(checkpointed_map(g, range(40), every=5, concurrency=1))
+            with ThreadPoolExecutor(1) as pool:
+                return checkpointed_map(f, range(40), every=5, executor=pool)
+
+        return enrich
+
+    with pipe, pytest.raises(RuntimeError, match="bug at 22"):
+        make(22)()
+    first = set(calls)
+    calls.clear()
+    with pipe, pytest.warns(ResumableWarning, match="that earlier code of the step computed"):
+        assert [x * 10 for x in range(40)] == make(None)()
+    assert len(first) - len(first & set(calls)) >= 20  # rows 0-19 at least were not computed again
+    assert set(range(40)) == first | set(calls)

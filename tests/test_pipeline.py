@@ -410,3 +410,31 @@ def test_runner_and_direct_calls_agree_on_small_outputs(pipe: Pipeline, monkeypa
     monkeypatch.setattr(resumable._run, "decode", lambda *a, **k: decoded.append(1) or real_decode(*a, **k))
     assert ["download", "parse", "count"] == pipe.run(url="x").skipped
     assert [] == decoded
+
+
+def test_why_in_python(pipe: Pipeline):
+    """Pipeline.why says why each slot last ran, with the changed components; unknown steps are a UsageError."""
+    from resumable import UsageError
+
+    def make(factor: int):
+        @pipe.step(name="scale", key="{x}")
+        def scale(x: int) -> int:
+            return x * factor
+
+        return scale
+
+    with pipe:
+        make(2)(1)
+    with pipe:
+        make(3)(1)
+        make(3)(2)
+    decisions = pipe.why("scale")
+    assert ["scale/1", "scale/2"] == [d.slot for d in decisions]
+    assert ("ran", "code changed") == (decisions[0].outcome, decisions[0].reason)
+    assert [("value", "factor", "2", "3")] == [(c.kind, c.name, c.old, c.new) for c in decisions[0].changes]
+    assert ("ran", "new") == (decisions[1].outcome, decisions[1].reason)
+    with pipe:
+        make(3)(1)
+    assert ["skipped"] == [d.outcome for d in pipe.why("scale", key="1")]
+    with pytest.raises(UsageError, match="no run has called 'nope'"):
+        pipe.why("nope")
