@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import sys
+import threading
 import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
@@ -108,6 +109,10 @@ class RunState(StepExecution):
         self.loops = Loops()  # `checkpointed` loops of named batches, outside steps
         self._lock: Any = None
         self._single_slot: dict[str, str] = {}
+        # one call at a time per slot of an idempotent=False step (see slot_lock)
+        self._slot_locks: dict[str, threading.RLock] = {}
+        self._async_slot_locks: dict[str, Any] = {}
+        self._slot_locks_lock = threading.Lock()
         self._warned: set[str] = set()
         self.maintenance = False
         self.last_failure: BaseException | None = None
@@ -341,6 +346,28 @@ class RunState(StepExecution):
                 f"because version {spec.version!r} is pinned"
             )
         return note
+
+    def slot_lock(self, slot: str) -> threading.RLock:
+        """
+        The lock that serialises calls of one slot of an ``idempotent=False`` step: a second
+        thread calling it while the first runs waits and then finds the stored output,
+        instead of taking the running step for one a dead run left behind.
+        """
+        with self._slot_locks_lock:
+            lock = self._slot_locks.get(slot)
+            if lock is None:
+                lock = self._slot_locks[slot] = threading.RLock()
+            return lock
+
+    def async_slot_lock(self, slot: str) -> Any:
+        """:meth:`slot_lock` for coroutines of one event loop (an :class:`asyncio.Lock`)."""
+        import asyncio  # noqa: PLC0415 - loaded by the caller already
+
+        with self._slot_locks_lock:
+            lock = self._async_slot_locks.get(slot)
+            if lock is None:
+                lock = self._async_slot_locks[slot] = asyncio.Lock()
+            return lock
 
     def _kept(self, spec: StepSpec[Any, Any], plan: Plan, was: str) -> None:
         """Record that a pinned version kept an output made by other code (for `why`)."""

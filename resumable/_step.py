@@ -25,6 +25,7 @@ from .exceptions import StepDefinitionError
 
 if TYPE_CHECKING:
     from ._pipeline import Pipeline
+    from ._run import RunState
 
 P = ParamSpec("P")
 P2 = ParamSpec("P2")
@@ -363,6 +364,12 @@ class StepSpec(Generic[P, R]):
             return self.fn(*args, **kwargs)
         run = self.pipeline_for_call().open_run(self)
         plan = self.plan(args, kwargs)
+        if not self.idempotent:  # never two at once: the second finds the first's output
+            with run.slot_lock(plan.slot):
+                return self._lookup_or_run(run, plan, args, kwargs)
+        return self._lookup_or_run(run, plan, args, kwargs)
+
+    def _lookup_or_run(self, run: RunState, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         found = run.lookup(self, plan)
         if found.hit:
             return found.value
@@ -373,6 +380,14 @@ class StepSpec(Generic[P, R]):
             return await self.fn(*args, **kwargs)  # type: ignore[misc]
         run = self.pipeline_for_call().open_run(self)
         plan = self.plan(args, kwargs)
+        if not self.idempotent:  # never two at once: the second finds the first's output
+            async with run.async_slot_lock(plan.slot):
+                return await self._lookup_or_run_async(run, plan, args, kwargs)
+        return await self._lookup_or_run_async(run, plan, args, kwargs)
+
+    async def _lookup_or_run_async(
+        self, run: RunState, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         found = run.lookup(self, plan)
         if found.hit:
             return found.value

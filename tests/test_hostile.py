@@ -358,6 +358,23 @@ def test_show_refuses_a_hostile_file(state_dir: Path, tmp_path: Path) -> None:
         assert "logging.FileHandler, which is not a" in result.stderr
 
 
+def test_verify_reports_a_hostile_file(state_dir: Path, tmp_path: Path) -> None:
+    """``resumable verify`` (a real process) exits 1 naming a well-checksummed but hostile output."""
+    _step_pipeline(state_dir, [])
+    victim = tmp_path / "victim.log"
+    output = state_dir / "produce.msgpack"
+    output.write_bytes(_hostile_file(ENUM, ["builtins", "object", 1], replaces=output))
+    result = subprocess.run(
+        [sys.executable, "-m", "resumable", "--state-dir", str(state_dir), "verify"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (1, False) == (result.returncode, victim.exists())
+    assert f"DAMAGED {output}: " in result.stdout
+    assert "builtins.object, which is not a" in result.stdout
+
+
 def test_load_refuses_a_hostile_file(tmp_path: Path, sentinels: list[str]) -> None:
     """``resumable.load`` raises SerializationError for a hostile file, with or without pickles."""
     path = tmp_path / "hostile.msgpack"

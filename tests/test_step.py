@@ -592,3 +592,37 @@ def test_key_file_names_are_readable_and_escaped(pipe: Pipeline, state_dir: Path
         named("Page A/b")
     files = {p.name for p in (state_dir / "named").glob("*.msgpack")}
     assert {"user_17-2026.json.msgpack", "%50age%20%41%2Fb.msgpack"} == files
+
+
+def test_concurrent_calls_of_one_non_idempotent_slot_run_it_once(pipe: Pipeline):
+    """Threads (or coroutines) calling the same idempotent=False slot at once: one runs, the others get its output."""
+    import asyncio
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    charges: list[str] = []
+    lock = threading.Lock()
+
+    @pipe.step(key="{customer}", idempotent=False)
+    def charge(customer: str) -> str:
+        time.sleep(0.05)  # long enough for the other calls to arrive while it runs
+        with lock:
+            charges.append(customer)
+        return f"charged {customer}"
+
+    @pipe.step(key="{customer}", idempotent=False)
+    async def refund(customer: str) -> str:
+        await asyncio.sleep(0.05)
+        charges.append(f"refund {customer}")
+        return f"refunded {customer}"
+
+    async def refunds() -> list[str]:
+        return await asyncio.gather(*(refund("bob") for _ in range(4)))
+
+    with pipe:
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(charge, ["ann"] * 4))
+        assert ["refunded bob"] * 4 == asyncio.run(refunds())
+    assert ["charged ann"] * 4 == results
+    assert ["ann", "refund bob"] == charges
