@@ -110,8 +110,40 @@ def wanted(setting: bool | None) -> bool:
     return stream is not None and stream.isatty()
 
 
+_watching: list[int] = []  # the pid whose parent this worker process watches (set once)
+
+
+def _exit_with_parent() -> None:
+    """
+    In a worker process (a process pool's), exit when the process that started it dies:
+    a run killed with ``kill -9`` must not leave its workers running rows nobody will commit.
+    A daemon thread checks the parent's pid every second (no signal, no platform call).
+    """
+    import multiprocessing  # noqa: PLC0415 - loaded in any pool worker already
+
+    if _watching and _watching[0] == os.getpid():
+        return
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.pid is None:
+        return  # not a multiprocessing child: nothing to watch
+    _watching[:] = [os.getpid()]
+    expected = parent.pid
+
+    def watch() -> None:
+        import time  # noqa: PLC0415
+
+        while os.getppid() == expected:
+            time.sleep(1.0)
+        os._exit(1)  # orphaned: the run that wanted these rows is gone
+
+    import threading  # noqa: PLC0415
+
+    threading.Thread(target=watch, name="resumable-parent-watch", daemon=True).start()
+
+
 def run_chunk(fn: Callable[[Any], Any], rows: list[Any], start: int, record: bool) -> list[Any]:
-    """Apply *fn* to a piece of rows (on an executor's worker, or here)."""
+    """Apply *fn* to a piece of rows (on an executor's worker)."""
+    _exit_with_parent()
     if not record:
         return [fn(row) for row in rows]
     out = []

@@ -401,3 +401,47 @@ def test_a_batch_outside_a_step_keeps_its_rows_too(tmp_path: Path, mode: str):
         script.replace("return x + 1", "return 1 + x")
     assert str(sum(range(1, 201))) == script.run().stdout.strip()
     assert len(script.lines("calls.txt")) - first <= 200 - 50
+
+
+def _alive(pid: int) -> bool:
+    """True if *pid* runs (a zombie, dead but not reaped by its new parent, does not count)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in {"Z", "X"}
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_process_pool_workers_exit_when_their_run_is_killed(tmp_path: Path):
+    """kill -9 of a run mid-batch on a process pool: its workers exit by themselves; the rerun finishes."""
+    script = Script(
+        tmp_path,
+        """
+        import multiprocessing, os, time
+        from concurrent.futures import ProcessPoolExecutor
+        from resumable import checkpointed_map, step
+
+        def slow(x: int) -> int:
+            with open(f"worker-{os.getpid()}", "a") as f:
+                f.write(f"{x}\\n")
+            time.sleep(0.05)
+            return x
+
+        @step
+        def rows() -> int:
+            with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("fork")) as pool:
+                return sum(checkpointed_map(slow, range(120), every=5, executor=pool))
+
+        if __name__ == "__main__":
+            print(rows())
+        """,
+    )
+    proc = script.start()
+    kill_when(proc, lambda: len(list(tmp_path.glob("worker-*"))) >= 2)
+    workers = [int(p.name.split("-")[1]) for p in tmp_path.glob("worker-*")]
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert [] == [pid for pid in workers if _alive(pid)]
+    assert str(sum(range(120))) == script.run().stdout.strip()
