@@ -21,7 +21,6 @@ import logging
 import re
 import threading
 import time
-import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -30,8 +29,9 @@ import attrs
 from ._batch_input import Digester, Source
 from ._codec import DamagedFileError, decode, encode, frame, parse_header, verify
 from ._codec_types import qualified_name
-from ._run import RunState, _stacklevel
-from .exceptions import InputChangedError, ResumableError, ResumableWarning
+from ._run import RunState
+from ._warn import warn
+from .exceptions import InputChangedError, ResumableError
 
 log = logging.getLogger("resumable")
 
@@ -202,12 +202,9 @@ class Ledger:
             verify(data, header, head_len, where.run.secret)
             record = decode(data, header, head_len, allow_pickle=False)
         except (DamagedFileError, FileNotFoundError) as exc:
-            warnings.warn(
-                ResumableWarning(
-                    f"{where.run.store.location}/{key} cannot be used ({exc}); "
-                    f"batch {where.display!r} starts over."
-                ),
-                stacklevel=_stacklevel(),
+            warn(
+                f"{where.run.store.location}/{key} cannot be used ({exc}); "
+                f"batch {where.display!r} starts over."
             )
             return None
         return record if isinstance(record, dict) else None
@@ -263,14 +260,11 @@ class Ledger:
             chunks[:] = [c for c in chunks if not c.failures]
         redo = f"; the {_rows(failed)} row(s) of chunks with failed rows are done again" if failed else ""
         if chunks:
-            warnings.warn(
-                ResumableWarning(
-                    f"batch {where.display!r}: resuming with {_rows(chunks)} row(s) that earlier code "
-                    f"of the step computed (its code or version changed since){redo}. To compute them "
-                    f"again with the current code: resumable reset {where.label} "
-                    f"(or pipe.reset({where.label!r}))."
-                ),
-                stacklevel=_stacklevel(),
+            warn(
+                f"batch {where.display!r}: resuming with {_rows(chunks)} row(s) that earlier code "
+                f"of the step computed (its code or version changed since){redo}. To compute them "
+                f"again with the current code: resumable reset {where.label} "
+                f"(or pipe.reset({where.label!r}))."
             )
         elif failed:
             log.info("batch %r: its code changed%s", where.display, redo)
@@ -286,12 +280,9 @@ class Ledger:
         if changed is None or not changed <= where.items_params:
             what = f" ({', '.join(sorted(changed))})" if changed else ""
             if chunks:
-                warnings.warn(
-                    ResumableWarning(
-                        f"batch {where.display!r}: the step's arguments changed{what}, so its "
-                        f"{_rows(chunks)} committed row(s), computed with the old ones, are not reused."
-                    ),
-                    stacklevel=_stacklevel(),
+                warn(
+                    f"batch {where.display!r}: the step's arguments changed{what}, so its "
+                    f"{_rows(chunks)} committed row(s), computed with the old ones, are not reused."
                 )
             return f"the step's arguments changed{what}"
         # Only the items changed: committed rows whose input row is unchanged are kept, the
@@ -308,12 +299,9 @@ class Ledger:
         for chunk in chunks:
             if chunk.start < end or chunk.end <= chunk.start:
                 # never written by resumable: chunks are only made for rows not yet committed
-                warnings.warn(
-                    ResumableWarning(
-                        f"batch {self.display!r}: chunk {chunk.file_name} overlaps another one; "
-                        f"it is deleted and its rows are done again."
-                    ),
-                    stacklevel=_stacklevel(),
+                warn(
+                    f"batch {self.display!r}: chunk {chunk.file_name} overlaps another one; "
+                    f"it is deleted and its rows are done again."
                 )
                 self._delete([chunk])
                 continue
@@ -506,12 +494,9 @@ class Ledger:
 
     def _drop(self, chunks: list[Chunk]) -> None:
         if self._carries_state and chunks:
-            warnings.warn(
-                ResumableWarning(
-                    f"batch {self.display!r}: {_rows(chunks)} committed row(s) are done again because "
-                    "its items changed, but the loop state restored already counts them."
-                ),
-                stacklevel=_stacklevel(),
+            warn(
+                f"batch {self.display!r}: {_rows(chunks)} committed row(s) are done again because "
+                "its items changed, but the loop state restored already counts them."
             )
         self._delete(chunks)
         dropped = set(chunks)
@@ -550,12 +535,9 @@ class Ledger:
         if damaged:
             where = self.where
             assert where is not None  # noqa: S101 - only stored chunks can be damaged
-            warnings.warn(
-                ResumableWarning(
-                    f"batch {where.display!r}: damaged chunk(s) in {where.run.store.location}/"
-                    f"{where.directory}: {'; '.join(damaged)}. Their rows are done again."
-                ),
-                stacklevel=_stacklevel(),
+            warn(
+                f"batch {where.display!r}: damaged chunk(s) in {where.run.store.location}/"
+                f"{where.directory}: {'; '.join(damaged)}. Their rows are done again."
             )
             raise DamagedChunksError(where.display)
         if not self.chunks:  # RESUMABLE_DISABLE: everything is in memory
@@ -598,12 +580,9 @@ class Ledger:
         else:
             why = f"{newest.file_name} holds no loop state"
         if type(value) is not dict:
-            warnings.warn(
-                ResumableWarning(
-                    f"batch {self.display!r}: its loop state is not restored: {why}; "
-                    f"state= starts from the value passed in."
-                ),
-                stacklevel=_stacklevel(),
+            warn(
+                f"batch {self.display!r}: its loop state is not restored: {why}; "
+                f"state= starts from the value passed in."
             )
             return
         state.clear()

@@ -31,6 +31,7 @@ from ._manifest import dumps as dumps_manifest
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
 from ._stores import Store
 from ._stores._local import LocalStore
+from ._warn import warn
 from .exceptions import ResumableError, ResumableWarning, StateFormatError
 
 FLUSH_INTERVAL = 0.2
@@ -184,12 +185,9 @@ class Journal:
             # a run that did not close may have stored outputs whose events it never wrote
             restored = self._reconcile()
             if problem is not None and (problem != "missing" or restored or self._offset):
-                warnings.warn(
-                    ResumableWarning(
-                        f"{self.store.location}/{MANIFEST} was {problem}; rebuilt it from the "
-                        f"event log and {restored} step file(s)."
-                    ),
-                    stacklevel=2,
+                warn(
+                    f"{self.store.location}/{MANIFEST} was {problem}; rebuilt it from the "
+                    f"event log and {restored} step file(s)."
                 )
         return self.manifest
 
@@ -250,13 +248,10 @@ class Journal:
         if self.readonly:
             return start + end  # a line being written now, or cut short by a kill: not yet an event
         if damaged or forged or invalid:
-            warnings.warn(
-                ResumableWarning(
-                    f"{self.store.location}/{EVENTS}: skipped {damaged + forged + invalid} line(s): "
-                    + "; ".join(_skipped(damaged, forged, invalid))
-                    + " (`resumable verify` lists them)."
-                ),
-                stacklevel=3,
+            warn(
+                f"{self.store.location}/{EVENTS}: skipped {damaged + forged + invalid} line(s): "
+                + "; ".join(_skipped(damaged, forged, invalid))
+                + " (`resumable verify` lists them)."
             )
         if end < len(tail):
             # The last line was cut short (a kill, a full disk): drop it, so that the next

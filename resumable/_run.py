@@ -13,7 +13,6 @@ import os
 import socket
 import sys
 import threading
-import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +31,8 @@ from ._fingerprint import StoredOutput
 from ._journal import Journal, read_header
 from ._slots import slot_file
 from ._stores import Store
-from .exceptions import ResumableWarning, SerializationError, StepChangedError
+from ._warn import warn
+from .exceptions import SerializationError, StepChangedError
 
 if TYPE_CHECKING:
     from ._step import Plan, StepSpec
@@ -50,16 +50,6 @@ def _changed_phrase(found: Found) -> str:
     what = {"inputs changed": "its arguments", "version changed": "its version", "code changed": "its code"}
     detail = f" ({found.detail})" if found.detail else ""
     return f"{what.get(found.reason, 'its fingerprint')} changed{detail}"
-
-
-def _stacklevel() -> int:
-    """The stacklevel of the first frame outside resumable, for warnings."""
-    frame = sys._getframe(1)  # noqa: SLF001
-    level = 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith("resumable."):
-        frame = frame.f_back  # type: ignore[assignment]
-        level += 1
-    return level
 
 
 class Found:
@@ -381,10 +371,7 @@ class RunState(StepExecution):
 
     def _corrupt(self, plan: Plan, why: str) -> Found:
         where = f"{self.store.location}/{slot_file(plan.slot)}"
-        warnings.warn(
-            ResumableWarning(f"{where} cannot be used ({why}); step {plan.slot!r} will be recomputed."),
-            stacklevel=_stacklevel(),
-        )
+        warn(f"{where} cannot be used ({why}); step {plan.slot!r} will be recomputed.")
         return Found(hit=False, reason="corrupt", detail=why)
 
     def _mismatch(self, spec: StepSpec[Any, Any], plan: Plan, header: dict[str, Any]) -> Found:
@@ -416,14 +403,11 @@ class RunState(StepExecution):
         first = self._single_slot.setdefault(spec.name, plan.args)
         if first != plan.args and spec.name not in self._warned:
             self._warned.add(spec.name)
-            warnings.warn(
-                ResumableWarning(
-                    f"step {spec.name!r} was called twice in this run with different arguments, "
-                    "but it has a single slot: each call replaces the stored output, so a rerun "
-                    "recomputes all but the last. Give it one slot per call with key=, e.g. "
-                    f"@step(key='{{{next(iter(spec.signature.parameters), 'arg')}}}')."
-                ),
-                stacklevel=_stacklevel(),
+            warn(
+                f"step {spec.name!r} was called twice in this run with different arguments, "
+                "but it has a single slot: each call replaces the stored output, so a rerun "
+                "recomputes all but the last. Give it one slot per call with key=, e.g. "
+                f"@step(key='{{{next(iter(spec.signature.parameters), 'arg')}}}')."
             )
 
     # execution ---------------------------------------------------------------------------

@@ -8,14 +8,14 @@ its stored digests); it is read only when a step that runs needs its value.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ._fingerprint import StoredOutput
 from ._run import Found, RunState
 from ._step import Plan, StepSpec
-from .exceptions import ResumableError, ResumableWarning, SerializationError, StepDefinitionError
+from ._warn import warn
+from .exceptions import ResumableError, SerializationError, StepDefinitionError
 
 
 class Run:
@@ -84,7 +84,7 @@ def _load_or_redo(
     try:
         return run.load(spec, plan)
     except (SerializationError, FileNotFoundError) as exc:
-        warnings.warn(ResumableWarning(f"{exc}; recomputing it."), stacklevel=3)
+        warn(f"{exc}; recomputing it.")
         return _execute(run, spec, plan, Found(hit=False, reason="corrupt"), _call(spec, args, kwargs))
 
 

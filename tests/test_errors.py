@@ -316,3 +316,21 @@ def test_resumable_warning_is_not_an_error():
     """ResumableWarning stays a warning: it is no ResumableError."""
     assert not issubclass(ResumableWarning, ResumableError)
     assert issubclass(ResumableWarning, UserWarning)
+
+
+def test_warnings_point_at_the_users_call(pipe: Pipeline, state_dir: Path):
+    """A ResumableWarning names the user's line (the step call), never a line inside resumable."""
+    from resumable import ResumableWarning
+
+    @pipe.step
+    def parse(n: int) -> int:
+        return n
+
+    with pipe, pytest.warns(ResumableWarning, match="key=") as caught:
+        parse(1)
+        parse(2)  # one slot, two arguments: the warning points here
+    assert [__file__] == [w.filename for w in caught]
+    (state_dir / "parse.msgpack").write_bytes(b"damaged")
+    with pipe, pytest.warns(ResumableWarning, match="will be recomputed") as caught:
+        parse(2)
+    assert [__file__] == [w.filename for w in caught]
