@@ -11,7 +11,7 @@ from ._codec import load
 from ._manifest import BatchRecord, ErrorRecord, Manifest, StepRecord
 from ._pipeline import Pipeline
 from ._runner import Run
-from ._step import Step, step
+from ._step import Step, by_arguments, step
 from ._stores import Store, StoreLock
 from .exceptions import (
     DamagedStateError,
@@ -74,6 +74,7 @@ __all__ = [
     "Store",
     "StoreLock",
     "UsageError",
+    "by_arguments",
     "checkpointed",
     "checkpointed_map",
     "load",

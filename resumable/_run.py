@@ -52,6 +52,21 @@ def _changed_phrase(found: Found) -> str:
     return f"{what.get(found.reason, 'its fingerprint')} changed{detail}"
 
 
+_NAMING_TYPES = (str, int)  # argument values that make a readable, faithful slot key
+
+
+def _key_advice(spec: StepSpec[Any, Any], plan: Plan) -> str:
+    """A key= that works for these arguments: a naming argument if there is one, else all of them."""
+    if plan.bound is None:  # a memoized call: its arguments are all simple values
+        naming = list(spec.signature.parameters)[:1]
+    else:
+        naming = [name for name, value in plan.bound.items() if type(value) in _NAMING_TYPES]
+    by_all = "@step(key=resumable.by_arguments) (one slot per distinct set of arguments)"
+    if naming:
+        return f"key=, e.g. @step(key='{{{naming[0]}}}') if {naming[0]} tells the calls apart, or {by_all}"
+    return by_all
+
+
 class Found:
     """The result of looking a call up: a hit with its value, or a miss with a reason."""
 
@@ -406,8 +421,7 @@ class RunState(StepExecution):
             warn(
                 f"step {spec.name!r} was called twice in this run with different arguments, "
                 "but it has a single slot: each call replaces the stored output, so a rerun "
-                "recomputes all but the last. Give it one slot per call with key=, e.g. "
-                f"@step(key='{{{next(iter(spec.signature.parameters), 'arg')}}}')."
+                f"recomputes all but the last. Give it one slot per call with {_key_advice(spec, plan)}."
             )
 
     # execution ---------------------------------------------------------------------------

@@ -34,6 +34,24 @@ S = TypeVar("S")
 R_co = TypeVar("R_co", covariant=True)
 
 KeySpec = str | Callable[..., str]
+
+
+def by_arguments(*args: Any, **kwargs: Any) -> str:  # noqa: ARG001 - the signature of a key function
+    """
+    ``@step(key=by_arguments)``: one slot per distinct set of arguments, as ``joblib.Memory``
+    keeps one output per call. The key is a short digest of the arguments (those in
+    ``ignore`` left out), so any argument that can be fingerprinted works, a DataFrame too::
+
+        @step(key=by_arguments)
+        def score(frame: pd.DataFrame, model: str) -> float: ...
+
+    Slots are then named by digests (``score/3f9c0d...``); prefer a format string such as
+    ``key="{url}"`` where one argument names the work well.
+    """
+    msg = "by_arguments is a key for @step(key=by_arguments), not a function to call"
+    raise StepDefinitionError(msg)
+
+
 # Argument types whose equal values always have equal digests (floats do not: 0.0 == -0.0).
 _MEMO_TYPES = frozenset({int, str, bytes, bool, type(None)})
 _MEMO_SIZE = 4096
@@ -331,7 +349,8 @@ class StepSpec(Generic[P, R]):
         """Resolve a call to its slot and fingerprint."""
         ident = self.identity()
         memo_key = None
-        if not kwargs and not callable(self.key) and all(type(a) in _MEMO_TYPES for a in args):
+        memoizable = not callable(self.key) or self.key is by_arguments
+        if not kwargs and memoizable and all(type(a) in _MEMO_TYPES for a in args):
             # Calls with the same simple arguments (and the same identity) resolve the same
             # way: remember them. (The types are part of the key: 1, 1.0 and True are equal
             # as dict keys.)
@@ -340,8 +359,8 @@ class StepSpec(Generic[P, R]):
             if known is not None:
                 return Plan(*known, identity=ident)
         bound = self.bind(args, kwargs)
-        key = self.key_for(args, kwargs, bound)
         digest, params = digest_parameters(self.name, bound, self.ignore)
+        key = digest[:16] if self.key is by_arguments else self.key_for(args, kwargs, bound)
         fingerprint = hashlib.sha256(f"{ident.identity}|{digest}".encode()).hexdigest()[:32]
         resolved = (slot_id(self.name, key), key, fingerprint, digest, params)
         if memo_key is not None:

@@ -626,3 +626,59 @@ def test_concurrent_calls_of_one_non_idempotent_slot_run_it_once(pipe: Pipeline)
         assert ["refunded bob"] * 4 == asyncio.run(refunds())
     assert ["charged ann"] * 4 == results
     assert ["ann", "refund bob"] == charges
+
+
+def test_by_arguments_keys_a_step_by_all_its_arguments(pipe: Pipeline, state_dir: Path):
+    """key=by_arguments: one slot per distinct set of arguments (ignored ones left out), any fingerprintable type."""
+    from resumable import by_arguments
+
+    calls: list[tuple[object, ...]] = []
+
+    @pipe.step(key=by_arguments, ignore=("verbose",))
+    def score(rows: list[int], model: str, verbose: bool = False) -> int:
+        calls.append((tuple(rows), model))
+        return sum(rows) * len(model)
+
+    with pipe:
+        assert 6 == score([1, 2, 3], "a")
+        assert 12 == score([1, 2, 3], "ab")
+        assert 6 == score([1, 2, 3], "a", verbose=True)  # same slot: verbose is ignored
+    with pipe:
+        assert 12 == score([1, 2, 3], model="ab")
+    assert [((1, 2, 3), "a"), ((1, 2, 3), "ab")] == calls
+    assert 2 == len(list((state_dir / "score").glob("*.msgpack")))
+    with pytest.raises(Exception, match="not a function to call"):
+        by_arguments(1)
+
+
+def test_the_single_slot_hint_works_for_frames_too(pipe: Pipeline):
+    """The warning for an unkeyed step called with two different tables advises a key that tells them apart."""
+    import warnings as _warnings
+
+    from resumable import ResumableWarning
+
+    @pipe.step
+    def total(table: list[list[int]], label: str = "t") -> int:
+        return sum(map(sum, table))
+
+    @pipe.step
+    def total_tables(table: list[list[int]]) -> int:
+        return sum(map(sum, table))
+
+    with pipe, pytest.warns(ResumableWarning) as caught:  # noqa: PT031 - the calls make the warnings
+        total([[1]], label="a")
+        total([[2]], label="b")
+        total_tables([[1, 2], [3]])
+        total_tables([[1, 3], [3]])
+    assert "@step(key='{label}')" in str(caught[0].message)
+    assert "@step(key=resumable.by_arguments)" in str(caught[1].message)
+    assert "{table}" not in str(caught[1].message)  # a printout as a file name: never advised
+
+    # following the advice: each table gets its own slot, and nothing warns
+    @pipe.step(key=__import__("resumable").by_arguments)
+    def total_keyed(table: list[list[int]]) -> int:
+        return sum(map(sum, table))
+
+    with pipe, _warnings.catch_warnings():
+        _warnings.simplefilter("error")
+        assert (6, 7) == (total_keyed([[1, 2], [3]]), total_keyed([[1, 3], [3]]))
