@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextvars
 import itertools
 import logging
+import random
 import time
 import traceback
 import weakref
@@ -127,13 +128,15 @@ class StepExecution:
         self, spec: StepSpec[Any, Any], plan: Plan, exc: BaseException, started: float, attempt: int
     ) -> float | None:
         """After an attempt raised: the delay before the next one, or None (recorded: re-raise)."""
-        if isinstance(exc, Exception) and attempt <= spec.retries:
+        if isinstance(exc, Exception) and isinstance(exc, spec.retry_on) and attempt <= spec.retries:
             return self._retry_delay(spec, plan, attempt, exc)
         self._failed_noting(spec, plan, exc, started, attempt)
         return None
 
     def _retry_delay(self, spec: StepSpec[Any, Any], plan: Plan, attempt: int, exc: Exception) -> float:
+        # Exponential backoff with jitter: many workers failing at once do not retry at once.
         delay = min(RETRY_BASE_DELAY * 2.0 ** (attempt - 1), RETRY_MAX_DELAY)
+        delay *= random.uniform(0.5, 1.0)  # noqa: S311 - spreading retries, not secrets
         log.warning(
             "step %r attempt %d of %d failed (%s: %s); retrying in %.1fs",
             plan.slot, attempt, spec.retries + 1, type(exc).__name__, exc, delay,

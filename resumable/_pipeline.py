@@ -26,7 +26,7 @@ from ._manifest import Manifest
 from ._run import RunState
 from ._runner import Run, run_steps
 from ._slots import BATCHES, EVENTS, INTERNAL_DIR, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
-from ._step import KeySpec, Plan, Step, StepSpec, step
+from ._step import KeySpec, Plan, RetryOn, Step, StepSpec, step
 from ._stores import Store, open_store
 from .exceptions import StateDirectoryError, StepDefinitionError, UsageError
 
@@ -132,6 +132,7 @@ class Pipeline:
         key: KeySpec | None = None,
         ignore: Iterable[str] = (),
         retries: int = 0,
+        retry_on: RetryOn = Exception,
         idempotent: bool = True,
     ) -> Callable[[Callable[P, R]], Step[P, R]]: ...
     def step(  # noqa: PLR0913 - the decorator's options
@@ -144,6 +145,7 @@ class Pipeline:
         key: KeySpec | None = None,
         ignore: Iterable[str] = (),
         retries: int = 0,
+        retry_on: RetryOn = Exception,
         idempotent: bool = True,
     ) -> Step[P, R] | Callable[[Callable[P, R]], Step[P, R]]:
         """The ``@step`` decorator, binding steps to this pipeline."""
@@ -153,6 +155,7 @@ class Pipeline:
             key=key,
             ignore=ignore,
             retries=retries,
+            retry_on=retry_on,
             idempotent=idempotent,
             pipeline=self,
         )

@@ -34,6 +34,18 @@ S = TypeVar("S")
 R_co = TypeVar("R_co", covariant=True)
 
 KeySpec = str | Callable[..., str]
+RetryOn = type[BaseException] | tuple[type[BaseException], ...]
+
+
+def _check_retry_on(name: str, retry_on: object) -> tuple[type[BaseException], ...]:
+    types = retry_on if isinstance(retry_on, tuple) else (retry_on,)
+    if not types or not all(isinstance(t, type) and issubclass(t, Exception) for t in types):
+        msg = (
+            f"step {name!r}: retry_on must be an exception class or a tuple of them "
+            f"(subclasses of Exception), got {retry_on!r}"
+        )
+        raise StepDefinitionError(msg, step=name)
+    return types
 
 
 def by_arguments(*args: Any, **kwargs: Any) -> str:  # noqa: ARG001 - the signature of a key function
@@ -180,6 +192,7 @@ class StepSpec(Generic[P, R]):
         retries: int,
         idempotent: bool,
         pipeline: Pipeline | None,
+        retry_on: RetryOn = Exception,
     ) -> None:
         if not callable(fn) or isinstance(fn, type):
             msg = f"@step decorates functions, not {type(fn).__name__} objects"
@@ -197,6 +210,7 @@ class StepSpec(Generic[P, R]):
             msg = f"step {self.name!r}: retries must be an int >= 0, got {retries!r}"
             raise StepDefinitionError(msg, step=self.name)
         self.retries = retries
+        self.retry_on = _check_retry_on(self.name, retry_on)
         self.idempotent = bool(idempotent)
         self.pipeline = pipeline
         self.is_async = inspect.iscoroutinefunction(fn)
@@ -467,6 +481,7 @@ def step(
     key: KeySpec | None = None,
     ignore: Iterable[str] = (),
     retries: int = 0,
+    retry_on: RetryOn = Exception,
     idempotent: bool = True,
     pipeline: Pipeline | None = None,
 ) -> Callable[[Callable[P, R]], Step[P, R]]: ...
@@ -479,6 +494,7 @@ def step(  # noqa: PLR0913 - the documented options
     key: KeySpec | None = None,
     ignore: Iterable[str] = (),
     retries: int = 0,
+    retry_on: RetryOn = Exception,
     idempotent: bool = True,
     pipeline: Pipeline | None = None,
 ) -> Step[P, R] | Callable[[Callable[P, R]], Step[P, R]]:
@@ -494,7 +510,10 @@ def step(  # noqa: PLR0913 - the documented options
     - *key*: one slot per distinct key: a format string over the parameters
       (``"{page}"``) or a callable taking the step's arguments and returning a str.
     - *ignore*: parameter names left out of the fingerprint (clients, loggers ...).
-    - *retries*: run again up to this many times, with exponential backoff, on an exception.
+    - *retries*: run again up to this many times, with exponential backoff (0.5 s doubling,
+      at most 60 s, each delay between half and all of that, at random), on an exception.
+    - *retry_on*: the exception type (or tuple of types) worth a retry (default
+      ``Exception``); any other exception propagates at once.
     - *idempotent*: ``False`` for side effects that must not silently happen twice: if a
       run dies while the step runs, the next call raises :class:`StepInterruptedError`.
     - *pipeline*: bind the step to this pipeline (default: the current pipeline).
@@ -509,6 +528,7 @@ def step(  # noqa: PLR0913 - the documented options
         "key": key,
         "ignore": ignore,
         "retries": retries,
+        "retry_on": retry_on,
         "idempotent": idempotent,
         "pipeline": pipeline,
     }

@@ -387,8 +387,28 @@ def test_retries(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
     with pipe:
         assert "ok" == shaky()
     assert 3 == len(attempts)
-    assert [0.5, 1.0] == delays
+    assert 2 == len(delays)
+    assert 0.25 <= delays[0] <= 0.5  # 0.5 s, 1 s ... each with jitter: between half and all of it
+    assert 0.5 <= delays[1] <= 1.0
     assert 3 == pipe.status().steps["shaky"].attempts
+
+
+def test_retry_on_limits_retries_to_the_named_errors(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
+    """retry_on=ConnectionError: a ValueError propagates at once; a ConnectionError is retried."""
+    monkeypatch.setattr(resumable._execute.time, "sleep", lambda _s: None)
+    errors = [ConnectionError("blip"), ValueError("bad input")]
+    calls: list[int] = []
+
+    @pipe.step(retries=5, retry_on=(ConnectionError, TimeoutError))
+    def fetch() -> str:
+        calls.append(1)
+        raise errors[len(calls) - 1]
+
+    with pipe, pytest.raises(ValueError, match="bad input"):
+        fetch()
+    assert 2 == len(calls)
+    with pytest.raises(StepDefinitionError, match="retry_on must be an exception class"):
+        pipe.step(name="bad", retries=1, retry_on="ConnectionError")(lambda: 1)  # type: ignore[arg-type]
 
 
 def test_retries_exhausted(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
@@ -423,7 +443,8 @@ def test_async_retries(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
 
     with pipe:
         assert 7 == asyncio.run(once_more())
-    assert [0.5] == slept
+    assert 1 == len(slept)
+    assert 0.25 <= slept[0] <= 0.5  # with jitter
 
 
 def test_non_idempotent_interrupted(pipe: Pipeline):
