@@ -24,7 +24,7 @@ from ._exit import _exit_hooks, status_for
 from ._journal import read_state
 from ._manifest import Manifest
 from ._run import RunState
-from ._runner import Run, run_steps
+from ._runner import Run, run_steps, run_without_state
 from ._slots import BATCHES, EVENTS, INTERNAL_DIR, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
 from ._step import KeySpec, Plan, RetryOn, Step, StepSpec, step
 from ._stores import Store, open_store
@@ -278,6 +278,8 @@ class Pipeline:
         if unused:
             msg = f"{self!r}.run(): no step has a parameter named {', '.join(map(repr, unused))}"
             raise StepDefinitionError(msg)
+        if _disabled():  # RESUMABLE_DISABLE=1: no run, no state directory
+            return run_without_state(repr(self), specs, inputs)
         if self._run is not None:
             return run_steps(repr(self), self.open_run(), specs, inputs)
         with self:

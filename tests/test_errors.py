@@ -334,3 +334,26 @@ def test_warnings_point_at_the_users_call(pipe: Pipeline, state_dir: Path):
     with pipe, pytest.warns(ResumableWarning, match="will be recomputed") as caught:
         parse(2)
     assert [__file__] == [w.filename for w in caught]
+
+
+def test_pipeline_run_under_resumable_disable_stores_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Pipeline.run() with RESUMABLE_DISABLE=1 runs every step and creates no state directory."""
+    monkeypatch.setenv("RESUMABLE_DISABLE", "1")
+    pipe = Pipeline("p", state_dir=tmp_path / "state")
+    calls: list[str] = []
+
+    @pipe.step
+    def a() -> int:
+        calls.append("a")
+        return 1
+
+    @pipe.step
+    async def b(a: int) -> int:
+        calls.append("b")
+        return a + 1
+
+    for _ in range(2):
+        run = pipe.run()
+        assert (2, ["a", "b"], []) == (run.outputs["b"], run.executed, run.skipped)
+    assert ["a", "b", "a", "b"] == calls
+    assert not (tmp_path / "state").exists()
