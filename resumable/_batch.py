@@ -26,7 +26,7 @@ from ._batch_exec import (
 from ._batch_input import Source
 from ._batch_ledger import DamagedChunksError, Ledger, RowFailure, Where
 from ._context import current_pipeline
-from ._execute import current_execution
+from ._session import current_execution
 from ._slots import batch_dir, check_name
 from ._step import _disabled
 from .exceptions import ResumableError, StepDefinitionError, UsageError

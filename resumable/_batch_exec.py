@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import asyncio
     from concurrent.futures import Executor, Future
 
-    from ._execute import Loops
+    from ._session import Loops
 
 log = logging.getLogger("resumable")
 

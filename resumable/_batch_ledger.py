@@ -29,7 +29,7 @@ import attrs
 from ._batch_input import Digester, Source
 from ._codec import DamagedFileError, decode, encode, frame, parse_header, verify
 from ._codec_types import qualified_name
-from ._run import RunState
+from ._session import Session
 from ._warn import warn
 from .exceptions import InputChangedError, ResumableError
 
@@ -95,7 +95,7 @@ class Where:
 
     def __init__(  # noqa: PLR0913 - plain data
         self,
-        run: RunState,
+        run: Session,
         directory: str,
         *,
         label: str,
@@ -604,6 +604,6 @@ def _rows(chunks: list[Chunk]) -> str:
     return f"{sum(c.end - c.start for c in chunks):,}"
 
 
-def _is_open(run: RunState) -> bool:
+def _is_open(run: Session) -> bool:
     # A generator closed late (at interpreter exit) must not write into a closed run.
     return not run.closed

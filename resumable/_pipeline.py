@@ -23,10 +23,11 @@ from ._context import _current, _entered, _registry_lock, _unbound
 from ._exit import _exit_hooks, status_for
 from ._journal import read_state
 from ._manifest import Manifest
-from ._run import RunState
+from ._plan import Plan
 from ._runner import Run, run_steps, run_without_state
+from ._session import Session
 from ._slots import BATCHES, EVENTS, INTERNAL_DIR, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
-from ._step import KeySpec, Plan, RetryOn, Step, StepSpec, step
+from ._step import KeySpec, RetryOn, Step, StepSpec, step
 from ._stores import Store, open_store
 from .exceptions import StateDirectoryError, StepDefinitionError, UsageError
 
@@ -85,7 +86,7 @@ class Pipeline:
         self._storage_options = dict(storage_options or {})
         self._steps: dict[str, StepSpec[Any, Any]] = {}
         self._store: Store | None = None
-        self._run: RunState | None = None
+        self._run: Session | None = None
         self._lock = threading.RLock()
         self._depth = 0
         self._tokens: list[contextvars.Token[Pipeline | None]] = []
@@ -163,8 +164,8 @@ class Pipeline:
 
     # the run -----------------------------------------------------------------------------
 
-    def _new_run(self, *, maintenance: bool) -> RunState:
-        run = RunState(
+    def _new_run(self, *, maintenance: bool) -> Session:
+        run = Session(
             self.store,
             pipeline=self.name,
             durable=self.durable,
@@ -183,7 +184,7 @@ class Pipeline:
         with _registry_lock:
             return sorted(set(self._steps) | set(_unbound))
 
-    def open_run(self, spec: StepSpec[Any, Any] | None = None) -> RunState:
+    def open_run(self, spec: StepSpec[Any, Any] | None = None) -> Session:
         """The open run, opening one (script mode: closed at exit) if there is none."""
         run = self._run
         if run is None:
@@ -232,7 +233,7 @@ class Pipeline:
                 self._close(status_for(exc), exc)
 
     @contextmanager
-    def _maintenance(self, *, tidy: bool = False) -> Iterator[RunState]:
+    def _maintenance(self, *, tidy: bool = False) -> Iterator[Session]:
         """
         The open run, or the lock and state for a moment (no run is counted). With *tidy*,
         temporary files are removed afterwards if this took the lock: no one else can be
@@ -338,7 +339,7 @@ class Pipeline:
             rank = {s: i for i, s in enumerate(manifest.completed_steps)}
             return self._forget(run, sorted(slots, key=lambda s: (rank.get(s, len(rank)), s))) + forgotten
 
-    def _known_slots(self, run: RunState) -> tuple[set[str], set[str]]:
+    def _known_slots(self, run: Session) -> tuple[set[str], set[str]]:
         """
         The slots the state holds (in the manifest, as output files, as row chunks) and the
         names of batches run outside steps; only slots whose file stays inside the state.
@@ -357,7 +358,7 @@ class Pipeline:
                 batches.add(key[len(named_dir) :].split("/", 1)[0])
         return {s for s in slots if is_output_file(slot_file(s))}, batches
 
-    def _forget(self, run: RunState, slots: list[str]) -> list[str]:
+    def _forget(self, run: Session, slots: list[str]) -> list[str]:
         from . import _history  # noqa: PLC0415 - imported when history is first used
 
         for slot in slots:

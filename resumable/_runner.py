@@ -12,8 +12,9 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from ._fingerprint import StoredOutput
-from ._run import Found, RunState
-from ._step import Plan, StepSpec
+from ._plan import Plan
+from ._session import Found, Session
+from ._step import StepSpec
 from ._warn import warn
 from .exceptions import ResumableError, SerializationError, StepDefinitionError
 
@@ -48,7 +49,7 @@ class _LazyOutputs(Mapping[str, Any]):
         return f"<outputs {list(self._data)}>"
 
 
-def run_steps(owner: str, run: RunState, specs: list[StepSpec[Any, Any]], inputs: Mapping[str, Any]) -> Run:
+def run_steps(owner: str, run: Session, specs: list[StepSpec[Any, Any]], inputs: Mapping[str, Any]) -> Run:
     """Run *specs* in order, passing outputs on by parameter name (see ``Pipeline.run``)."""
     outputs: dict[str, Any] = {}
     executed: list[str] = []
@@ -77,7 +78,7 @@ def run_without_state(owner: str, specs: list[StepSpec[Any, Any]], inputs: Mappi
 
 
 def _run_one(
-    run: RunState, spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]
+    run: Session, spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]
 ) -> tuple[Any, bool, str]:
     if spec.key is not None:  # the key may need the values themselves
         args, kwargs = _resolved(args), _resolved(kwargs)
@@ -94,7 +95,7 @@ def _run_one(
 
 
 def _load_or_redo(
-    run: RunState, spec: StepSpec[Any, Any], plan: Plan, args: list[Any], kwargs: dict[str, Any]
+    run: Session, spec: StepSpec[Any, Any], plan: Plan, args: list[Any], kwargs: dict[str, Any]
 ) -> Any:
     try:
         return run.load(spec, plan)
@@ -140,7 +141,7 @@ def _call(spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]) -> 
     return functools.partial(spec.fn, *_resolved(args), **_resolved(kwargs))
 
 
-def _execute(run: RunState, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Any) -> Any:
+def _execute(run: Session, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Any) -> Any:
     if not spec.is_async:
         return run.execute(spec, plan, found, call)
     import asyncio  # noqa: PLC0415 - only async steps need it

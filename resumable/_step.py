@@ -20,12 +20,13 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
 from ._fingerprint import digest_parameters
+from ._plan import Identity, Plan
 from ._slots import check_name, slot_id
 from .exceptions import StepDefinitionError
 
 if TYPE_CHECKING:
     from ._pipeline import Pipeline
-    from ._run import RunState
+    from ._session import Session
 
 P = ParamSpec("P")
 P2 = ParamSpec("P2")
@@ -95,70 +96,6 @@ class Step(Protocol[P, R_co]):
     def forget(self, *args: P.args, **kwargs: P.kwargs) -> None:
         """Drop the stored output of the slot these arguments map to."""
         ...
-
-
-class Identity:
-    """What a step's outputs are tied to: its version, or else its code (as of one call)."""
-
-    __slots__ = ("_reads", "code", "components", "identity", "left_out", "sources")
-
-    def __init__(  # noqa: PLR0913, PLR0917 - plain data
-        self,
-        identity: str,
-        code: str,
-        components: dict[str, str],
-        sources: dict[str, str] | None = None,
-        left_out: dict[str, str] | None = None,
-        reads: list[tuple[str, Callable[[], object]]] | None = None,
-    ) -> None:
-        self.identity = identity
-        self.code = code
-        self.components = components
-        self.sources = sources or {}  # component -> normalized source, for `resumable why`
-        self.left_out = left_out or {}  # names the code reads that cannot be fingerprinted
-        self._reads = reads or []
-
-    def values(self) -> dict[str, object]:
-        """The values this identity's ``const`` components stand for, as they are now."""
-        return {label: read() for label, read in self._reads if label in self.components}
-
-
-class Plan:
-    """One call of a step, resolved: its slot and fingerprint."""
-
-    __slots__ = (
-        "args",
-        "bound",
-        "fingerprint",
-        "identity",
-        "key",
-        "output_digest",
-        "output_plain_digest",
-        "params",
-        "replaces",
-        "slot",
-    )
-
-    def __init__(  # noqa: PLR0913, PLR0917 - plain data
-        self,
-        slot: str,
-        key: str | None,
-        fingerprint: str,
-        args: str,
-        params: dict[str, str],
-        identity: Identity,
-        bound: dict[str, Any] | None = None,
-    ) -> None:
-        self.slot = slot
-        self.key = key
-        self.fingerprint = fingerprint
-        self.args = args
-        self.params = params  # a short digest per parameter, to tell which ones changed
-        self.identity = identity  # the step's identity as of this call
-        self.bound = bound  # the arguments by name (None for a memoized call)
-        self.output_digest: str | None = None  # set once the output is stored
-        self.output_plain_digest: str | None = None  # and for plain values, their digest
-        self.replaces: str | None = None  # the version of the output a rerun replaces
 
 
 def _codehash_module() -> Any:
@@ -402,7 +339,7 @@ class StepSpec(Generic[P, R]):
                 return self._lookup_or_run(run, plan, args, kwargs)
         return self._lookup_or_run(run, plan, args, kwargs)
 
-    def _lookup_or_run(self, run: RunState, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _lookup_or_run(self, run: Session, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         found = run.lookup(self, plan)
         if found.hit:
             return found.value
@@ -419,7 +356,7 @@ class StepSpec(Generic[P, R]):
         return await self._lookup_or_run_async(run, plan, args, kwargs)
 
     async def _lookup_or_run_async(
-        self, run: RunState, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, run: Session, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         found = run.lookup(self, plan)
         if found.hit:

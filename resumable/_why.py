@@ -23,7 +23,7 @@ from ._slots import slot_id
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
-    from ._step import Identity
+    from ._plan import Identity
     from ._stores import Store
 
 log = logging.getLogger("resumable")

@@ -95,7 +95,7 @@ def test_retries_resume_the_batch(pipe: Pipeline):
     def enrich() -> list[int]:
         return checkpointed_map(flaky, range(40), every=10)
 
-    pipe_module = __import__("resumable._execute", fromlist=["RETRY_BASE_DELAY"])
+    pipe_module = __import__("resumable._session", fromlist=["RETRY_BASE_DELAY"])
     delay, pipe_module.RETRY_BASE_DELAY = pipe_module.RETRY_BASE_DELAY, 0.0
     try:
         with pipe:

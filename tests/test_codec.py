@@ -687,7 +687,7 @@ def test_equal_sets_built_differently_encode_identically():
 
 def test_large_output_logs_a_warning(pipe, state_dir, monkeypatch, caplog):
     """An output over the size limit is stored, with a warning naming the step and the size."""
-    monkeypatch.setattr("resumable._execute.LARGE_OUTPUT", 1000)
+    monkeypatch.setattr("resumable._session.LARGE_OUTPUT", 1000)
     with caplog.at_level(logging.WARNING, logger="resumable"):
         Producer(state_dir, b"x" * 5000).run(pipe)
     messages = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]

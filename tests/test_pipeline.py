@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import resumable._run
+import resumable._session
 from resumable import (
     Manifest,
     Pipeline,
@@ -62,13 +62,13 @@ def test_run_loads_skipped_outputs_only_when_needed(pipe: Pipeline, monkeypatch:
     _etl(pipe, calls)
     pipe.run(url="x")
     decoded: list[int] = []
-    real_decode = resumable._run.decode
+    real_decode = resumable._session.decode
 
     def counting_decode(*args, **kwargs):
         decoded.append(1)
         return real_decode(*args, **kwargs)
 
-    monkeypatch.setattr(resumable._run, "decode", counting_decode)
+    monkeypatch.setattr(resumable._session, "decode", counting_decode)
     run = pipe.run(url="x")
     assert [] == decoded  # everything skipped: nothing loaded
     run = pipe.run(url="x", scale=3)
@@ -406,8 +406,10 @@ def test_runner_and_direct_calls_agree_on_small_outputs(pipe: Pipeline, monkeypa
         assert count.is_cached(parse(download("x")))
     assert ["download", "parse", "count"] == calls
     decoded: list[int] = []
-    real_decode = resumable._run.decode
-    monkeypatch.setattr(resumable._run, "decode", lambda *a, **k: decoded.append(1) or real_decode(*a, **k))
+    real_decode = resumable._session.decode
+    monkeypatch.setattr(
+        resumable._session, "decode", lambda *a, **k: decoded.append(1) or real_decode(*a, **k)
+    )
     assert ["download", "parse", "count"] == pipe.run(url="x").skipped
     assert [] == decoded
 

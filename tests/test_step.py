@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import resumable._execute
-import resumable._run
+import resumable._session
 from resumable import (
     FingerprintError,
     Pipeline,
@@ -374,7 +373,7 @@ def test_failed_step_keeps_completed_ones(pipe: Pipeline):
 def test_retries(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
     """retries=N runs again with growing delays and records the attempts."""
     delays: list[float] = []
-    monkeypatch.setattr(resumable._execute.time, "sleep", delays.append)
+    monkeypatch.setattr(resumable._session.time, "sleep", delays.append)
     attempts = []
 
     @pipe.step(retries=3)
@@ -395,7 +394,7 @@ def test_retries(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
 
 def test_retry_on_limits_retries_to_the_named_errors(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
     """retry_on=ConnectionError: a ValueError propagates at once; a ConnectionError is retried."""
-    monkeypatch.setattr(resumable._execute.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(resumable._session.time, "sleep", lambda _s: None)
     errors = [ConnectionError("blip"), ValueError("bad input")]
     calls: list[int] = []
 
@@ -413,7 +412,7 @@ def test_retry_on_limits_retries_to_the_named_errors(pipe: Pipeline, monkeypatch
 
 def test_retries_exhausted(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
     """After N retries the last error propagates."""
-    monkeypatch.setattr(resumable._execute.time, "sleep", lambda _s: None)
+    monkeypatch.setattr(resumable._session.time, "sleep", lambda _s: None)
 
     @pipe.step(retries=2)
     def never() -> None:

@@ -1,0 +1,86 @@
+"""
+A step call resolved: the identity of the code it runs (:class:`Identity`), its slot and
+fingerprint (:class:`Plan`), and what the session needs to know of a step
+(:class:`StepView`). Plain data, below the session and above the fingerprints.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any, Protocol
+
+
+class StepView(Protocol):
+    """What running and looking up a step needs of it (a ``StepSpec`` is one)."""
+
+    name: str
+    version: str | None
+    idempotent: bool
+    retries: int
+    retry_on: tuple[type[BaseException], ...]
+    signature: inspect.Signature
+
+
+class Identity:
+    """What a step's outputs are tied to: its version, or else its code (as of one call)."""
+
+    __slots__ = ("_reads", "code", "components", "identity", "left_out", "sources")
+
+    def __init__(  # noqa: PLR0913, PLR0917 - plain data
+        self,
+        identity: str,
+        code: str,
+        components: dict[str, str],
+        sources: dict[str, str] | None = None,
+        left_out: dict[str, str] | None = None,
+        reads: list[tuple[str, Callable[[], object]]] | None = None,
+    ) -> None:
+        self.identity = identity
+        self.code = code
+        self.components = components
+        self.sources = sources or {}  # component -> normalized source, for `resumable why`
+        self.left_out = left_out or {}  # names the code reads that cannot be fingerprinted
+        self._reads = reads or []
+
+    def values(self) -> dict[str, object]:
+        """The values this identity's ``const`` components stand for, as they are now."""
+        return {label: read() for label, read in self._reads if label in self.components}
+
+
+class Plan:
+    """One call of a step, resolved: its slot and fingerprint."""
+
+    __slots__ = (
+        "args",
+        "bound",
+        "fingerprint",
+        "identity",
+        "key",
+        "output_digest",
+        "output_plain_digest",
+        "params",
+        "replaces",
+        "slot",
+    )
+
+    def __init__(  # noqa: PLR0913, PLR0917 - plain data
+        self,
+        slot: str,
+        key: str | None,
+        fingerprint: str,
+        args: str,
+        params: dict[str, str],
+        identity: Identity,
+        bound: dict[str, Any] | None = None,
+    ) -> None:
+        self.slot = slot
+        self.key = key
+        self.fingerprint = fingerprint
+        self.args = args
+        self.params = params  # a short digest per parameter, to tell which ones changed
+        self.identity = identity  # the step's identity as of this call
+        self.bound = bound  # the arguments by name (None for a memoized call)
+        self.output_digest: str | None = None  # set once the output is stored
+        self.output_plain_digest: str | None = None  # and for plain values, their digest
+        self.replaces: str | None = None  # the version of the output a rerun replaces
