@@ -279,7 +279,7 @@ def _locate(name: str | None, api: str, items: object) -> Where | None:
                 f"are stored under that name), or call {api}() inside a @step function."
             )
             raise ResumableError(msg)
-        run = current_pipeline().open_run()
+        run = current_pipeline()._session_for(None)  # noqa: SLF001 - the Host protocol
         directory = batch_dir(None, name)
         remedy = f"To start it over, reset it: resumable reset {name} (or pipe.reset({name!r}))."
         return Where(run, directory, label=name, display=name, remedy=remedy)

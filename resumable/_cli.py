@@ -26,6 +26,7 @@ from ._journal import read_state
 from ._pipeline import Pipeline, describe_slots, read_checkpoints, snapshot
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, slot_id, step_of
 from ._stores import Store, open_store
+from ._units import human_size
 from ._verify import find_damage
 from .exceptions import ResumableError, StateDirectoryError, UsageError
 
@@ -202,7 +203,7 @@ def _show(args: argparse.Namespace) -> int:
     if args.json:
         _out(_render.as_json(value))
         return 0
-    size = _render.human_size(head_len + header["size"])
+    size = human_size(head_len + header["size"])
     _out(f"{slot}: stored {header.get('created_at')}, {size}, fingerprint {header.get('fingerprint')}")
     _out(_render.pretty(value))
     return 0
@@ -283,7 +284,7 @@ def _export(args: argparse.Namespace) -> int:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _out(f"exported {len(state['files'])} file(s), {_render.human_size(len(data))}, to {path}")
+    _out(f"exported {len(state['files'])} file(s), {human_size(len(data))}, to {path}")
     return 0
 
 
@@ -329,11 +330,7 @@ def _clean(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for line in report.lines:
         _out(f"{verb} {line}")
-    _out(
-        f"{verb} {report.count} file(s), {_render.human_size(report.bytes)}"
-        if report.count
-        else "nothing to clean"
-    )
+    _out(f"{verb} {report.count} file(s), {human_size(report.bytes)}" if report.count else "nothing to clean")
     return 0
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 import msgpack
 
+from . import _codec_arrays  # noqa: F401 - registers the NumPy and pandas codec (imports neither)
 from ._checksum import CHECKSUM_PREFIX, TREE_MIN, TREE_PREFIX, start_checksum
 from ._codec_types import (
     Decoder,

@@ -14,10 +14,12 @@ payload of the wrong shape is refused as damage.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import msgpack
 
+from . import _codec_types
 from ._codec_types import (
     _MAX_BIN,
     DATAFRAME,
@@ -303,3 +305,6 @@ def decode_missing(_dec: Decoder, payload: bytes) -> Any:
 def decode_index(dec: Decoder, payload: bytes) -> Any:
     """A pandas Index."""
     return _index_from(_pandas(), dec.unpack(payload))
+
+
+_codec_types.use_array_codec(sys.modules[__name__])

@@ -498,10 +498,20 @@ def _decode_when(dec: Decoder, payload: bytes, parse: Callable[[str], Any]) -> A
     return value.replace(fold=fold)
 
 
-def _codec_arrays() -> Any:
-    from . import _codec_arrays as module  # noqa: PLC0415 - only once a NumPy or pandas value is met
+_array_codec: Any = None  # resumable._codec_arrays, which registers itself when imported
 
-    return module
+
+def use_array_codec(module: Any) -> None:
+    """Give the encoders and decoders of NumPy and pandas values (``_codec_arrays``, above)."""
+    global _array_codec  # noqa: PLW0603 - set once, when that module is imported
+    _array_codec = module
+
+
+def _codec_arrays() -> Any:
+    if _array_codec is None:  # pragma: no cover - resumable._codec imports it
+        msg = "the NumPy/pandas codec is not loaded: import resumable._codec first"
+        raise RuntimeError(msg)
+    return _array_codec
 
 
 def _sequence(make: Callable[[list[Any]], Any]) -> Callable[[Decoder, bytes], Any]:

@@ -5,34 +5,80 @@ Steps decorated with the module-level ``step`` belong to no pipeline in particul
 run in the pipeline of the innermost ``with`` block (of this context, else of any thread),
 else in the default pipeline of script mode. Step names are unique per pipeline (and
 among the unbound steps).
+
+This module sits below steps and pipelines: it holds them as the :class:`Host` and
+:class:`Registered` protocols, and the pipeline class gives it the factory of the default
+pipeline (:func:`set_default_factory`) when it is defined.
 """
 
 from __future__ import annotations
 
 import contextvars
 import threading
-from typing import TYPE_CHECKING, Any
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from .exceptions import StepDefinitionError
 
-if TYPE_CHECKING:
-    from ._pipeline import Pipeline
-    from ._step import StepSpec
+
+class Registered(Protocol):
+    """A step as the registry knows it (a ``StepSpec`` is one)."""
+
+    name: str
+    qualname: str
+    pipeline: Any
 
 
-_unbound: dict[str, StepSpec[Any, Any]] = {}
-_registry_lock = threading.RLock()
-_current: contextvars.ContextVar[Pipeline | None] = contextvars.ContextVar("resumable_pipeline", default=None)
+class Host(Protocol):
+    """A pipeline as steps know it (a ``Pipeline`` is one)."""
+
+    def _session_for(self, spec: Any) -> Any:
+        """The open session steps of this pipeline run in (opened if needed)."""
+        ...
+
+    def _has_output(self, plan: Any) -> bool:
+        """True if *plan*'s slot holds a valid output with its fingerprint."""
+        ...
+
+    def reset(self, *steps: str, downstream: bool = True) -> list[str]:
+        """Forget the outputs of *steps*."""
+        ...
+
+
+_lock = threading.RLock()
+_unbound: dict[str, Any] = {}
+# each pipeline's own steps, held no longer than the pipeline
+_registries: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+_current: contextvars.ContextVar[Any] = contextvars.ContextVar("resumable_pipeline", default=None)
 # Pipelines entered by `with`, for threads started inside the block (threads do not
 # inherit context variables).
-_entered: list[Pipeline] = []
-_default: Pipeline | None = None
+_entered: list[Any] = []
+_default: Any = None
+_default_factory: Callable[[], Any] | None = None
 
 
-def register(spec: StepSpec[Any, Any]) -> None:
+def steps_of(pipeline: object | None) -> dict[str, Any]:
+    """The registry of *pipeline*'s own steps (of the unbound steps for None), live."""
+    if pipeline is None:
+        return _unbound
+    with _lock:
+        registry = _registries.get(pipeline)
+        if registry is None:
+            registry = _registries[pipeline] = {}
+        return registry
+
+
+def unbound_steps() -> dict[str, Any]:
+    """A copy of the steps decorated with the module-level ``step``."""
+    with _lock:
+        return dict(_unbound)
+
+
+def register(spec: Registered) -> None:
     """Add a step to its pipeline's registry, refusing a second function with its name."""
-    registry = spec.pipeline._steps if spec.pipeline is not None else _unbound  # noqa: SLF001
-    with _registry_lock:
+    with _lock:
+        registry = steps_of(spec.pipeline)
         existing = registry.get(spec.name)
         if existing is not None and existing.qualname != spec.qualname:
             msg = (
@@ -51,18 +97,42 @@ def register(spec: StepSpec[Any, Any]) -> None:
         registry[spec.name] = spec
 
 
-def default_pipeline() -> Pipeline:
+def enter(pipeline: object) -> contextvars.Token[Any]:
+    """*pipeline*'s ``with`` block begins: unbound steps run in it."""
+    with _lock:
+        _entered.append(pipeline)
+    return _current.set(pipeline)
+
+
+def leave(pipeline: object, token: contextvars.Token[Any]) -> None:
+    """*pipeline*'s innermost ``with`` block ends."""
+    _current.reset(token)
+    with _lock:
+        for i in range(len(_entered) - 1, -1, -1):
+            if _entered[i] is pipeline:
+                del _entered[i]
+                break
+
+
+def set_default_factory(factory: Callable[[], Any]) -> None:
+    """How to make the pipeline of script mode (the pipeline class, given when defined)."""
+    global _default_factory  # noqa: PLW0603 - set once, by the pipeline module
+    _default_factory = factory
+
+
+def default_pipeline() -> Any:
     """The pipeline of script mode (state in ``$RESUMABLE_STATE_DIR`` or ``./state``)."""
     global _default  # noqa: PLW0603 - created on first use, so importing stays cheap
-    with _registry_lock:
+    with _lock:
         if _default is None:
-            from ._pipeline import Pipeline  # noqa: PLC0415 - circular at import time
-
-            _default = Pipeline()
+            if _default_factory is None:  # pragma: no cover - the package sets it on import
+                msg = "resumable is not fully imported: import resumable before calling steps"
+                raise RuntimeError(msg)
+            _default = _default_factory()
         return _default
 
 
-def current_pipeline() -> Pipeline:
+def current_pipeline() -> Any:
     """The pipeline unbound steps run in: the innermost ``with`` block's, else the default."""
     pipe = _current.get()
     if pipe is not None:

@@ -6,11 +6,12 @@ import atexit
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Any
 
-if TYPE_CHECKING:
-    from ._pipeline import Pipeline
+# closes one pipeline's run: (status, the exception that ended the script or None)
+Closer = Callable[[str, "BaseException | None"], None]
 
 
 def status_for(exc: BaseException | None) -> str:
@@ -28,14 +29,14 @@ class _ExitHooks:
     """Closes runs opened in script mode when the interpreter exits."""
 
     def __init__(self) -> None:
-        self._pipelines: list[Pipeline] = []
+        self._watched: dict[int, tuple[Any, Closer]] = {}
         self._installed = False
         self._error: BaseException | None = None
         self._terminated = False
 
-    def watch(self, pipe: Pipeline) -> None:
-        if pipe not in self._pipelines:
-            self._pipelines.append(pipe)
+    def watch(self, owner: object, close: Closer) -> None:
+        """Call *close* at interpreter exit (unless *owner* is forgotten first)."""
+        self._watched.setdefault(id(owner), (owner, close))
         if not self._installed:
             self._installed = True
             atexit.register(self._at_exit)
@@ -50,9 +51,8 @@ class _ExitHooks:
             if main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
                 signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def forget(self, pipe: Pipeline) -> None:
-        if pipe in self._pipelines:
-            self._pipelines.remove(pipe)
+    def forget(self, owner: object) -> None:
+        self._watched.pop(id(owner), None)
 
     def _on_sigterm(self, signum: int, _frame: object) -> None:
         # Unwind like Ctrl-C does, so the run (and a running step) is recorded as interrupted.
@@ -62,16 +62,12 @@ class _ExitHooks:
     def _at_exit(self) -> None:
         error = self._error
         status = "interrupted" if self._terminated else status_for(error)
-        for pipe in list(self._pipelines):
-            run = pipe._run  # noqa: SLF001
-            ended = status
-            if ended == "completed" and run is not None and run.last_outcome == "interrupted":
-                ended = "interrupted"  # Ctrl-C in a step, caught by the script, which then exited
+        for owner, close in list(self._watched.values()):
             try:
-                pipe._close(ended, error)  # noqa: SLF001
+                close(status, error)
             except Exception as exc:  # noqa: BLE001 - report, and close the other pipelines
-                print(f"resumable: could not close {pipe!r} cleanly: {exc}", file=sys.stderr)  # noqa: T201
-        self._pipelines.clear()
+                print(f"resumable: could not close {owner!r} cleanly: {exc}", file=sys.stderr)  # noqa: T201
+        self._watched.clear()
 
 
-_exit_hooks = _ExitHooks()
+exit_hooks = _ExitHooks()

@@ -17,7 +17,7 @@ import contextlib
 import errno
 import json
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
@@ -29,7 +29,18 @@ from ._stores import Store
 from .exceptions import DamagedStateError, ResumableError, StateFormatError
 
 if TYPE_CHECKING:
-    from ._session import Session
+    from ._journal import Journal
+
+
+class Keeper(Protocol):
+    """What changing the history needs of an open run (a ``Keeper`` is one)."""
+
+    store: Store
+    durable: bool
+    secret: bytes | None
+    keep_checkpoints: int
+    journal: Journal
+
 
 STATE_FORMAT = 1
 STATE_KIND = "resumable-state"
@@ -253,7 +264,7 @@ def find(points: list[_Point], target: int | str) -> int:
     return points[before].checkpoint.id if before >= 0 else 0
 
 
-def rollback(run: Session, target: int | str) -> Checkpoint:
+def rollback(run: Keeper, target: int | str) -> Checkpoint:
     """Restore the state at *target* (see :func:`find`), outputs included, byte for byte."""
     store, durable = run.store, run.durable
     run.journal.flush(durable=False)  # the log must hold every event replayed
@@ -384,7 +395,7 @@ def _manifest_problem(data: bytes, secret: bytes | None) -> str | None:
     return None
 
 
-def load_state(run: Session, files: Mapping[str, bytes]) -> None:
+def load_state(run: Keeper, files: Mapping[str, bytes]) -> None:
     """
     Replace every file of the state with *files* (already checked by :func:`check_state`).
 

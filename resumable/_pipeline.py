@@ -18,9 +18,9 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar, overload
 
+from . import _context
 from ._codec import DamagedFileError, parse_header, secret_bytes, utcnow, verify
-from ._context import _current, _entered, _registry_lock, _unbound
-from ._exit import _exit_hooks, status_for
+from ._exit import exit_hooks, status_for
 from ._journal import read_state
 from ._manifest import Manifest
 from ._plan import Plan
@@ -84,12 +84,12 @@ class Pipeline:
         self._secret_arg = secret
         self.keep_checkpoints = keep_checkpoints
         self._storage_options = dict(storage_options or {})
-        self._steps: dict[str, StepSpec[Any, Any]] = {}
+        self._steps: dict[str, StepSpec[Any, Any]] = _context.steps_of(self)
         self._store: Store | None = None
         self._run: Session | None = None
         self._lock = threading.RLock()
         self._depth = 0
-        self._tokens: list[contextvars.Token[Pipeline | None]] = []
+        self._tokens: list[contextvars.Token[Any]] = []
 
     def __repr__(self) -> str:
         where = self._store.location if self._store is not None else self._location
@@ -116,7 +116,7 @@ class Pipeline:
         return self._store
 
     @property
-    def secret(self) -> bytes | None:
+    def _secret(self) -> bytes | None:
         return secret_bytes(self._secret_arg)
 
     # decorating --------------------------------------------------------------------------
@@ -170,7 +170,7 @@ class Pipeline:
             pipeline=self.name,
             durable=self.durable,
             allow_pickle=self.allow_pickle,
-            secret=self.secret,
+            secret=self._secret,
             keep_checkpoints=self.keep_checkpoints,
         )
         try:
@@ -181,11 +181,13 @@ class Pipeline:
 
     def _defined(self) -> list[str]:
         """The steps this process defines for this pipeline (recorded when a run closes)."""
-        with _registry_lock:
-            return sorted(set(self._steps) | set(_unbound))
+        return sorted(set(self._steps) | set(_context.unbound_steps()))
 
-    def open_run(self, spec: StepSpec[Any, Any] | None = None) -> Session:
-        """The open run, opening one (script mode: closed at exit) if there is none."""
+    def _session_for(self, spec: StepSpec[Any, Any] | None = None) -> Session:
+        """
+        The open session, opening one if there is none (script mode: closed at exit). Steps
+        and batches reach it through the :class:`~resumable._context.Host` protocol.
+        """
         run = self._run
         if run is None:
             with self._lock:
@@ -193,7 +195,7 @@ class Pipeline:
                 if run is None:
                     run = self._run = self._new_run(maintenance=False)
                     if self._depth == 0:
-                        _exit_hooks.watch(self)
+                        exit_hooks.watch(self, self._close_at_exit)
         if spec is not None and spec.pipeline is None:
             own = self._steps.get(spec.name)
             if own is not None:
@@ -210,26 +212,29 @@ class Pipeline:
             if run is not None:
                 run.close(status, error, defined=self._defined())
 
+    def _close_at_exit(self, status: str, error: BaseException | None) -> None:
+        """Close the run script mode opened, as the interpreter exits with *status*."""
+        run = self._run
+        if status == "completed" and run is not None and run.last_outcome == "interrupted":
+            status = "interrupted"  # Ctrl-C in a step, caught by the script, which then exited
+        self._close(status, error)
+
     def __enter__(self) -> Self:
         with self._lock:
             if self._run is None and not _disabled():  # RESUMABLE_DISABLE=1: no state at all
                 self._run = self._new_run(maintenance=False)
             self._depth += 1
-        self._tokens.append(_current.set(self))
-        _entered.append(self)
+        self._tokens.append(_context.enter(self))
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        _current.reset(self._tokens.pop())
-        _entered.reverse()
-        _entered.remove(self)  # the innermost entry
-        _entered.reverse()
+        _context.leave(self, self._tokens.pop())
         with self._lock:
             self._depth -= 1
             if self._depth == 0:
-                _exit_hooks.forget(self)
+                exit_hooks.forget(self)
                 self._close(status_for(exc), exc)
 
     @contextmanager
@@ -260,7 +265,7 @@ class Pipeline:
 
     def _registry(self) -> dict[str, StepSpec[Any, Any]]:
         # a pipeline without steps of its own runs the module-level ones (script mode)
-        return self._steps or dict(_unbound)
+        return self._steps or _context.unbound_steps()
 
     def run(self, **inputs: Any) -> Run:
         """
@@ -282,9 +287,9 @@ class Pipeline:
         if _disabled():  # RESUMABLE_DISABLE=1: no run, no state directory
             return run_without_state(repr(self), specs, inputs)
         if self._run is not None:
-            return run_steps(repr(self), self.open_run(), specs, inputs)
+            return run_steps(repr(self), self._session_for(), specs, inputs)
         with self:
-            return run_steps(repr(self), self.open_run(), specs, inputs)
+            return run_steps(repr(self), self._session_for(), specs, inputs)
 
     # state -------------------------------------------------------------------------------
 
@@ -294,7 +299,7 @@ class Pipeline:
         if run is not None:
             with run.journal.lock:
                 return Manifest.from_dict(run.journal.manifest.to_dict())
-        return read_state(self.store, pipeline=self.name, secret=self.secret)
+        return read_state(self.store, pipeline=self.name, secret=self._secret)
 
     def reset(self, *steps: str, downstream: bool = True) -> list[str]:
         """
@@ -388,7 +393,7 @@ class Pipeline:
         run = self._run
         if run is not None and not run.closed:
             run.journal.flush(durable=False)
-        decisions = _why.explain(_history.events(self.store, self.secret), self.store, step, key)
+        decisions = _why.explain(_history.events(self.store, self._secret), self.store, step, key)
         if not decisions:
             where = f"{step!r} with key {key!r}" if key is not None else repr(step)
             msg = f"no run has called {where} in {self.store.location}: nothing to explain"
@@ -412,7 +417,7 @@ class Pipeline:
         with self._maintenance() as run, run.journal.lock:
             run.journal.flush(durable=False)
             manifest = Manifest.from_dict(run.journal.manifest.to_dict())
-        return _history.checkpoints(self.store, self.secret, self.keep_checkpoints, manifest)
+        return _history.checkpoints(self.store, self._secret, self.keep_checkpoints, manifest)
 
     def snapshot(self, label: str) -> Checkpoint:
         """Add a checkpoint labelled *label* (``rollback(label)`` returns to it)."""
@@ -467,18 +472,18 @@ class Pipeline:
         """
         from . import _history  # noqa: PLC0415 - imported when history is first used
 
-        files = _history.check_state(state, self.secret)
+        files = _history.check_state(state, self._secret)
         with self._maintenance(tidy=True) as run:
             _history.load_state(run, files)
 
-    def has_output(self, plan: Plan) -> bool:
+    def _has_output(self, plan: Plan) -> bool:
         """True if *plan*'s slot holds a valid output with its fingerprint."""
         try:
             data = self.store.read(slot_file(plan.slot))
             header, head_len = parse_header(data)
             if header.get("fingerprint") != plan.fingerprint or header["slot"] != plan.slot:
                 return False
-            verify(data, header, head_len, self.secret)
+            verify(data, header, head_len, self._secret)
         except (FileNotFoundError, DamagedFileError):
             return False
         return True
@@ -564,3 +569,6 @@ def snapshot(store: Store) -> dict[str, Any]:
         "created_at": utcnow(),
         "files": dict(sorted(files.items())),
     }
+
+
+_context.set_default_factory(Pipeline)

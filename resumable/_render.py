@@ -12,6 +12,8 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ._units import human_size
+
 if TYPE_CHECKING:
     from ._history import Checkpoint
     from ._manifest import Manifest
@@ -19,17 +21,6 @@ if TYPE_CHECKING:
 MAX_ITEMS = 20  # longer containers show their first items and a count
 MAX_TEXT = 2000  # longer strings show their beginning and their length
 MAX_DEPTH = 8
-
-
-def human_size(n: float | None) -> str:
-    """``1.2 MB`` style sizes."""
-    if n is None:
-        return ""
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"  # pragma: no cover - the loop always returns
 
 
 def ago(stamp: str | None, now: dt.datetime | None = None) -> str:

@@ -45,9 +45,9 @@ from ._files import file_digests
 from ._fingerprint import StoredOutput, digest_value, provenance, trackable
 from ._journal import Journal, read_header
 from ._plan import Plan, StepView
-from ._render import human_size
 from ._slots import batch_dir, slot_file
 from ._stores import Store
+from ._units import human_size
 from ._warn import warn
 from .exceptions import SerializationError, StepChangedError, StepInterruptedError
 

@@ -19,13 +19,13 @@ import types
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
+from ._context import Host, current_pipeline, register
 from ._fingerprint import digest_parameters
 from ._plan import Identity, Plan
 from ._slots import check_name, slot_id
 from .exceptions import StepDefinitionError
 
 if TYPE_CHECKING:
-    from ._pipeline import Pipeline
     from ._session import Session
 
 P = ParamSpec("P")
@@ -128,7 +128,7 @@ class StepSpec(Generic[P, R]):
         ignore: Iterable[str],
         retries: int,
         idempotent: bool,
-        pipeline: Pipeline | None,
+        pipeline: Host | None,
         retry_on: RetryOn = Exception,
     ) -> None:
         if not callable(fn) or isinstance(fn, type):
@@ -322,17 +322,14 @@ class StepSpec(Generic[P, R]):
 
     # calling -----------------------------------------------------------------------------
 
-    def pipeline_for_call(self) -> Pipeline:
-        if self.pipeline is not None:
-            return self.pipeline
-        from ._context import current_pipeline  # noqa: PLC0415 - circular at import time
-
-        return current_pipeline()
+    def host(self) -> Host:
+        """The pipeline this call runs in: the step's own, else the current one."""
+        return self.pipeline if self.pipeline is not None else current_pipeline()
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _disabled():
             return self.fn(*args, **kwargs)
-        run = self.pipeline_for_call().open_run(self)
+        run = self.host()._session_for(self)  # noqa: SLF001 - the Host protocol
         plan = self.plan(args, kwargs)
         if not self.idempotent:  # never two at once: the second finds the first's output
             with run.slot_lock(plan.slot):
@@ -348,7 +345,7 @@ class StepSpec(Generic[P, R]):
     async def call_async(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if _disabled():
             return await self.fn(*args, **kwargs)  # type: ignore[misc]
-        run = self.pipeline_for_call().open_run(self)
+        run = self.host()._session_for(self)  # noqa: SLF001 - the Host protocol
         plan = self.plan(args, kwargs)
         if not self.idempotent:  # never two at once: the second finds the first's output
             async with run.async_slot_lock(plan.slot):
@@ -366,11 +363,11 @@ class StepSpec(Generic[P, R]):
 
     def is_cached(self, *args: Any, **kwargs: Any) -> bool:
         plan = self.plan(args, kwargs)
-        return self.pipeline_for_call().has_output(plan)
+        return self.host()._has_output(plan)  # noqa: SLF001 - the Host protocol
 
     def forget(self, *args: Any, **kwargs: Any) -> None:
         plan = self.plan(args, kwargs)
-        self.pipeline_for_call().reset(plan.slot, downstream=False)
+        self.host().reset(plan.slot, downstream=False)
 
 
 def _identity_of(value: object) -> str | None:
@@ -401,8 +398,6 @@ def _make(fn: Callable[P, R], options: dict[str, Any]) -> Step[P, R]:
     wrapper.__resumable_step__ = spec
     wrapper.is_cached = spec.is_cached
     wrapper.forget = spec.forget
-    from ._context import register  # noqa: PLC0415 - circular at import time
-
     register(spec)
     result: Step[P, R] = wrapper
     return result
@@ -420,7 +415,7 @@ def step(
     retries: int = 0,
     retry_on: RetryOn = Exception,
     idempotent: bool = True,
-    pipeline: Pipeline | None = None,
+    pipeline: Host | None = None,
 ) -> Callable[[Callable[P, R]], Step[P, R]]: ...
 def step(  # noqa: PLR0913 - the documented options
     fn: Callable[P, R] | None = None,
@@ -433,7 +428,7 @@ def step(  # noqa: PLR0913 - the documented options
     retries: int = 0,
     retry_on: RetryOn = Exception,
     idempotent: bool = True,
-    pipeline: Pipeline | None = None,
+    pipeline: Host | None = None,
 ) -> Step[P, R] | Callable[[Callable[P, R]], Step[P, R]]:
     """
     Make a function a step: its output is stored, and a later call with the same

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 
 from resumable import Pipeline
-from resumable._exit import _exit_hooks
+from resumable._exit import exit_hooks
 from resumable._files import file_digests
 from resumable._fingerprint import provenance
 
@@ -51,7 +51,7 @@ def pipe(state_dir: Path) -> Iterator[Pipeline]:
     """A pipeline in a temporary directory; any run still open is closed afterwards."""
     pipeline = Pipeline("test", state_dir=state_dir)
     yield pipeline
-    _exit_hooks.forget(pipeline)
+    exit_hooks.forget(pipeline)
     pipeline._close("completed", None)
 
 
