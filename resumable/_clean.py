@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import datetime as dt
-import os
 from typing import TYPE_CHECKING
 
 import attrs
 
 from . import _history
 from ._slots import batch_dir, is_output_file, slot_file, step_of
+from ._stores import Store
 
 if TYPE_CHECKING:
     from ._pipeline import Pipeline
@@ -65,32 +65,20 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
             for key in store.list(batch_dir(slot)):
                 _remove(store, key, f"row chunk {what}", report, dry_run=dry_run)
         # holding the lock: no one is writing these, they are what killed writers left
-        for key in _temp_files(store):
+        for key in store.temp_files():
             _remove(store, key, "temporary file left by a killed run", report, dry_run=dry_run)
         if not dry_run and (dead or gone):
             run.journal.record("steps_removed", slots=dead, steps=gone)
     return report
 
 
-def _temp_files(store: object) -> list[str]:
-    """The keys of the temporary files in a local store (other stores write objects whole)."""
-    root = getattr(store, "root", None)
-    if not isinstance(root, str) or getattr(store, "remove_temp_files", None) is None:
-        return []
-    keys: list[str] = []
-    for directory, _, files in os.walk(root):
-        prefix = "" if directory == root else os.path.relpath(directory, root) + "/"
-        keys.extend(prefix + n for n in files if n.startswith(".") and n.endswith(".tmp"))
-    return sorted(keys)
-
-
-def _remove(store: object, key: str, what: str, report: CleanReport, *, dry_run: bool) -> None:
+def _remove(store: Store, key: str, what: str, report: CleanReport, *, dry_run: bool) -> None:
     try:
-        size = len(store.read_range(key, 0, None))  # type: ignore[attr-defined]
+        size = len(store.read_range(key, 0, None))
     except FileNotFoundError:
         return
     report.lines.append(f"{key} ({what})")
     report.count += 1
     report.bytes += size
     if not dry_run:
-        store.delete(key, durable=False)  # type: ignore[attr-defined]
+        store.delete(key, durable=False)

@@ -141,8 +141,8 @@ def _store(args: argparse.Namespace) -> Store:
 def _state(args: argparse.Namespace) -> Store:
     """The store, which must hold state: :class:`_NoState` otherwise. Creates nothing."""
     store = _store(args)
-    root = getattr(store, "root", None)
-    if isinstance(root, str) and os.path.exists(root) and not os.path.isdir(root):
+    root = store.local_root
+    if root is not None and os.path.exists(root) and not os.path.isdir(root):
         raise StateDirectoryError(root, "it is a file, not a directory")
     for key in (MANIFEST, EVENTS):
         try:

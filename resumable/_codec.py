@@ -38,6 +38,7 @@ from ._codec_types import (
     find_path,
     qualified_name,
 )
+from ._stores._base import read_file
 from .exceptions import SerializationError, StateFormatError
 
 FORMAT = 1
@@ -390,45 +391,6 @@ def secret_bytes(secret: str | bytes | None) -> bytes | None:
     if isinstance(secret, str):
         return secret.encode()
     return secret
-
-
-def read_file(path: str | os.PathLike[str], *, nofollow: bool = False) -> bytearray:
-    """
-    Read a whole file into a fresh writable buffer (arrays decoded from it are writable);
-    with *nofollow*, a symbolic link is not followed (``OSError`` ELOOP).
-    """
-    return read_file_stamped(path, nofollow=nofollow)[0]
-
-
-Stamp = tuple[int, int, int, int, int]
-
-
-def stamp_of(st: os.stat_result) -> Stamp:
-    """What identifies one version of a file: a rename or a write changes it."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def read_file_stamped(path: str | os.PathLike[str], *, nofollow: bool = False) -> tuple[bytearray, Stamp]:
-    """:func:`read_file`, also returning the stamp of the version read."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0))
-    try:
-        st = os.fstat(fd)
-        size = st.st_size
-        buf = bytearray(size)
-        done = os.readv(fd, [buf])
-        if done < size:  # a short read (large files, some file systems): go on
-            view = memoryview(buf)
-            while done < size:
-                n = os.readv(fd, [view[done:]])
-                if not n:
-                    break
-                done += n
-            del view
-    finally:
-        os.close(fd)
-    if done < size:
-        del buf[done:]
-    return buf, stamp_of(st)
 
 
 def load(

@@ -136,8 +136,55 @@ class StoreConformance(abc.ABC):
     # reading and writing -----------------------------------------------------------------
 
     def test_is_a_store(self) -> None:
-        """The store satisfies the runtime-checkable Store protocol."""
+        """The store is a :class:`Store` (a subclass, or a protocol backend adapted by open_store)."""
         _check(isinstance(self.make_store(), Store), "isinstance(store, Store) is false")
+
+    # the optional methods: overridden or not, they keep their contract --------------------------
+
+    def test_copy_is_a_whole_independent_copy(self) -> None:
+        """copy() makes dst hold what src holds; src changing later leaves dst as it was."""
+        import errno  # noqa: PLC0415
+
+        store = self.make_store()
+        store.write("a/src.bin", [b"version 1"], durable=True)
+        try:
+            store.copy("a/src.bin", "b/dst.bin", durable=True)
+        except OSError as exc:  # "no link here": the caller reads and writes instead
+            if exc.errno not in {errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK}:
+                raise
+            store.write("b/dst.bin", [store.read("a/src.bin")], durable=True)
+        store.write("a/src.bin", [b"version 2"], durable=True)
+        _expect(b"version 1", bytes(store.read("b/dst.bin")), "the copy after its source changed")
+
+    def test_write_header_last_stores_header_then_value(self) -> None:
+        """write_header_last() stores the header (computed when asked) followed by the value."""
+        store = self.make_store()
+        header = b"HEADER:"
+        value: list[bytes | bytearray | memoryview] = [b"value ", memoryview(b"in chunks")]
+        store.write_header_last("h.bin", len(header), value, lambda: header, durable=True)
+        _expect(b"HEADER:value in chunks", bytes(store.read("h.bin")), "a header-last write")
+
+    def test_stamps_follow_versions(self) -> None:
+        """A store that stamps versions gives a new stamp to a new version, and read_stamped agrees."""
+        store = self.make_store()
+        store.write("s.bin", [b"one"], durable=True)
+        data, stamp = store.read_stamped("s.bin")
+        _expect(b"one", bytes(data), "read_stamped's data")
+        if stamp is None:
+            _check(store.stamp("s.bin") is None, "stamp() gives a stamp although read_stamped() gave none")
+            return
+        _expect(stamp, store.stamp("s.bin"), "stamp() of the version read_stamped() read")
+        time.sleep(0.01)
+        store.write("s.bin", [b"two!"], durable=True)
+        _check(store.stamp("s.bin") != stamp, "a new version kept the old stamp")
+
+    def test_temp_files_and_their_removal_agree(self) -> None:
+        """temp_files() lists nothing on a fresh store; remove_temp_files() then removes nothing."""
+        store = self.make_store()
+        store.write("x.bin", [b"x"], durable=True)
+        _expect([], store.temp_files(), "temporary files after a completed write")
+        _expect(0, store.remove_temp_files(), "temporary files removed after a completed write")
+        _expect(b"x", bytes(store.read("x.bin")), "an object after remove_temp_files()")
 
     def test_write_then_read_whole_object(self) -> None:
         """write joins its chunks (bytes, bytearray, memoryview) into one object; read returns it."""

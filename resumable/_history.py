@@ -71,16 +71,12 @@ def copy_object(store: Store, src: str, dst: str, *, durable: bool) -> None:
     Make *dst* an exact copy of *src*, atomically (a hard link where the store can; a
     store's ``copy`` that cannot link across file systems falls back to reading and writing).
     """
-    copy = getattr(store, "copy", None)
-    if copy is not None:
-        try:
-            copy(src, dst, durable=durable)
-        except OSError as exc:
-            if exc.errno not in _NO_LINK:
-                raise
-        else:
-            return
-    store.write(dst, [store.read(src)], durable=durable)
+    try:
+        store.copy(src, dst, durable=durable)
+    except OSError as exc:
+        if exc.errno not in _NO_LINK:
+            raise
+        store.write(dst, [store.read(src)], durable=durable)
 
 
 # copy() errors that mean "cannot link here" (a custom store's copy may make hard links)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import os
 import threading
 import time
 import uuid
@@ -30,7 +29,6 @@ from ._manifest import FORMAT, Fold, Manifest, valid_event
 from ._manifest import dumps as dumps_manifest
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
 from ._stores import Store
-from ._stores._local import LocalStore
 from ._warn import warn
 from .exceptions import ResumableError, ResumableWarning, StateFormatError
 
@@ -151,7 +149,7 @@ class Journal:
         self._stopping = False
         self._stop = threading.Event()
         self._manifest_interval = FLUSH_INTERVAL
-        self._append_is_slow = bool(getattr(store, "slow_appends", False))
+        self._append_is_slow = store.slow_appends
         self._torn = False  # an append failed: the log may end with part of a line
         self._log_entry_durable = True
         self._writer: threading.Thread | None = None
@@ -286,7 +284,7 @@ class Journal:
         for slot, key in files.items():
             rec = m.steps.get(slot)
             known = rec is not None and (rec.file is not None or rec.status == "completed")
-            if known and changed_since is not None and not self._changed(key, changed_since):
+            if known and changed_since is not None and self.store.changed_since(key, changed_since) is False:
                 continue
             event = self._recovered(slot, key)
             if event is None or (
@@ -313,21 +311,13 @@ class Journal:
 
     def _known_until(self) -> int | None:
         """Nanoseconds since the epoch before which the manifest knows every local file."""
-        if not isinstance(self.store, LocalStore) or not self.manifest.last_update:
+        if not self.manifest.last_update:
             return None
         try:
             last = datetime.fromisoformat(self.manifest.last_update)
         except ValueError:
             return None
         return int((last.timestamp() - _RECONCILE_SLACK) * 1e9)
-
-    def _changed(self, key: str, since: int) -> bool:
-        path = self.store.path(key)  # type: ignore[attr-defined]
-        try:
-            # ctime: a rename or a hard link (a rollback, a kept version) changes it too
-            return os.stat(path).st_ctime_ns >= since
-        except OSError:
-            return False
 
     def _recovered(self, slot: str, key: str) -> dict[str, Any] | None:
         """The completion event the header of *key* proves, or None if it proves none."""

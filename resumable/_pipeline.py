@@ -255,9 +255,8 @@ class Pipeline:
                 yield run
             finally:
                 try:
-                    cleanup = getattr(self.store, "remove_temp_files", None)
-                    if tidy and cleanup is not None:
-                        cleanup()
+                    if tidy:
+                        self.store.remove_temp_files()
                 finally:
                     run.close("completed")
 

@@ -31,7 +31,6 @@ from typing import Any
 
 from ._codec import (
     DamagedFileError,
-    Stamp,
     decode,
     encode,
     frame,
@@ -46,7 +45,7 @@ from ._fingerprint import StoredOutput, digest_value, provenance, trackable
 from ._journal import Journal, read_header
 from ._plan import Plan, StepView
 from ._slots import batch_dir, slot_file
-from ._stores import Store
+from ._stores import Stamp, Store
 from ._units import human_size
 from ._warn import warn
 from .exceptions import SerializationError, StepChangedError, StepInterruptedError
@@ -217,7 +216,6 @@ class Session:
         # slot -> (stamp, bytes, header, header length) of files verified in this run
         self._verified: dict[str, tuple[Stamp, bytes, dict[str, Any], int]] = {}
         self._verified_bytes = 0
-        self._stamps = hasattr(store, "read_stamped") and hasattr(store, "stamp")
 
     # lifecycle ---------------------------------------------------------------------------
 
@@ -244,9 +242,7 @@ class Session:
             if manifest.status == "running" and manifest.runs > 0:
                 # the lock was free, so the run that wrote "running" died without closing
                 self.journal.record("run_finished", status="interrupted", detected="next run")
-                cleanup = getattr(self.store, "remove_temp_files", None)
-                if cleanup is not None:
-                    cleanup()  # what the dead run was writing: only we can write now
+                self.store.remove_temp_files()  # what the dead run was writing: only we can write now
             if not maintenance:
                 self.journal.record(
                     "run_started",
@@ -293,9 +289,7 @@ class Session:
         )
 
     def _release(self) -> None:
-        closer = getattr(self.store, "close_appends", None)
-        if closer is not None:
-            closer()
+        self.store.close_appends()
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()
@@ -310,12 +304,9 @@ class Session:
         stamp: Stamp | None = None
         try:
             verified = self._verified.get(plan.slot)
-            if verified is not None and verified[0] == self.store.stamp(key):  # type: ignore[attr-defined]
+            if verified is not None and verified[0] == self.store.stamp(key):
                 return self._hit_verified(spec, plan, verified[1:])
-            if self._stamps:
-                data, stamp = self.store.read_stamped(key)  # type: ignore[attr-defined]
-            else:
-                data = self.store.read(key)
+            data, stamp = self.store.read_stamped(key)
             header, head_len = parse_header(data)
         except FileNotFoundError:
             return self._missing(plan)
@@ -367,7 +358,7 @@ class Session:
         return Found(hit=False, reason="new")
 
     def _keep_verified(
-        self, slot: str, stamp: Stamp, data: bytearray, header: dict[str, Any], head_len: int
+        self, slot: str, stamp: Stamp, data: bytes | bytearray, header: dict[str, Any], head_len: int
     ) -> None:
         # Only small files without out-of-band buffers: their decoded values never share
         # memory with *data*, so what a caller does with a value cannot alter the cache.
@@ -585,7 +576,6 @@ class Session:
         }
         if not trackable(value):  # hashed by content when passed on: cheap, and known unloaded
             meta["pdigest"] = plan.output_plain_digest = digest_value(value)
-        header_last = getattr(self.store, "write_header_last", None)
         framed = frame(encoded, meta, secret=self.secret)
         header, size = framed.header, framed.size
         if size > LARGE_OUTPUT:
@@ -597,10 +587,13 @@ class Session:
 
             _history.keep_version(self.store, plan.slot, plan.replaces, durable=self.durable)
         try:
-            if header_last is not None and framed.hashing:
-                key = slot_file(plan.slot)
-                header_last(
-                    key, framed.head_len, framed.value_chunks, framed.header_bytes, durable=self.durable
+            if framed.hashing:  # a large value: its checksum runs while it is written
+                self.store.write_header_last(
+                    slot_file(plan.slot),
+                    framed.head_len,
+                    framed.value_chunks,
+                    framed.header_bytes,
+                    durable=self.durable,
                 )
             else:
                 self.store.write(slot_file(plan.slot), framed.chunks(), durable=self.durable)

@@ -5,10 +5,12 @@ from __future__ import annotations
 import itertools
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from resumable import Store
+from resumable._stores import open_store
 from resumable._stores._fsspec import FsspecStore
 from resumable._stores._local import LocalStore
 from resumable._stores._memory import MemoryStore
@@ -103,3 +105,68 @@ class TestS3Store(StoreConformance):
 
     def subprocess_env(self) -> dict[str, str]:
         return {"RESUMABLE_LEASE_TTL": "1"}
+
+
+class _ProtocolBackend:
+    """A backend written to the Store protocol without subclassing Store (as the docs allowed)."""
+
+    def __init__(self, name: str) -> None:
+        self._inner = MemoryStore.named(name)
+        self.location = self._inner.location
+
+    def read(self, key: str) -> bytes | bytearray:
+        return self._inner.read(key)
+
+    def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
+        return self._inner.read_range(key, start, end)
+
+    def write(self, key: str, chunks: Any, *, durable: bool) -> None:
+        self._inner.write(key, chunks, durable=durable)
+
+    def append(self, key: str, data: bytes, *, durable: bool) -> None:
+        self._inner.append(key, data, durable=durable)
+
+    def delete(self, key: str, *, durable: bool) -> None:
+        self._inner.delete(key, durable=durable)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self._inner.list(prefix)
+
+    def lock(self, holder: Any) -> Any:
+        return self._inner.lock(holder)
+
+
+class TestProtocolBackend(StoreConformance):
+    """A protocol backend, adapted by open_store: every guarantee holds with the defaults."""
+
+    def make_store(self) -> Store:
+        return open_store(_ProtocolBackend(f"protocol-{uuid.uuid4().hex}"))  # type: ignore[arg-type]
+
+    def reopen(self, store: Store) -> Store:
+        return open_store(_ProtocolBackend(store.location.removeprefix("memory://")))  # type: ignore[arg-type]
+
+
+def test_a_protocol_backend_runs_a_pipeline():
+    """Pipeline(store=obj) with obj written to the protocol: steps store and skip."""
+    from resumable import Pipeline
+
+    backend = _ProtocolBackend(f"protocol-{uuid.uuid4().hex}")
+    calls: list[int] = []
+    for _ in range(2):
+        pipe = Pipeline("p", store=backend)  # type: ignore[arg-type]
+
+        @pipe.step
+        def one() -> int:
+            calls.append(1)
+            return 1
+
+        with pipe:
+            assert 1 == one()
+    assert [1] == calls
+
+
+def test_something_else_is_not_a_store():
+    from resumable import UsageError
+
+    with pytest.raises(UsageError, match="is not a store: it has no read_range, write, append"):
+        open_store(object.__new__(type("Half", (), {"location": "x", "read": lambda s, k: b""})))  # type: ignore[arg-type]

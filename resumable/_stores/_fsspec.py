@@ -34,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..exceptions import ResumableError
-from . import Buffer, check_key
+from ._base import Buffer, Store, check_key
 from ._lease import LEASE_KEY, Lease, LeaseConflict, ttl_from_env
 from ._segments import SEGMENTS, Index, Segment, SegmentedLogs, named_error
 
@@ -54,7 +54,7 @@ def _is_precondition_failure(exc: OSError) -> bool:
     return "pre-condition" in str(exc).lower() or "precondition" in str(exc).lower()
 
 
-class FsspecStore(SegmentedLogs):
+class FsspecStore(SegmentedLogs, Store):
     """
     A store at any fsspec URL (``s3://bucket/prefix``, ``gs://...``, ``memory://...``).
 

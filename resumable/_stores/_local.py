@@ -11,6 +11,7 @@ never blocks the next one.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import fcntl
@@ -22,10 +23,9 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._codec import Stamp, read_file, read_file_stamped, stamp_of
 from .._slots import INTERNAL_DIR
 from ..exceptions import StateDirectoryError, StateLockedError
-from . import Buffer, check_key
+from ._base import Buffer, Stamp, Store, check_key, read_file, read_file_stamped, stamp_of
 
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _WRITE_MAX = 1 << 30  # bytes per write() call; Linux caps a single write just below 2 GiB
@@ -117,12 +117,12 @@ class _FileLock:
         os.close(fd)
 
 
-class LocalStore:
+class LocalStore(Store):
     """A directory on the local file system; files 0600, directories 0700."""
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(root))
-        self.location = self.root
+        self.location = self.local_root = self.root
         self._append_fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
 
@@ -209,6 +209,14 @@ class LocalStore:
             if exc.errno == errno.ELOOP:
                 raise self._linked(path) from None
             raise
+
+    def changed_since(self, key: str, ns: int) -> bool:
+        """True if *key* changed (was written, renamed or linked) at or after *ns*."""
+        try:
+            # ctime: a rename or a hard link (a rollback, a kept version) changes it too
+            return os.stat(self.path(key)).st_ctime_ns >= ns
+        except OSError:
+            return True
 
     def stamp(self, key: str) -> Stamp:
         """What identifies the current version of *key*; raises FileNotFoundError."""
@@ -408,15 +416,21 @@ class LocalStore:
         if durable:
             _fsync_dir(directory)
 
+    def temp_files(self) -> builtins.list[str]:
+        """The keys of the temporary files killed writers left behind (``.<name>.<pid>-...tmp``)."""
+        keys: builtins.list[str] = []
+        for directory, _, files in os.walk(self.root):
+            prefix = "" if directory == self.root else os.path.relpath(directory, self.root) + "/"
+            keys.extend(prefix + n for n in files if n.startswith(".") and n.endswith(".tmp"))
+        return sorted(keys)
+
     def remove_temp_files(self) -> int:
         """Delete temporary files a killed writer left behind; call it holding the lock."""
         removed = 0
-        for directory, _, files in os.walk(self.root):
-            for name in files:
-                if name.startswith(".") and name.endswith(".tmp"):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(os.path.join(directory, name))
-                        removed += 1
+        for key in self.temp_files():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.root, key))
+                removed += 1
         return removed
 
     def list(self, prefix: str = "") -> list[str]:

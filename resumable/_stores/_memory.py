@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 from ..exceptions import StateLockedError
-from . import Buffer
+from ._base import Buffer, Store
 
 
 class _MemoryLock:
@@ -21,7 +21,7 @@ class _MemoryLock:
                 store._holder = None  # noqa: SLF001
 
 
-class MemoryStore:
+class MemoryStore(Store):
     """Objects in a dict; ``memory://name`` returns the same store for the same name."""
 
     _named: ClassVar[dict[str, MemoryStore]] = {}
