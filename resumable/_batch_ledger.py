@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from ._batch_input import Digester, Source
-from ._codec import DamagedFileError, decode, encode, frame, parse_header, verify
+from ._codec import DamagedFileError, encode, frame, read_verified
 from ._codec_types import qualified_name
 from ._session import Session
 from ._warn import warn
@@ -197,10 +197,7 @@ class Ledger:
         assert where is not None  # noqa: S101 - only called with storage
         key = where.directory + RECORD
         try:
-            data = where.run.store.read(key)
-            header, head_len = parse_header(data)
-            verify(data, header, head_len, where.run.secret)
-            record = decode(data, header, head_len, allow_pickle=False)
+            record = read_verified(where.run.store.read(key), where.run.secret).decode(allow_pickle=False)
         except (DamagedFileError, FileNotFoundError) as exc:
             warn(
                 f"{where.run.store.location}/{key} cannot be used ({exc}); "
@@ -556,13 +553,12 @@ class Ledger:
         where = self.where
         assert where is not None  # noqa: S101 - only stored chunks are loaded
         run = where.run
-        data = run.store.read(where.directory + chunk.file_name)
-        header, head_len = parse_header(data)
-        verify(data, header, head_len, run.secret)
+        checked = read_verified(run.store.read(where.directory + chunk.file_name), run.secret)
+        header = checked.header
         if header.get("rows") != [chunk.start, chunk.end] or header.get("digest") != chunk.digest:
             msg = "it holds other rows than its name says"
             raise DamagedFileError(msg)
-        return decode(data, header, head_len, allow_pickle=run.allow_pickle)
+        return checked.decode(allow_pickle=run.allow_pickle)
 
     def restore_state(self, state: dict[str, Any]) -> None:
         """

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from . import _history, _render, _why
-from ._codec import DamagedFileError, decode, parse_header, secret_bytes, verify
+from ._codec import DamagedFileError, read_verified, secret_bytes
 from ._journal import read_state
 from ._pipeline import Pipeline, describe_slots, read_checkpoints, snapshot
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, slot_id, step_of
@@ -195,15 +195,14 @@ def _show(args: argparse.Namespace) -> int:
     except FileNotFoundError:
         raise ResumableError(f"{where} was removed while it was being read") from None
     try:
-        header, head_len = parse_header(data)
-        verify(data, header, head_len, secret_bytes(None))
-        value = decode(data, header, head_len, allow_pickle=args.allow_pickle, stand_ins=True)
+        checked = read_verified(data, secret_bytes(None))
+        value = checked.decode(allow_pickle=args.allow_pickle, stand_ins=True)
     except DamagedFileError as exc:
         raise ResumableError(f"{where} is damaged: {exc}") from None
     if args.json:
         _out(_render.as_json(value))
         return 0
-    size = human_size(head_len + header["size"])
+    header, size = checked.header, human_size(checked.size)
     _out(f"{slot}: stored {header.get('created_at')}, {size}, fingerprint {header.get('fingerprint')}")
     _out(_render.pretty(value))
     return 0

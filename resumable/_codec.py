@@ -332,50 +332,88 @@ def verify(data: Buffer, header: Mapping[str, Any], head_len: int, secret: bytes
         raise DamagedFileError(msg)
 
 
-def decode(
-    data: Buffer, header: Mapping[str, Any], head_len: int, *, allow_pickle: bool, stand_ins: bool = False
-) -> Any:
+class Verified:
     """
-    Turn a verified file back into its value. With *stand_ins* (for display), classes that
-    are not imported and refused pickles become placeholder dicts instead of errors.
+    A whole output file (or record, or chunk) whose header was parsed and whose bytes were
+    checked (size, HMAC with a secret, checksum): the only thing that can be decoded. Every
+    reader goes through :func:`read_verified`, so nothing is decoded unchecked.
+    """
+
+    __slots__ = ("data", "head_len", "header")
+
+    def __init__(self, data: Buffer, header: dict[str, Any], head_len: int) -> None:
+        self.data = data
+        self.header = header
+        self.head_len = head_len
+
+    @property
+    def size(self) -> int:
+        """The file's bytes: header and value."""
+        return self.head_len + int(self.header["size"])
+
+    def decode(self, *, allow_pickle: bool, stand_ins: bool = False) -> Any:
+        """
+        Turn the file back into its value. With *stand_ins* (for display), classes that are
+        not imported and refused pickles become placeholder dicts instead of errors.
+
+        Raises:
+            DamagedFileError: the value is malformed, refers to a class that is not imported,
+                or holds a pickle while pickles are not allowed.
+        """
+        data, header, head_len = self.data, self.header, self.head_len
+        if not allow_pickle and not stand_ins and header.get("encoding") != "msgpack":
+            msg = "it holds a pickled value and pickles are not allowed (allow_pickle=False)"
+            raise DamagedFileError(msg)
+        position = head_len + header["size"]
+        spans: list[tuple[int, int]] = []
+        for pad, size in reversed(header["buffers"]):
+            position -= size
+            spans.append((position, size))
+            position -= pad + _BIN32
+        spans.reverse()
+        pickled = header.get("encoding") == "msgpack+pickle"
+        kind = StandInDecoder if stand_ins else Decoder
+        decoder = kind(data, spans, allow_pickle=allow_pickle, pickled=pickled)
+        try:
+            return decoder.unpack(memoryview(data)[head_len:position])
+        except Undecodable as exc:
+            raise DamagedFileError(str(exc)) from None
+        except Exception as exc:  # noqa: BLE001 - a checksummed file that will not decode is damaged
+            msg = f"the value does not decode ({type(exc).__name__}: {exc})"
+            raise DamagedFileError(msg) from None
+
+    def check_decodes(self) -> None:
+        """
+        Check that the value decodes safely, as ``resumable verify`` should: with pickles
+        left unread and classes that are not imported here standing in, so that only damage
+        fails (a malformed value, a name that leads to something other than a class of the
+        recorded kind).
+
+        Raises:
+            DamagedFileError: the value is damaged or hostile.
+        """
+        self.decode(allow_pickle=False, stand_ins=True)
+
+
+def read_verified(data: Buffer, secret: bytes | None) -> Verified:
+    """
+    Parse the header of a whole file and check its bytes: the one way to a decodable value.
 
     Raises:
-        DamagedFileError: the value is malformed, refers to a class that is not imported, or
-            holds a pickle while pickles are not allowed.
+        DamagedFileError: it is not a resumable file, or it is incomplete, forged or damaged.
+        StateFormatError: it was written by a newer version.
     """
-    if not allow_pickle and not stand_ins and header.get("encoding") != "msgpack":
-        msg = "it holds a pickled value and pickles are not allowed (allow_pickle=False)"
-        raise DamagedFileError(msg)
-    position = head_len + header["size"]
-    spans: list[tuple[int, int]] = []
-    for pad, size in reversed(header["buffers"]):
-        position -= size
-        spans.append((position, size))
-        position -= pad + _BIN32
-    spans.reverse()
-    pickled = header.get("encoding") == "msgpack+pickle"
-    kind = StandInDecoder if stand_ins else Decoder
-    decoder = kind(data, spans, allow_pickle=allow_pickle, pickled=pickled)
-    try:
-        return decoder.unpack(memoryview(data)[head_len:position])
-    except Undecodable as exc:
-        raise DamagedFileError(str(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - a checksummed file that will not decode is damaged
-        msg = f"the value does not decode ({type(exc).__name__}: {exc})"
-        raise DamagedFileError(msg) from None
+    header, head_len = parse_header(data)
+    return verified(data, header, head_len, secret)
 
 
-def check_decodes(data: Buffer, header: Mapping[str, Any], head_len: int) -> None:
+def verified(data: Buffer, header: dict[str, Any], head_len: int, secret: bytes | None) -> Verified:
     """
-    Check that a verified file's value decodes safely, as ``resumable verify`` should: with
-    pickles left unread and classes that are not imported here standing in, so that only
-    damage fails (a malformed value, a name that leads to something other than a class of
-    the recorded kind).
-
-    Raises:
-        DamagedFileError: the value is damaged or hostile.
+    :func:`read_verified` for a file whose header was parsed already (and found worth
+    reading on: a lookup checks the fingerprint in the header before checksumming the rest).
     """
-    decode(data, header, head_len, allow_pickle=False, stand_ins=True)
+    verify(data, header, head_len, secret)
+    return Verified(data, header, head_len)
 
 
 def value_digest(header: Mapping[str, Any]) -> str:
@@ -413,9 +451,7 @@ def load(
     """
     data = read_file(path)
     try:
-        header, head_len = parse_header(data)
-        verify(data, header, head_len, secret_bytes(secret))
-        return decode(data, header, head_len, allow_pickle=allow_pickle)
+        return read_verified(data, secret_bytes(secret)).decode(allow_pickle=allow_pickle)
     except DamagedFileError as exc:
         msg = f"cannot load {os.fspath(path)}: {exc}"
         raise SerializationError(msg) from None

@@ -115,13 +115,10 @@ class FileDigests:
 
     def load(self, store: Store, secret: bytes | None) -> None:
         """Merge the cache kept in *store* (anything malformed in it is ignored)."""
-        from ._codec import DamagedFileError, decode, parse_header, verify  # noqa: PLC0415
+        from ._codec import DamagedFileError, read_verified  # noqa: PLC0415
 
         try:
-            data = store.read(CACHE_KEY)
-            header, head_len = parse_header(data)
-            verify(data, header, head_len, secret)
-            value = decode(data, header, head_len, allow_pickle=False)
+            value = read_verified(store.read(CACHE_KEY), secret).decode(allow_pickle=False)
         except (FileNotFoundError, DamagedFileError):
             return
         except Exception as exc:  # noqa: BLE001 - a cache: never worth failing a run for

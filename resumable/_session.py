@@ -31,13 +31,14 @@ from typing import Any
 
 from ._codec import (
     DamagedFileError,
-    decode,
+    Verified,
     encode,
     frame,
     parse_header,
+    read_verified,
     utcnow,
     value_digest,
-    verify,
+    verified,
 )
 from ._codec_types import qualified_name
 from ._files import file_digests
@@ -214,7 +215,7 @@ class Session:
         self._code_before: dict[str, dict[str, str]] = {}
         self._skipped: set[str] = set()
         # slot -> (stamp, bytes, header, header length) of files verified in this run
-        self._verified: dict[str, tuple[Stamp, bytes, dict[str, Any], int]] = {}
+        self._verified: dict[str, tuple[Stamp, Verified]] = {}
         self._verified_bytes = 0
 
     # lifecycle ---------------------------------------------------------------------------
@@ -303,9 +304,9 @@ class Session:
         key = slot_file(plan.slot)
         stamp: Stamp | None = None
         try:
-            verified = self._verified.get(plan.slot)
-            if verified is not None and verified[0] == self.store.stamp(key):
-                return self._hit_verified(spec, plan, verified[1:])
+            known = self._verified.get(plan.slot)
+            if known is not None and known[0] == self.store.stamp(key):
+                return self._hit_verified(spec, plan, known[1])
             data, stamp = self.store.read_stamped(key)
             header, head_len = parse_header(data)
         except FileNotFoundError:
@@ -316,12 +317,12 @@ class Session:
         if miss is not None:
             return miss
         try:
-            verify(data, header, head_len, self.secret)
-            value = decode(data, header, head_len, allow_pickle=self.allow_pickle)
+            checked = verified(data, header, head_len, self.secret)
+            value = checked.decode(allow_pickle=self.allow_pickle)
         except DamagedFileError as exc:
             return self._corrupt(plan, str(exc))
         if stamp is not None:
-            self._keep_verified(plan.slot, stamp, data, header, head_len)
+            self._keep_verified(plan.slot, stamp, checked)
         _remember(value, header)
         return self._hit(spec, plan, value, header, head_len)
 
@@ -357,29 +358,27 @@ class Session:
             return Found(hit=False, reason="new", detail=f"the previous attempt {rec.status}")
         return Found(hit=False, reason="new")
 
-    def _keep_verified(
-        self, slot: str, stamp: Stamp, data: bytes | bytearray, header: dict[str, Any], head_len: int
-    ) -> None:
+    def _keep_verified(self, slot: str, stamp: Stamp, checked: Verified) -> None:
         # Only small files without out-of-band buffers: their decoded values never share
-        # memory with *data*, so what a caller does with a value cannot alter the cache.
-        if header["buffers"] or len(data) > _VERIFIED_MAX_FILE:
+        # memory with the data, so what a caller does with a value cannot alter the cache.
+        data = checked.data
+        if checked.header["buffers"] or len(data) > _VERIFIED_MAX_FILE:
             return
         self._verified.pop(slot, None)
-        self._verified[slot] = (stamp, bytes(data), header, head_len)
+        self._verified[slot] = (stamp, Verified(bytes(data), checked.header, checked.head_len))
         self._verified_bytes += len(data)
         while self._verified_bytes > _VERIFIED_MAX_TOTAL:
             oldest = next(iter(self._verified))
-            self._verified_bytes -= len(self._verified.pop(oldest)[1])
+            self._verified_bytes -= len(self._verified.pop(oldest)[1].data)
 
-    def _hit_verified(self, spec: StepView, plan: Plan, verified: tuple[bytes, dict[str, Any], int]) -> Found:
+    def _hit_verified(self, spec: StepView, plan: Plan, checked: Verified) -> Found:
         """A file already verified in this run and unchanged since: decode it from memory."""
-        data, header, head_len = verified
-        miss = self._check_header(spec, plan, header)
+        miss = self._check_header(spec, plan, checked.header)
         if miss is not None:
             return miss
-        value = decode(data, header, head_len, allow_pickle=self.allow_pickle)
-        _remember(value, header)
-        return self._hit(spec, plan, value, header, head_len)
+        value = checked.decode(allow_pickle=self.allow_pickle)
+        _remember(value, checked.header)
+        return self._hit(spec, plan, value, checked.header, checked.head_len)
 
     def _hit(self, spec: StepView, plan: Plan, value: Any, header: dict[str, Any], head_len: int) -> Found:
         self.last_outcome = "ok"
@@ -404,14 +403,13 @@ class Session:
         key = slot_file(plan.slot)
         data = self.store.read(key)
         try:
-            header, head_len = parse_header(data)
-            verify(data, header, head_len, self.secret)
-            value = decode(data, header, head_len, allow_pickle=self.allow_pickle)
+            checked = read_verified(data, self.secret)
+            value = checked.decode(allow_pickle=self.allow_pickle)
         except DamagedFileError as exc:
             where = f"{self.store.location}/{key}"
             msg = f"cannot load the output of step {plan.slot!r} from {where}: {exc}"
             raise SerializationError(msg, step=spec.name) from None
-        _remember(value, header)
+        _remember(value, checked.header)
         return value
 
     def _skip_note(self, spec: StepView, plan: Plan, header: dict[str, Any]) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ._codec import DamagedFileError, check_decodes, parse_header, verify
+from ._codec import DamagedFileError, read_verified
 from ._journal import Journal, _authentic
 from ._manifest import valid_event
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
@@ -88,10 +88,9 @@ def _event_problem(line: bytes, secret: bytes | None) -> str | None:
 
 def _check_output(store: Store, key: str, secret: bytes | None) -> str | None:
     try:
-        data = store.read(key)
-        header, head_len = parse_header(data)
-        verify(data, header, head_len, secret)
-        check_decodes(data, header, head_len)  # a checksummed file can still be hostile
+        checked = read_verified(store.read(key), secret)
+        checked.check_decodes()  # a checksummed file can still be hostile
+        header = checked.header
     except (DamagedFileError, StateFormatError) as exc:
         return str(exc)
     except OSError as exc:

@@ -277,7 +277,9 @@ def _codec_round_trip(value: object, **options: Any) -> tuple[Any, dict[str, Any
     data = bytearray(b"".join(bytes(c) for c in chunks))
     header, head_len = _codec.parse_header(data)
     _codec.verify(data, header, head_len, options.get("secret"))
-    return _codec.decode(data, header, head_len, allow_pickle=options.get("allow_pickle", True)), header
+    return _codec.Verified(data, header, head_len).decode(
+        allow_pickle=options.get("allow_pickle", True)
+    ), header
 
 
 @given(value=storable)

@@ -230,12 +230,12 @@ def _decode_both_ways(data: bytes) -> list[str]:
     reasons = []
     for allow_pickle, stand_ins in ((False, False), (True, True), (False, True)):
         with pytest.raises(_codec.DamagedFileError) as info:
-            _codec.decode(
-                data, header, head_len, allow_pickle=allow_pickle and stand_ins, stand_ins=stand_ins
+            _codec.Verified(data, header, head_len).decode(
+                allow_pickle=allow_pickle and stand_ins, stand_ins=stand_ins
             )
         reasons.append(str(info.value))
     with pytest.raises(_codec.DamagedFileError):
-        _codec.check_decodes(data, header, head_len)
+        _codec.Verified(data, header, head_len).check_decodes()
     return reasons
 
 
@@ -278,10 +278,10 @@ def test_classes_not_imported_still_stand_in_for_display() -> None:
     """A class whose module is not imported is shown as a stand-in (and is damage only for a run)."""
     data = _hostile_file(OBJECT, ["dataclass", "not_imported_anywhere", "Thing", {"a": 1}])
     header, head_len = _codec.parse_header(data)
-    shown = _codec.decode(data, header, head_len, allow_pickle=False, stand_ins=True)
-    _codec.check_decodes(data, header, head_len)
+    shown = _codec.Verified(data, header, head_len).decode(allow_pickle=False, stand_ins=True)
+    _codec.Verified(data, header, head_len).check_decodes()
     with pytest.raises(_codec.DamagedFileError, match="module 'not_imported_anywhere' is not imported"):
-        _codec.decode(data, header, head_len, allow_pickle=False)
+        _codec.Verified(data, header, head_len).decode(allow_pickle=False)
     assert {"rows": [1, {"__class__": "not_imported_anywhere.Thing", "a": 1}]} == shown
 
 
@@ -290,8 +290,8 @@ def test_lookups_run_no_module_getattr(sentinels: list[str]) -> None:
     data = _hostile_file(ENUM, [SENTINELS, "Missing", 1])
     header, head_len = _codec.parse_header(data)
     with pytest.raises(_codec.DamagedFileError, match="no longer exists"):
-        _codec.decode(data, header, head_len, allow_pickle=False)
-    shown = _codec.decode(data, header, head_len, allow_pickle=False, stand_ins=True)
+        _codec.Verified(data, header, head_len).decode(allow_pickle=False)
+    shown = _codec.Verified(data, header, head_len).decode(allow_pickle=False, stand_ins=True)
     assert ({"rows": [1, {"__enum__": f"{SENTINELS}.Missing", "value": 1}]}, []) == (shown, sentinels)
 
 
@@ -299,12 +299,12 @@ def test_real_enums_and_pickles_still_decode(sentinels: list[str]) -> None:
     """The checks refuse only what no encoder writes: a real Enum decodes; an allowed pickle loads."""
     data = _hostile_file(ENUM, [f"{SENTINELS}_inner", "Hidden", 1])
     header, head_len = _codec.parse_header(data)
-    value = _codec.decode(data, header, head_len, allow_pickle=False)
+    value = _codec.Verified(data, header, head_len).decode(allow_pickle=False)
     encoded = _codec.encode(types.SimpleNamespace(a=1), allow_pickle=True)
     framed = b"".join(bytes(c) for c in _codec.frame(encoded, {"slot": "p"}).chunks())
     header, head_len = _codec.parse_header(framed)
-    _codec.check_decodes(framed, header, head_len)
-    loaded = _codec.decode(framed, header, head_len, allow_pickle=True)
+    _codec.Verified(framed, header, head_len).check_decodes()
+    loaded = _codec.Verified(framed, header, head_len).decode(allow_pickle=True)
     assert ({"rows": [1, Hidden.ONE]}, 1, []) == (value, loaded.a, sentinels)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import resumable._codec
 import resumable._session
 from resumable import (
     Manifest,
@@ -62,13 +63,13 @@ def test_run_loads_skipped_outputs_only_when_needed(pipe: Pipeline, monkeypatch:
     _etl(pipe, calls)
     pipe.run(url="x")
     decoded: list[int] = []
-    real_decode = resumable._session.decode
+    real_decode = resumable._codec.Verified.decode
 
     def counting_decode(*args, **kwargs):
         decoded.append(1)
         return real_decode(*args, **kwargs)
 
-    monkeypatch.setattr(resumable._session, "decode", counting_decode)
+    monkeypatch.setattr(resumable._codec.Verified, "decode", counting_decode)
     run = pipe.run(url="x")
     assert [] == decoded  # everything skipped: nothing loaded
     run = pipe.run(url="x", scale=3)
@@ -406,9 +407,9 @@ def test_runner_and_direct_calls_agree_on_small_outputs(pipe: Pipeline, monkeypa
         assert count.is_cached(parse(download("x")))
     assert ["download", "parse", "count"] == calls
     decoded: list[int] = []
-    real_decode = resumable._session.decode
+    real_decode = resumable._codec.Verified.decode
     monkeypatch.setattr(
-        resumable._session, "decode", lambda *a, **k: decoded.append(1) or real_decode(*a, **k)
+        resumable._codec.Verified, "decode", lambda *a, **k: decoded.append(1) or real_decode(*a, **k)
     )
     assert ["download", "parse", "count"] == pipe.run(url="x").skipped
     assert [] == decoded
