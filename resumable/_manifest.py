@@ -11,22 +11,24 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Literal, get_args
 
 import attrs
 
 from .exceptions import StateFormatError
 
 FORMAT = 1
-RUN_STATUSES = ("running", "completed", "failed", "interrupted")
+RunStatus = Literal["running", "completed", "failed", "interrupted"]
+StepStatus = Literal["new", "running", "completed", "failed", "interrupted", "reset"]
+RUN_STATUSES: tuple[RunStatus, ...] = get_args(RunStatus)
 
 
 @attrs.define
 class StepRecord:
     """What the manifest knows of one slot."""
 
-    status: str
-    """``running``, ``completed``, ``failed``, ``interrupted`` or ``reset``."""
+    status: StepStatus
+    """``new``, ``running``, ``completed``, ``failed``, ``interrupted`` or ``reset``."""
     fingerprint: str | None = None
     reason: str | None = None
     """Why it last ran: ``new``, ``inputs changed``, ``code changed`` ..."""
@@ -67,7 +69,7 @@ class Manifest:
     workflow_id: str
     pipeline: str
     format: int = FORMAT
-    status: str = "running"
+    status: RunStatus = "running"
     current_step: str | None = None
     completed_steps: list[str] = attrs.field(factory=list)
     last_update: str | None = None
