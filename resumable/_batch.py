@@ -24,7 +24,7 @@ from ._batch_exec import (
     workers_of,
 )
 from ._batch_input import Source
-from ._batch_ledger import DamagedChunksError, Ledger, RowFailure, Where
+from ._batch_ledger import DamagedChunksError, Ledger, RowFailure, Where, ledger_for
 from ._context import current_pipeline
 from ._session import current_execution
 from ._slots import batch_dir, check_name
@@ -87,7 +87,7 @@ def checkpointed(
         raise UsageError(msg)
     source = Source(items)
     where = _locate(name, "checkpointed", items)
-    ledger = Ledger(where, kind="each", every=every, total=source.total)
+    ledger = ledger_for(where, kind="each", every=every, total=source.total)
     execution = current_execution.get()
     owner = None if where is None else execution.loops if execution is not None else where.run.loops
     return Checkpointed(ledger, source, progress, state, owner)
@@ -219,7 +219,7 @@ def checkpointed_map(  # noqa: PLR0913 - the documented options
 def _map(job: Job, where: Where | None, source: Source, every: int) -> list[Any]:
     runner = run_sequential if job.executor is None else run_executor
     for attempt in range(3):
-        ledger = Ledger(where, kind="map", every=every, total=source.total, record_failures=job.record)
+        ledger = ledger_for(where, kind="map", every=every, total=source.total, record_failures=job.record)
         ledger.open()
         bar = Progress(job.progress, ledger)
         try:
@@ -236,7 +236,7 @@ def _map(job: Job, where: Where | None, source: Source, every: int) -> list[Any]
 
 async def _map_async(job: Job, where: Where | None, source: Source, every: int) -> list[Any]:
     for attempt in range(3):
-        ledger = Ledger(where, kind="map", every=every, total=source.total, record_failures=job.record)
+        ledger = ledger_for(where, kind="map", every=every, total=source.total, record_failures=job.record)
         ledger.open()
         bar = Progress(job.progress, ledger)
         try:

@@ -408,7 +408,7 @@ async def run_async(ledger: Ledger, source: Source, job: Job, progress: Progress
                     complete.append(start)
             for start in sorted(complete):
                 finished = open_.pop(start)
-                if ledger.where is not None and ledger.where.run.durable:
+                if ledger.durable:
                     # an fsync takes milliseconds: keep the event loop serving the calls in flight
                     await asyncio.to_thread(ledger.commit, start, finished.rows, finished.results)
                 else:

@@ -123,22 +123,12 @@ class DamagedChunksError(Exception):
 
 class Ledger:
     """
-    The committed chunks of one batch, and the commits of one call.
-
-    With *where* None (``RESUMABLE_DISABLE=1``) nothing is read or written: results only
-    pass through memory.
+    The commits of one batch call, kept in memory only: the null object of a batch, used
+    with ``RESUMABLE_DISABLE=1``, where nothing is read or written. :class:`StoredLedger`
+    (the batch's chunks in the store) extends it.
     """
 
-    def __init__(
-        self,
-        where: Where | None,
-        *,
-        kind: str,
-        every: int,
-        total: int | None,
-        record_failures: bool = False,
-    ) -> None:
-        self.where = where
+    def __init__(self, *, kind: str, every: int, total: int | None, record_failures: bool = False) -> None:
         self.kind = kind
         self.every = every
         self.total = total
@@ -148,24 +138,116 @@ class Ledger:
         self.done = 0
         self.failures = 0
         self.resumed = 0
-        self._stored: dict[str, Any] | None = None  # the batch record as stored
-        self._lenient = False  # the owning step's arguments changed: drop what no longer matches
-        self._carries_state = False  # a loop state was restored from the committed chunks
         self._lock = threading.Lock()
-        self._reported = 0.0
-        self._digester = Digester(self.display)
 
     @property
     def display(self) -> str:
-        return self.where.display if self.where is not None else "batch"
+        return "batch"
+
+    @property
+    def durable(self) -> bool:
+        """Whether commits are fsynced (then worth committing from another thread)."""
+        return False
+
+    def open(self) -> None:
+        """Find what earlier runs committed (nothing, in memory)."""
+
+    def restore_state(self, state: dict[str, Any]) -> None:
+        """Put the loop state committed with the newest chunk into *state* (none, in memory)."""
+
+    def pieces(self, source: Source) -> Iterator[tuple[int, list[Any]]]:
+        """Yield ``(start, rows)`` for the rows still to do, at most :attr:`every` at a time."""
+        yield from self._gap(source, source.total)
+        self.total = source.pos
+
+    def _gap(self, source: Source, until: int | None) -> Iterator[tuple[int, list[Any]]]:
+        every = self.every
+        while until is None or source.pos < until:
+            n = every if until is None else min(every, until - source.pos)
+            start = source.pos
+            rows = source.take(n)
+            if rows:
+                yield start, rows
+            if len(rows) < n:
+                return
+
+    def _split(self, start: int, rows: list[Any]) -> Iterator[tuple[int, list[Any]]]:
+        for i in range(0, len(rows), self.every):
+            yield start + i, rows[i : i + self.every]
+
+    def commit(self, start: int, rows: Sequence[Any], results: Any) -> None:
+        """Keep the results of ``rows`` (input rows ``start`` on)."""
+        failures = sum(type(r) is RowFailure for r in results) if self.record_failures else 0
+        with self._lock:
+            self.fresh[start] = results
+            self.done += len(rows)
+            self.failures += failures
+
+    def salvage(self, start: int, rows: Sequence[Any], results: Any) -> None:
+        """Commit the rows finished before an exception; a failure here is only logged."""
+        if rows:
+            try:
+                self.commit(start, rows, results)
+            except Exception as exc:  # noqa: BLE001 - the exception being raised matters more
+                log.warning("batch %r: could not commit %d finished rows: %s", self.display, len(rows), exc)
+        self.report(force=True)
+
+    def finish(self) -> None:
+        """The input is exhausted and every piece committed."""
+
+    def report(self, *, force: bool = False) -> None:
+        """Record the batch's progress (nowhere, in memory)."""
+
+    def assemble(self) -> list[Any]:
+        """The results of every row, in input order."""
+        out: list[Any] = []
+        for start in sorted(self.fresh):
+            out.extend(self.fresh[start])
+        return out
+
+
+def ledger_for(
+    where: Where | None, *, kind: str, every: int, total: int | None, record_failures: bool = False
+) -> Ledger:
+    """The ledger of a batch: in the store where it has a place, else in memory only."""
+    if where is None:
+        return Ledger(kind=kind, every=every, total=total, record_failures=record_failures)
+    return StoredLedger(where, kind=kind, every=every, total=total, record_failures=record_failures)
+
+
+class StoredLedger(Ledger):
+    """The committed chunks of one batch in the store, and the commits of one call."""
+
+    def __init__(
+        self,
+        where: Where,
+        *,
+        kind: str,
+        every: int,
+        total: int | None,
+        record_failures: bool = False,
+    ) -> None:
+        super().__init__(kind=kind, every=every, total=total, record_failures=record_failures)
+        self.where = where
+        self._stored: dict[str, Any] | None = None  # the batch record as stored
+        self._lenient = False  # the owning step's arguments changed: drop what no longer matches
+        self._carries_state = False  # a loop state was restored from the committed chunks
+        self._reported = 0.0
+        self._digester = Digester(where.display)
+
+    @property
+    def display(self) -> str:
+        return self.where.display
+
+    @property
+    def durable(self) -> bool:
+        return self.where.run.durable
 
     # opening -----------------------------------------------------------------------------
 
     def open(self) -> None:
         """List the committed chunks, and drop them if they belong to something else."""
         where = self.where
-        if where is None:
-            return
         store = where.run.store
         prefix = where.directory
         chunks: list[Chunk] = []
@@ -194,7 +276,6 @@ class Ledger:
 
     def _read_record(self) -> dict[str, Any] | None:
         where = self.where
-        assert where is not None  # noqa: S101 - only called with storage
         key = where.directory + RECORD
         try:
             record = read_verified(where.run.store.read(key), where.run.secret).decode(allow_pickle=False)
@@ -209,7 +290,6 @@ class Ledger:
     def _stale(self, record: dict[str, Any] | None, *, has_record: bool, chunks: list[Chunk]) -> str | None:
         """Why the committed chunks cannot be used at all (None if they can)."""
         where = self.where
-        assert where is not None  # noqa: S101 - only called with storage
         if record is None:
             if has_record:
                 return "its batch record was damaged"
@@ -245,7 +325,6 @@ class Ledger:
         A new ``version`` declares the results different: then nothing is kept.
         """
         where = self.where
-        assert where is not None  # noqa: S101 - only called with storage
         identity = str(record.get("identity"))
         if identity == str(where.identity):
             return None
@@ -270,7 +349,6 @@ class Ledger:
     def _arguments_changed(self, record: dict[str, Any], chunks: list[Chunk]) -> str | None:
         """Why rows made with the step's other arguments cannot be used (None: only the items changed)."""
         where = self.where
-        assert where is not None  # noqa: S101 - only called with storage
         if record.get("args") == where.args:
             return None
         changed = _changed(record.get("params"), where.params)
@@ -308,7 +386,6 @@ class Ledger:
 
     def _log_resume(self) -> None:
         where = self.where
-        assert where is not None  # noqa: S101 - only called with storage
         first = 0
         for chunk in self.chunks:
             if chunk.start != first:
@@ -348,7 +425,6 @@ class Ledger:
                     else f"{chunk.rows} differ from those committed"
                 )
                 where = self.where
-                assert where is not None  # noqa: S101 - chunks exist only with storage
                 raise InputChangedError(where.display, detail, where.remedy)
             self._drop(committed[i:] if short else [chunk])
             yield from self._split(chunk.start, rows)
@@ -357,24 +433,9 @@ class Ledger:
         yield from self._gap(source, limit)
         self._ended(source, limit)
 
-    def _gap(self, source: Source, until: int | None) -> Iterator[tuple[int, list[Any]]]:
-        every = self.every
-        while until is None or source.pos < until:
-            n = every if until is None else min(every, until - source.pos)
-            start = source.pos
-            rows = source.take(n)
-            if rows:
-                yield start, rows
-            if len(rows) < n:
-                return
-
-    def _split(self, start: int, rows: list[Any]) -> Iterator[tuple[int, list[Any]]]:
-        for i in range(0, len(rows), self.every):
-            yield start + i, rows[i : i + self.every]
-
     def _ended(self, source: Source, limit: int | None) -> None:
         where = self.where
-        if where is not None and limit is not None and not self._lenient:
+        if limit is not None and not self._lenient:
             more = source.pos == limit and source.total is None and source.take(1)
             if source.pos != limit or more:
                 detail = f"it had {limit:,} rows, now {'more' if more else f'{source.pos:,}'}"
@@ -393,12 +454,6 @@ class Ledger:
         size = len(rows)
         where = self.where
         failures = sum(type(r) is RowFailure for r in results) if self.record_failures else 0
-        if where is None:
-            with self._lock:
-                self.fresh[start] = results
-                self.done += size
-                self.failures += failures
-            return
         run = where.run
         digest = self._digester.digest(rows if type(rows) is list else list(rows))
         chunk = Chunk(start, start + size, failures, digest)
@@ -426,7 +481,7 @@ class Ledger:
 
     def salvage(self, start: int, rows: Sequence[Any], results: Any) -> None:
         """Commit the rows finished before an exception; a failure here is only logged."""
-        if self.where is not None and not _is_open(self.where.run):
+        if not _is_open(self.where.run):
             if rows:
                 log.warning(
                     "batch %r: the run was already closed; %d finished rows are not committed",
@@ -442,8 +497,6 @@ class Ledger:
 
     def finish(self) -> None:
         """The input is exhausted and every piece committed: update the record and the manifest."""
-        if self.where is None:
-            return
         wanted = self._record()
         with self._lock:
             if self._stored is not None and self._stored != wanted and self.done:
@@ -457,7 +510,6 @@ class Ledger:
 
     def _record(self) -> dict[str, Any]:
         where = self.where
-        assert where is not None  # noqa: S101 - only called with storage
         return {
             "kind": self.kind,
             "every": self.every,
@@ -469,7 +521,6 @@ class Ledger:
 
     def _save_record(self) -> None:
         where = self.where
-        assert where is not None  # noqa: S101 - only called with storage
         # In lenient mode the stored record keeps the old arguments until finish(): a crash
         # before every chunk committed under them was checked checks them again, leniently.
         record = self._record()
@@ -483,7 +534,7 @@ class Ledger:
         """Record the batch's progress in the manifest (at most every :data:`REPORT_INTERVAL`)."""
         where = self.where
         now = time.monotonic()
-        if where is None or (not force and now - self._reported < REPORT_INTERVAL):
+        if not force and now - self._reported < REPORT_INTERVAL:
             return
         self._reported = now
         progress = {"done": self.done, "every": self.every, "total": self.total, "failures": self.failures}
@@ -503,7 +554,6 @@ class Ledger:
 
     def _delete(self, chunks: Iterable[Chunk]) -> None:
         where = self.where
-        assert where is not None  # noqa: S101 - only called with storage
         for chunk in chunks:
             where.run.store.delete(where.directory + chunk.file_name, durable=False)
 
@@ -531,15 +581,11 @@ class Ledger:
             out.extend(results)
         if damaged:
             where = self.where
-            assert where is not None  # noqa: S101 - only stored chunks can be damaged
             warn(
                 f"batch {where.display!r}: damaged chunk(s) in {where.run.store.location}/"
                 f"{where.directory}: {'; '.join(damaged)}. Their rows are done again."
             )
             raise DamagedChunksError(where.display)
-        if not self.chunks:  # RESUMABLE_DISABLE: everything is in memory
-            for start in sorted(self.fresh):
-                out.extend(self.fresh[start])
         return out
 
     def _load(self, chunk: Chunk) -> list[Any]:
@@ -551,7 +597,6 @@ class Ledger:
 
     def _read(self, chunk: Chunk) -> Any:
         where = self.where
-        assert where is not None  # noqa: S101 - only stored chunks are loaded
         run = where.run
         checked = read_verified(run.store.read(where.directory + chunk.file_name), run.secret)
         header = checked.header

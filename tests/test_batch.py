@@ -786,7 +786,7 @@ def test_chunks_damaged_again_and_again_give_up(pipe: Pipeline, monkeypatch: pyt
     def always_damaged(self: Any) -> list[Any]:
         raise _batch_ledger.DamagedChunksError(self.display)
 
-    monkeypatch.setattr(_batch_ledger.Ledger, "assemble", always_damaged)
+    monkeypatch.setattr(_batch_ledger.StoredLedger, "assemble", always_damaged)
     with pipe, pytest.raises(ResumableError, match="check the disk"):
         checkpointed_map(abs, range(3), name="b")
 
