@@ -19,6 +19,8 @@ import types
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
+import attrs
+
 from ._context import Host, current_pipeline, register
 from ._fingerprint import digest_parameters
 from ._plan import Identity, Plan
@@ -38,15 +40,49 @@ KeySpec = str | Callable[..., str]
 RetryOn = type[BaseException] | tuple[type[BaseException], ...]
 
 
-def _check_retry_on(name: str, retry_on: object) -> tuple[type[BaseException], ...]:
-    types = retry_on if isinstance(retry_on, tuple) else (retry_on,)
-    if not types or not all(isinstance(t, type) and issubclass(t, Exception) for t in types):
-        msg = (
-            f"step {name!r}: retry_on must be an exception class or a tuple of them "
-            f"(subclasses of Exception), got {retry_on!r}"
-        )
-        raise StepDefinitionError(msg, step=name)
-    return types
+def _names(ignore: Iterable[str]) -> frozenset[str]:
+    return frozenset((ignore,) if isinstance(ignore, str) else ignore)
+
+
+def _types(retry_on: object) -> tuple[Any, ...]:
+    return retry_on if isinstance(retry_on, tuple) else (retry_on,)
+
+
+@attrs.frozen(kw_only=True)
+class StepOptions:
+    """
+    The options of ``@step``, in one place: ``step()`` and ``Pipeline.step()`` build one,
+    :meth:`check` validates what does not depend on the function, and the ``StepSpec``
+    checks the rest against the function's signature (``ignore``, ``key``).
+    """
+
+    name: str | None = None
+    version: str | None = None
+    key: KeySpec | None = None
+    ignore: frozenset[str] = attrs.field(default=frozenset(), converter=_names)
+    retries: int = 0
+    retry_on: tuple[type[BaseException], ...] = attrs.field(default=(Exception,), converter=_types)
+    idempotent: bool = attrs.field(default=True, converter=bool)
+
+    def check(self, step: str) -> None:
+        """
+        Raises:
+            StepDefinitionError: an option has a value it cannot have (naming *step*).
+        """
+        if self.version is not None and (not isinstance(self.version, str) or not self.version):
+            msg = f"step {step!r}: version must be a non-empty str, got {self.version!r}"
+            raise StepDefinitionError(msg, step=step)
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
+            msg = f"step {step!r}: retries must be an int >= 0, got {self.retries!r}"
+            raise StepDefinitionError(msg, step=step)
+        types = self.retry_on
+        if not types or not all(isinstance(t, type) and issubclass(t, Exception) for t in types):
+            shown = types[0] if len(types) == 1 else types
+            msg = (
+                f"step {step!r}: retry_on must be an exception class or a tuple of them "
+                f"(subclasses of Exception), got {shown!r}"
+            )
+            raise StepDefinitionError(msg, step=step)
 
 
 def by_arguments(*args: Any, **kwargs: Any) -> str:  # noqa: ARG001 - the signature of a key function
@@ -118,19 +154,7 @@ def _disabled() -> bool:
 class StepSpec(Generic[P, R]):
     """Everything known about one step; shared by all its calls."""
 
-    def __init__(  # noqa: PLR0913 - mirrors the decorator's options
-        self,
-        fn: Callable[P, R],
-        *,
-        name: str | None,
-        version: str | None,
-        key: KeySpec | None,
-        ignore: Iterable[str],
-        retries: int,
-        idempotent: bool,
-        pipeline: Host | None,
-        retry_on: RetryOn = Exception,
-    ) -> None:
+    def __init__(self, fn: Callable[P, R], options: StepOptions, pipeline: Host | None = None) -> None:
         if not callable(fn) or isinstance(fn, type):
             msg = f"@step decorates functions, not {type(fn).__name__} objects"
             raise StepDefinitionError(msg)
@@ -138,17 +162,13 @@ class StepSpec(Generic[P, R]):
             msg = "put @step below @staticmethod/@classmethod, directly on the function"
             raise StepDefinitionError(msg)
         self.fn = fn
-        self.name = check_name(name if name is not None else getattr(fn, "__name__", None))
-        if version is not None and (not isinstance(version, str) or not version):
-            msg = f"step {self.name!r}: version must be a non-empty str, got {version!r}"
-            raise StepDefinitionError(msg, step=self.name)
-        self.version = version
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            msg = f"step {self.name!r}: retries must be an int >= 0, got {retries!r}"
-            raise StepDefinitionError(msg, step=self.name)
-        self.retries = retries
-        self.retry_on = _check_retry_on(self.name, retry_on)
-        self.idempotent = bool(idempotent)
+        self.options = options
+        self.name = check_name(options.name if options.name is not None else getattr(fn, "__name__", None))
+        options.check(self.name)
+        self.version = options.version
+        self.retries = options.retries
+        self.retry_on = options.retry_on
+        self.idempotent = options.idempotent
         self.pipeline = pipeline
         self.is_async = inspect.iscoroutinefunction(fn)
         try:
@@ -157,14 +177,12 @@ class StepSpec(Generic[P, R]):
             msg = f"step {self.name!r}: cannot read the signature of {fn!r} ({exc})"
             raise StepDefinitionError(msg, step=self.name) from None
         params = self.signature.parameters
-        if isinstance(ignore, str):
-            ignore = (ignore,)
-        self.ignore = frozenset(ignore)
+        self.ignore = options.ignore
         unknown = sorted(self.ignore - set(params))
         if unknown:
             msg = f"step {self.name!r}: ignore= names {unknown}, which are not parameters of it"
             raise StepDefinitionError(msg, step=self.name)
-        self.key = self._check_key(key, params)
+        self.key = self._check_key(options.key, params)
         kinds = {p.kind for p in params.values()}
         self._fast = kinds <= {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD}
         self._names = tuple(params)
@@ -380,8 +398,8 @@ def _identity_of(value: object) -> str | None:
     return spec.identity().identity
 
 
-def _make(fn: Callable[P, R], options: dict[str, Any]) -> Step[P, R]:
-    spec: StepSpec[P, R] = StepSpec(fn, **options)
+def _make(fn: Callable[P, R], options: StepOptions, pipeline: Host | None) -> Step[P, R]:
+    spec: StepSpec[P, R] = StepSpec(fn, options, pipeline)
     wrapper: Any
     if spec.is_async:
 
@@ -454,16 +472,15 @@ def step(  # noqa: PLR0913 - the documented options
         StepDefinitionError: the name, key or an option is invalid, or another function
             already uses the name.
     """
-    options: dict[str, Any] = {
-        "name": name,
-        "version": version,
-        "key": key,
-        "ignore": ignore,
-        "retries": retries,
-        "retry_on": retry_on,
-        "idempotent": idempotent,
-        "pipeline": pipeline,
-    }
+    options = StepOptions(
+        name=name,
+        version=version,
+        key=key,
+        ignore=ignore,
+        retries=retries,
+        retry_on=retry_on,
+        idempotent=idempotent,
+    )
     if fn is None:
-        return functools.partial(_make, options=options)
-    return _make(fn, options)
+        return functools.partial(_make, options=options, pipeline=pipeline)
+    return _make(fn, options, pipeline)
