@@ -488,12 +488,7 @@ class StoredLedger(Ledger):
                     self.display, len(rows),
                 )  # fmt: skip
             return
-        if rows:
-            try:
-                self.commit(start, rows, results)
-            except Exception as exc:  # noqa: BLE001 - the exception being raised matters more
-                log.warning("batch %r: could not commit %d finished rows: %s", self.display, len(rows), exc)
-        self.report(force=True)
+        super().salvage(start, rows, results)
 
     def finish(self) -> None:
         """The input is exhausted and every piece committed: update the record and the manifest."""

@@ -309,10 +309,8 @@ class Session:
                 return self._hit_verified(spec, plan, known[1])
             data, stamp = self.store.read_stamped(key)
             header, head_len = parse_header(data)
-        except FileNotFoundError:
-            return self._missing(plan)
-        except DamagedFileError as exc:
-            return self._corrupt(plan, str(exc))
+        except (FileNotFoundError, DamagedFileError) as exc:
+            return self._unusable(plan, exc)
         miss = self._check_header(spec, plan, header)
         if miss is not None:
             return miss
@@ -330,10 +328,8 @@ class Session:
         """Like :meth:`lookup`, reading only the header: a hit's value is a :class:`StoredOutput`."""
         try:
             header, head_len = read_header(self.store, slot_file(plan.slot))
-        except FileNotFoundError:
-            return self._missing(plan)
-        except DamagedFileError as exc:
-            return self._corrupt(plan, str(exc))
+        except (FileNotFoundError, DamagedFileError) as exc:
+            return self._unusable(plan, exc)
         miss = self._check_header(spec, plan, header)
         if miss is not None:
             return miss
@@ -341,6 +337,10 @@ class Session:
         load = functools.partial(self.load, spec, plan)
         value = StoredOutput(plan.slot, value_digest(header), load, plain if isinstance(plain, str) else None)
         return self._hit(spec, plan, value, header, head_len)
+
+    def _unusable(self, plan: Plan, exc: Exception) -> Found:
+        """The miss for a slot whose file is missing, or whose header is damaged."""
+        return self._missing(plan) if isinstance(exc, FileNotFoundError) else self._corrupt(plan, str(exc))
 
     def _check_header(self, spec: StepView, plan: Plan, header: dict[str, Any]) -> Found | None:
         if header["slot"] != plan.slot:

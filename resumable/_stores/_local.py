@@ -25,7 +25,7 @@ from typing import Any
 
 from .._slots import INTERNAL_DIR
 from ..exceptions import StateDirectoryError, StateLockedError
-from ._base import Buffer, Stamp, Store, check_key, read_file, read_file_stamped, stamp_of
+from ._base import Buffer, Stamp, Store, check_key, read_file_stamped, stamp_of
 
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _WRITE_MAX = 1 << 30  # bytes per write() call; Linux caps a single write just below 2 GiB
@@ -192,13 +192,7 @@ class LocalStore(Store):
                 _fsync_dir(os.path.dirname(d))
 
     def read(self, key: str) -> bytearray:
-        path = self.path(key)
-        try:
-            return read_file(path, nofollow=True)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise self._linked(path) from None
-            raise
+        return self.read_stamped(key)[0]
 
     def read_stamped(self, key: str) -> tuple[bytearray, Stamp]:
         """The object and the stamp of the version read (see :meth:`stamp`)."""
