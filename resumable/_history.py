@@ -109,10 +109,12 @@ def file_version(store: Store, slot: str) -> str | None:
 class _Point:
     checkpoint: Checkpoint
     steps: dict[str, StepRecord] | None
-    """The slots' records at this checkpoint (None unless asked for: memory grows with them)."""
+    """The slots' records at this checkpoint (only for a checkpoint to restore: they are big)."""
     code: dict[str, dict[str, str]]
     after_rollback: int | None = None
     """The checkpoint a rollback restored just before this one was made (no checkpoint between)."""
+    versions: dict[str, str] | None = None
+    """The version of each completed slot's output (None unless asked for)."""
 
 
 _EMPTY = Checkpoint(0, None, None, None, [])
@@ -134,9 +136,17 @@ def events(store: Store, secret: bytes | None) -> Iterator[dict[str, Any]]:
             yield event
 
 
-def replay(store: Store, secret: bytes | None, want: Iterable[int] = ()) -> list[_Point]:
-    """Every checkpoint in the log, in order, with the state of those in *want*."""
-    wanted = set(want)
+_NOT_COPIED: list[str] = []  # the completed slots of a checkpoint not asked for (never read)
+
+
+def replay(
+    store: Store, secret: bytes | None, want: Iterable[int] = (), full: Iterable[int] = ()
+) -> list[_Point]:
+    """
+    Every checkpoint in the log, in order; with the output versions of those in *want* (what
+    listing and pruning need), and the whole state of those in *full* (what a rollback needs).
+    """
+    wanted, whole = set(want), set(full)
     fold = Fold(Manifest(workflow_id="", pipeline=""))
     points: list[_Point] = []
     rolled_back_to: int | None = None
@@ -147,28 +157,30 @@ def replay(store: Store, secret: bytes | None, want: Iterable[int] = ()) -> list
         if event.get("event") not in {"step_completed", "snapshot"}:
             continue
         m = fold.manifest
+        number = m.checkpoints
+        # Only the checkpoints asked for get a copy of the state: copying it at every
+        # checkpoint would make a replay quadratic in the number of slots.
+        asked = number in wanted or number in whole
         checkpoint = Checkpoint(
-            id=m.checkpoints,
+            id=number,
             created_at=event.get("t"),
             slot=event.get("slot"),
             label=event.get("label"),
-            completed_steps=list(m.completed_steps),
+            completed_steps=list(m.completed_steps) if asked else _NOT_COPIED,
         )
-        if checkpoint.id in wanted:
-            steps = {s: attrs.evolve(r) for s, r in m.steps.items()}
-            points.append(_Point(checkpoint, steps, {k: dict(v) for k, v in m.code.items()}, rolled_back_to))
-        else:
-            points.append(_Point(checkpoint, None, {}, rolled_back_to))
+        point = _Point(checkpoint, None, {}, rolled_back_to)
+        if asked:
+            point.versions = current_versions(m)
+        if number in whole:
+            point.steps = {s: attrs.evolve(r) for s, r in m.steps.items()}
+            point.code = {k: dict(v) for k, v in m.code.items()}
+        points.append(point)
         rolled_back_to = None
     return points
 
 
 def _versions(point: _Point) -> dict[str, str]:
-    return {
-        slot: rec.file
-        for slot, rec in (point.steps or {}).items()
-        if rec.status == "completed" and rec.file is not None
-    }
+    return point.versions or {}
 
 
 def _kept(store: Store) -> set[str]:
@@ -196,7 +208,7 @@ def _newest(manifest: Manifest, count: int) -> set[int]:
 
 def checkpoints(store: Store, secret: bytes | None, newest: int, manifest: Manifest) -> list[Checkpoint]:
     """The checkpoints among the *newest* that can still be restored, oldest first."""
-    points = [p for p in replay(store, secret, _newest(manifest, newest)) if p.steps is not None]
+    points = [p for p in replay(store, secret, _newest(manifest, newest)) if p.versions is not None]
     available = _kept(store) | set(current_versions(manifest).values())
     return [p.checkpoint for p in points if _restorable(p, available)]
 
@@ -268,7 +280,7 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
     if number == 0:
         point = _Point(_EMPTY, {}, {})
     else:
-        point = next(p for p in replay(store, run.secret, [number]) if p.checkpoint.id == number)
+        point = next(p for p in replay(store, run.secret, full=[number]) if p.checkpoint.id == number)
     current = current_versions(run.journal.manifest)
     wanted = _versions(point)
     missing = sorted(set(wanted.values()) - _kept(store) - set(current.values()))
