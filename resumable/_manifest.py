@@ -357,18 +357,19 @@ def dumps(data: dict[str, Any]) -> str:
     for i, (key, value) in enumerate(data.items()):
         comma = "," if i < last else ""
         if key in {"steps", "batches", "code", "defined"} and isinstance(value, dict) and value:
-            lines.append(f"  {json.dumps(key)}: {{")
+            lines.append(f"  {_json(key)}: {{")
             inner = [f"    {_json(k)}: {_json(v)}" for k, v in value.items()]
             lines.append(",\n".join(inner))
             lines.append(f"  }}{comma}")
         else:
-            lines.append(f"  {json.dumps(key)}: {_json(value)}{comma}")
+            lines.append(f"  {_json(key)}: {_json(value)}{comma}")
     lines.append("}\n")
     return "\n".join(lines)
 
 
-def _json(value: object) -> str:
-    return json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+# one encoder for every value: json.dumps with options builds a new encoder at each call,
+# which was most of the time of writing a manifest of 100,000 slots
+_json = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": ")).encode
 
 
 # format -> function upgrading data of that format to the next one
