@@ -87,7 +87,7 @@ def _whole(data: bytes | bytearray, size: int, what: str) -> None:
 
 class StoreConformance(abc.ABC):
     """
-    The guarantees of the :class:`~resumable.Store` protocol, as a pytest test suite.
+    The guarantees of a :class:`~resumable.Store` (primitives and optional methods), as a test suite.
 
     Subclass it in a test module under a name pytest collects and say how to make an empty
     store; every built-in store passes it, and so must a custom one::

@@ -4,7 +4,7 @@ Helpers for testing code that uses resumable.
 - :func:`temporary_pipeline`: a pipeline in a fresh temporary directory, entered for a block.
 - :func:`crash_at` / :func:`crash_from_env`: make the process die abruptly at the N-th
   file operation, to test what a real crash leaves behind.
-- :class:`StoreConformance`: the guarantees of the :class:`~resumable.Store` protocol as a
+- :class:`StoreConformance`: the guarantees of a :class:`~resumable.Store` (every method) as a
   pytest suite, for custom stores (every built-in store passes it).
 """
 
