@@ -41,12 +41,16 @@ class FileDigests:
         self._cache: dict[str, tuple[_Signature, bytes]] = {}
         self._lock = threading.Lock()
         self.dirty = False
-        self._pending: list[tuple[Store, bytes | None]] = []  # caches to read on first use
+        # caches to read on first use, one per store location (a run opening again and
+        # again must not pile them up)
+        self._pending: dict[str, tuple[Store, bytes | None]] = {}
+        self._attached: set[str] = set()  # locations whose cache was read already
 
     def attach(self, store: Store, secret: bytes | None) -> None:
         """Use the cache kept in *store* too (read when a path is first fingerprinted)."""
         with self._lock:
-            self._pending.append((store, secret))
+            if store.location not in self._attached:
+                self._pending[store.location] = (store, secret)
 
     def digest(self, path: os.PathLike[str]) -> bytes | None:
         """
@@ -55,7 +59,10 @@ class FileDigests:
         """
         while self._pending:
             with self._lock:
-                pending = self._pending.pop() if self._pending else None
+                location = next(iter(self._pending), None)
+                pending = self._pending.pop(location) if location is not None else None
+                if location is not None:
+                    self._attached.add(location)
             if pending is not None:
                 self.load(*pending)
         try:
@@ -153,6 +160,7 @@ class FileDigests:
         with self._lock:
             self._cache.clear()
             self._pending.clear()
+            self._attached.clear()
             self.dirty = False
 
 

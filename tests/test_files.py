@@ -150,3 +150,20 @@ def test_a_damaged_stat_cache_is_ignored(tmp_path: Path):
     file_digests.clear()
     with Pipeline("files", state_dir=state):
         assert size.is_cached(source)
+
+
+def test_runs_opened_again_and_again_do_not_pile_up_caches(tmp_path: Path):
+    """Each run attaches the store's digest cache; a thousand runs keep one pending entry, not a thousand."""
+    from resumable import Pipeline
+    from resumable._files import file_digests
+
+    pipe = Pipeline("p", state_dir=tmp_path / "state")
+
+    @pipe.step
+    def one() -> int:
+        return 1
+
+    for _ in range(50):
+        with pipe:
+            one()
+    assert 1 == len(file_digests._pending)  # noqa: SLF001 - the leak this guards against
