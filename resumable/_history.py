@@ -16,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
-from ._codec import DamagedFileError, parse_header, utcnow, verify
+from ._codec import DamagedFileError, encode, frame, parse_header, read_verified, utcnow, verify
 from ._journal import _authentic, read_header
 from ._manifest import FORMAT, Fold, Manifest, StepRecord, valid_event
 from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
@@ -41,6 +42,8 @@ class Keeper(Protocol):
     keep_checkpoints: int
     journal: Journal
 
+
+log = logging.getLogger("resumable")
 
 STATE_FORMAT = 1
 STATE_KIND = "resumable-state"
@@ -115,6 +118,8 @@ class _Point:
     """The checkpoint a rollback restored just before this one was made (no checkpoint between)."""
     versions: dict[str, str] | None = None
     """The version of each completed slot's output (None unless asked for)."""
+    base: tuple[int, Manifest] | None = None
+    """The log offset after this checkpoint and the whole manifest then (for a history base)."""
 
 
 _EMPTY = Checkpoint(0, None, None, None, [])
@@ -122,35 +127,114 @@ _EMPTY = Checkpoint(0, None, None, None, [])
 
 def events(store: Store, secret: bytes | None) -> Iterator[dict[str, Any]]:
     """The valid events of the log (loading it warned about the others), in order."""
+    for _, event in _events_from(store, secret, 0):
+        yield event
+
+
+def _events_from(store: Store, secret: bytes | None, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(offset after it, event)`` for each valid event of the log from byte *start* on."""
     try:
-        log = bytes(store.read(EVENTS))
+        log = bytes(store.read_range(EVENTS, start)) if start else bytes(store.read(EVENTS))
     except FileNotFoundError:
         return
     # only complete lines: a last line without its newline is being written, or was cut short
+    end = start
     for line in log[: log.rfind(b"\n") + 1].split(b"\n")[:-1]:
+        end += len(line) + 1
         try:
             event = json.loads(line)
         except ValueError:
             continue
         if isinstance(event, dict) and _authentic(event, secret) and valid_event(event):
-            yield event
+            yield end, event
+
+
+# History older than the retained checkpoints is folded into a base (the state at one
+# checkpoint, and where in the log the events after it start), so that listing and pruning
+# replay only the recent log: the cost of a run's close does not grow with the runs before.
+HISTORY_BASE = f"{INTERNAL_DIR}/history-base.msgpack"
+BASE_AFTER = 50  # checkpoints older than the retained ones before a new base is written
+
+
+def _read_base(store: Store, secret: bytes | None) -> tuple[int, Manifest, Checkpoint] | None:
+    """The history base, or None if there is none (or it cannot be trusted: then the whole log)."""
+    try:
+        data = read_verified(store.read(HISTORY_BASE), secret).decode(allow_pickle=False)
+        offset, point = data["offset"], data["checkpoint"]
+        manifest = Manifest.from_dict(data["manifest"])
+        checkpoint = Checkpoint(
+            int(point["id"]),
+            point["created_at"],
+            point["slot"],
+            point["label"],
+            list(manifest.completed_steps),
+        )
+    except FileNotFoundError:
+        return None
+    except (DamagedFileError, StateFormatError, ValueError, TypeError, KeyError) as exc:
+        log.warning("history base %s not used (%s): the whole event log is replayed", HISTORY_BASE, exc)
+        return None
+    if type(offset) is not int or offset < 0 or checkpoint.id != manifest.checkpoints:
+        return None
+    return offset, manifest, checkpoint
+
+
+def _write_base(
+    store: Store, secret: bytes | None, offset: int, manifest: Manifest, point: Checkpoint
+) -> None:
+    record = {
+        "offset": offset,
+        "manifest": manifest.to_dict(),
+        "checkpoint": {
+            "id": point.id,
+            "created_at": point.created_at,
+            "slot": point.slot,
+            "label": point.label,
+        },
+    }
+    framed = frame(
+        encode(record, allow_pickle=False, what="the history base"), {"slot": HISTORY_BASE}, secret=secret
+    )
+    store.write(HISTORY_BASE, framed.chunks(), durable=True)
 
 
 _NOT_COPIED: list[str] = []  # the completed slots of a checkpoint not asked for (never read)
 
 
 def replay(
-    store: Store, secret: bytes | None, want: Iterable[int] = (), full: Iterable[int] = ()
+    store: Store,
+    secret: bytes | None,
+    want: Iterable[int] = (),
+    full: Iterable[int] = (),
+    base_at: int | None = None,
 ) -> list[_Point]:
     """
-    Every checkpoint in the log, in order; with the output versions of those in *want* (what
-    listing and pruning need), and the whole state of those in *full* (what a rollback needs).
+    Every checkpoint in the history, in order (from the history base, if there is one);
+    with the output versions of those in *want* (what listing and pruning need), and the
+    whole state of those in *full* (what a rollback needs). With *base_at*, the point of
+    that checkpoint also holds a copy of the whole manifest and the log offset after it
+    (what a new history base needs).
     """
     wanted, whole = set(want), set(full)
-    fold = Fold(Manifest(workflow_id="", pipeline=""))
+    base = _read_base(store, secret)
+    start = 0
     points: list[_Point] = []
+    if base is not None:
+        start, manifest, first = base
+        try:  # the base must point just after a line of this log
+            if store.read_range(EVENTS, start - 1, start) != b"\n":
+                base = None
+        except FileNotFoundError:
+            base = None
+    if base is None:
+        start, fold = 0, Fold(Manifest(workflow_id="", pipeline=""))
+    else:
+        fold = Fold(manifest)
+        points.append(
+            _point(first, fold.manifest, first.id in wanted or first.id in whole, first.id in whole, None)
+        )
     rolled_back_to: int | None = None
-    for event in events(store, secret):
+    for offset, event in _events_from(store, secret, start):
         fold.apply(event)
         if event.get("event") == "rollback":
             rolled_back_to = event.get("to", 0)
@@ -160,23 +244,26 @@ def replay(
         number = m.checkpoints
         # Only the checkpoints asked for get a copy of the state: copying it at every
         # checkpoint would make a replay quadratic in the number of slots.
-        asked = number in wanted or number in whole
-        checkpoint = Checkpoint(
-            id=number,
-            created_at=event.get("t"),
-            slot=event.get("slot"),
-            label=event.get("label"),
-            completed_steps=list(m.completed_steps) if asked else _NOT_COPIED,
-        )
-        point = _Point(checkpoint, None, {}, rolled_back_to)
-        if asked:
-            point.versions = current_versions(m)
-        if number in whole:
-            point.steps = {s: attrs.evolve(r) for s, r in m.steps.items()}
-            point.code = {k: dict(v) for k, v in m.code.items()}
+        checkpoint = Checkpoint(number, event.get("t"), event.get("slot"), event.get("label"), _NOT_COPIED)
+        point = _point(checkpoint, m, number in wanted or number in whole, number in whole, rolled_back_to)
+        if number == base_at:
+            point.base = (offset, Manifest.from_dict(m.to_dict()))
         points.append(point)
         rolled_back_to = None
     return points
+
+
+def _point(
+    checkpoint: Checkpoint, m: Manifest, asked: bool, whole: bool, rolled_back_to: int | None
+) -> _Point:
+    point = _Point(checkpoint, None, {}, rolled_back_to)
+    if asked:
+        point.checkpoint = attrs.evolve(checkpoint, completed_steps=list(m.completed_steps))
+        point.versions = current_versions(m)
+    if whole:
+        point.steps = {s: attrs.evolve(r) for s, r in m.steps.items()}
+        point.code = {k: dict(v) for k, v in m.code.items()}
+    return point
 
 
 def _versions(point: _Point) -> dict[str, str]:
@@ -233,11 +320,32 @@ def unneeded_versions(
 
 
 def prune(store: Store, secret: bytes | None, keep: int, manifest: Manifest, *, durable: bool) -> int:
-    """Delete kept versions that neither the current state nor a retained checkpoint needs."""
+    """
+    Delete kept versions that neither the current state nor a retained checkpoint needs;
+    and when many checkpoints older than the retained ones are replayed, fold them into a
+    new history base.
+    """
     unneeded = unneeded_versions(store, secret, keep, manifest)
     for key in unneeded:
         store.delete(key, durable=durable)
+    _rebase(store, secret, keep, manifest)
     return len(unneeded)
+
+
+def _rebase(store: Store, secret: bytes | None, keep: int, manifest: Manifest) -> None:
+    """Write a history base just before the retained checkpoints, if the log before them is long."""
+    retained = _newest(manifest, keep)
+    first_kept = min(retained) if retained else manifest.checkpoints + 1
+    base = _read_base(store, secret)
+    since = base[2].id if base is not None else 0
+    if first_kept - 1 - since < BASE_AFTER:
+        return
+    at = first_kept - 1
+    point = next((p for p in replay(store, secret, base_at=at) if p.checkpoint.id == at), None)
+    if point is None or point.base is None:
+        return
+    offset, state = point.base
+    _write_base(store, secret, offset, state, point.checkpoint)
 
 
 def find(points: list[_Point], target: int | str) -> int:
@@ -252,7 +360,8 @@ def find(points: list[_Point], target: int | str) -> int:
         number = int(target)
         if number == 0 or any(p.checkpoint.id == number for p in points):
             return number
-        msg = f"checkpoint {number} does not exist (the latest is {len(points)})"
+        latest = points[-1].checkpoint.id if points else 0
+        msg = f"checkpoint {number} does not exist or is no longer kept (the latest is {latest})"
         raise ResumableError(msg)
     labelled = [p for p in points if p.checkpoint.label == target]
     if labelled:

@@ -307,3 +307,31 @@ def test_import_that_fails_half_way_puts_everything_back(tmp_path: Path):
         failing.load_state(state)
     assert 3 <= FailingStore.writes
     assert before == _all_files(tmp_path / "b")
+
+
+def test_old_history_folds_into_a_base_and_nothing_retained_changes(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """After many runs, history older than the retained checkpoints is a base: same listing, same rollbacks."""
+    from resumable import _history
+
+    monkeypatch.setattr(_history, "BASE_AFTER", 5)
+    pipe = _prompt_pipeline(state_dir, keep_checkpoints=3)
+    for i in range(8):
+        pipe.run(text=f"v{i}")
+    base = state_dir / ".resumable" / "history-base.msgpack"
+    assert base.exists()
+    assert [22, 23, 24] == [c.id for c in pipe.checkpoints()]  # 8 runs x 3 steps: the newest three
+    points = _history.replay(LocalStore(state_dir), None)
+    assert points[0].checkpoint.id > 1  # the replay starts at the base, not at the first checkpoint
+    with pytest.raises(ResumableError, match="checkpoint 2 does not exist or is no longer kept"):
+        pipe.rollback(2)
+    before_rollback = pipe.rollback("answer")  # the state just before answer last completed
+    assert 22 == before_rollback.id
+    assert "You are helpful. v7" == pipe.run(text="v7").outputs["prompt"]
+    # a damaged base is not trusted: the whole log is replayed, and the listing is the same
+    expected = [(c.id, c.slot, c.completed_steps) for c in pipe.checkpoints()]
+    data = bytearray(base.read_bytes())
+    data[-1] ^= 1
+    base.write_bytes(bytes(data))
+    assert expected == [(c.id, c.slot, c.completed_steps) for c in pipe.checkpoints()]
