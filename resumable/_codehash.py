@@ -114,8 +114,49 @@ def _without_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
     return body
 
 
+# file name -> (the lines parsed, first line -> the function and lambda nodes starting there)
+_modules: dict[str, tuple[list[str], dict[int, list[ast.AST]]]] = {}
+
+
+def _module_nodes(filename: str, lines: list[str]) -> dict[int, list[ast.AST]] | None:
+    """The functions and lambdas of a whole source file by first line (parsed once per file)."""
+    known = _modules.get(filename)
+    if known is not None and known[0] is lines:
+        return known[1]
+    try:
+        tree = ast.parse("".join(lines))
+    except (SyntaxError, ValueError):
+        return None
+    index: dict[int, list[ast.AST]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            index.setdefault(first, []).append(node)
+        elif isinstance(node, ast.Lambda):
+            index.setdefault(node.lineno, []).append(node)
+    _modules[filename] = (lines, index)
+    return index
+
+
+def _indexed(fn: types.FunctionType, index: dict[int, list[ast.AST]]) -> ast.AST | None:
+    here = index.get(fn.__code__.co_firstlineno, [])
+    if fn.__name__ == "<lambda>":
+        lambdas = [n for n in here if isinstance(n, ast.Lambda)]
+        return lambdas[0] if len(lambdas) == 1 else None
+    named = [
+        n for n in here if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == fn.__name__
+    ]
+    return named[0] if named else None
+
+
 def _function_node(fn: types.FunctionType) -> ast.AST | None:
     """The syntax tree of *fn* from its source (as snapshotted), or None if it cannot be found."""
+    code = fn.__code__
+    lines = _snapshots.get(code.co_filename) or linecache.getlines(code.co_filename, fn.__globals__)
+    index = _module_nodes(code.co_filename, lines) if lines else None
+    found = _indexed(fn, index) if index is not None else None
+    if found is not None:  # the whole file parses: no tokenizing of one function's lines
+        return found
     try:
         source = _source(fn)
         if source is None:
