@@ -521,7 +521,7 @@ def _closed_early(*command: str) -> subprocess.CompletedProcess[str]:
 def test_output_into_a_closed_pipe_ends_quietly(tmp_path: Path):
     """`show big | head -1` and `history | head -1` exit 0 without a word on stderr."""
     state = tmp_path / "state"
-    pipe = Pipeline("big", state_dir=state)
+    pipe = Pipeline("big", state_dir=state, keep_checkpoints=500)  # a long history to print
 
     @pipe.step
     def big() -> dict[str, list[str]]:
