@@ -3,7 +3,7 @@ How resumable scales with the number of stored slots and of runs, with SQLite as
 
 Run from the repository root::
 
-    python bench/bench_scale.py                 # everything at 100,000 slots, about five minutes
+    python bench/bench_scale.py                 # 100,000 slots, 10,000 runs: six to eight minutes
     python bench/bench_scale.py --quick         # 10,000 slots and 1,000 runs, about a minute
     python bench/bench_scale.py --big           # also open a state of 1,000,000 slots (long to build)
     python bench/bench_scale.py --only open,cli --json scale.json
@@ -17,8 +17,11 @@ The state is built once per invocation: a keyed step ``doc`` storing a small dic
 process; rows that change the state work on a copy. The baseline is a SQLite file holding the
 same values, one row each (``kv(key TEXT PRIMARY KEY, value BLOB)``, msgpack-packed, WAL).
 
-Benchmarks (``--only``):
+Benchmarks (``--only``), in the order they run:
 
+- runs: 10,000 runs of a one-step script in one process: per-run time of runs 1-20 vs the
+  last 20 (target: at most 1.2), vs a SQLite "run" (connect, get, insert a run row, commit);
+  first, so that its fsyncs are timed on a quiet disk;
 - build: building the state (information; the SQLite file is filled row by row alongside);
 - open: ``with Pipeline(...)`` + the first call of the keyed step in a fresh process
   (target: 100 ms at 100,000 slots, 1 s at 1,000,000 with ``--big``), vs SQLite connect + first get;
@@ -29,9 +32,7 @@ Benchmarks (``--only``):
 - rss: peak RSS of a fresh process skipping every slot (target 150 MB), vs SQLite reading every row;
 - cli: ``resumable history``, ``resumable clean --dry-run`` and ``resumable rollback`` in a
   child (each at most 2 s and 300 MB; the child has a time limit and a memory cap and the row
-  says "timeout" or "out of memory" when it hits one), and the close of a run that prunes;
-- runs: 10,000 runs of a one-step script in one process: per-run time of runs 1-20 vs the
-  last 20 (target: at most 1.2), vs a SQLite "run" (connect, get, insert a run row, commit).
+  says "timeout" or "out of memory" when it hits one), and the close of a run that prunes.
 """
 
 from __future__ import annotations
@@ -292,11 +293,15 @@ def child_runs(n: int, directory: str) -> None:
     conn.execute("INSERT INTO kv VALUES (?, ?)", ("one", msgpack.packb(value)))
     conn.close()
 
+    cpu: list[float] = []  # the process's CPU time per library run: no fsync wait in it
+
     def library() -> float:
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         with pipe:
             one(1)
-        return time.perf_counter() - t0
+        t1 = time.perf_counter()
+        cpu.append(time.process_time() - c0)
+        return t1 - t0
 
     def sqlite_run() -> float:
         t0 = time.perf_counter()
@@ -328,6 +333,7 @@ def child_runs(n: int, directory: str) -> None:
     emit(
         {
             "library": lib,
+            "library_cpu": cpu,
             "sqlite": base,
             "total_s": total,
             "sizes": sizes,
@@ -792,14 +798,19 @@ def bench_runs(base: Path) -> list[Row]:
     settle()
     c = run_child(f"runs:{n}", directory, cwd=base)
     shutil.rmtree(directory)
-    lib, sql = c.out["library"], c.out["sqlite"]
+    lib, sql, cpu = c.out["library"], c.out["sqlite"], c.out["library_cpu"]
     w = 20
     early_l, late_l = median(lib[:w]), median(lib[-w:])
     early_s, late_s = median(sql[:w]), median(sql[-w:])
+    early_c, late_c = median(cpu[:w]), median(cpu[-w:])
     ratio = late_l / early_l
     sizes = c.out["sizes"]
     windows = {
-        f"runs {i + 1}-{i + w}": {"library_s": median(lib[i : i + w]), "sqlite_s": median(sql[i : i + w])}
+        f"runs {i + 1}-{i + w}": {
+            "library_s": median(lib[i : i + w]),
+            "library_cpu_s": median(cpu[i : i + w]),
+            "sqlite_s": median(sql[i : i + w]),
+        }
         for i in range(0, n - w + 1, max(w, n // 10))
     }
     details = {
@@ -822,6 +833,16 @@ def bench_runs(base: Path) -> list[Row]:
             details,
         ),
         Row(
+            f"the same, CPU time of the process per run (no fsync wait): runs {n - w + 1:,}-{n:,} vs runs 1-{w}",
+            f"{ms(late_c)} vs {ms(early_c)}",
+            f"SQLite wall time, last / first: {late_s / early_s:.2f}",
+            late_c / early_c,
+            f"run {n:,} / run 10",
+            "—",
+            None,
+            details,
+        ),
+        Row(
             f"after {n:,} runs: events.jsonl and manifest.json sizes; peak RSS of the process",
             f"log {sizes.get('events.jsonl', 0) / 1000:,.0f} KB ({sizes.get('events.jsonl', 0) / (n + 1):,.0f} B/run), "
             f"manifest {sizes.get('manifest.json', 0) / 1000:,.0f} KB, RSS {mb(c.maxrss)}",
@@ -837,14 +858,15 @@ def bench_runs(base: Path) -> list[Row]:
 
 # --- the driver -----------------------------------------------------------------------------
 
+# In this order: the runs first, timed on a quiet disk, before the large state is written.
 BENCHES: dict[str, Callable[[Path, bool], list[Row]]] = {
+    "runs": lambda base, _: bench_runs(base),
     "build": lambda base, _: bench_build(base),
     "open": lambda base, _: bench_open(base),
     "skip": lambda base, _: bench_skip(base),
     "disk": lambda base, _: bench_disk(base),
     "rss": lambda base, _: bench_rss(base),
     "cli": lambda base, _: bench_cli(base),
-    "runs": lambda base, _: bench_runs(base),
 }
 
 
