@@ -168,6 +168,8 @@ def spawn(
         status = "timeout"
     elif proc.returncode != 0:
         memory = "MemoryError" in stderr or "out of memory" in stderr.lower() or "Cannot allocate" in stderr
+        # under a memory cap, an allocation failing in C code can end the child with a signal
+        memory = memory or (memory_cap is not None and -proc.returncode in {signal.SIGSEGV, signal.SIGABRT})
         last = (stderr.strip().splitlines() or ["no message"])[-1][:200]
         status = "out of memory" if memory else f"failed (exit {proc.returncode}: {last})"
     else:
@@ -579,7 +581,7 @@ def skipall(base: Path, n: int, rounds: int) -> dict[str, list[Any]]:
 
 
 def bench_skip(base: Path) -> list[Row]:
-    small = skipall(base, SMALL_SLOTS, 5 if OPTIONS.quick else 9)
+    small = skipall(base, SMALL_SLOTS, 9 if OPTIONS.quick else 21)  # short loops: more rounds
     large = skipall(base, OPTIONS.slots, 2 if OPTIONS.quick else 3)
     lib_s, lib_l = median(small["library"]), median(large["library"])
     sql_s, sql_l = median(small["sqlite"]), median(large["sqlite"])
