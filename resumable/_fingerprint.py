@@ -23,6 +23,7 @@ import sys
 import threading
 import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
@@ -113,7 +114,7 @@ class _Provenance:
     MAX_ENTRIES = 4096
 
     def __init__(self) -> None:
-        self._entries: dict[int, _Entry] = {}  # in insertion order, oldest first
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # oldest first
         self._lock = threading.Lock()
 
     def remember(
@@ -145,7 +146,7 @@ class _Provenance:
             entries.pop(key, None)  # (re)inserted last: the oldest entries go first
             entries[key] = entry
             if len(entries) > self.MAX_ENTRIES:
-                del entries[next(iter(entries))]
+                entries.popitem(last=False)  # O(1), where a dict's first key is a scan
 
     def entry(self, obj: object) -> _Entry | None:
         """What is remembered of *obj* if it (or an object at its address) is a step output."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 
 from ._codec import DamagedFileError, encode, frame, parse_header, read_verified, utcnow, verify
-from ._journal import _authentic, read_header
+from ._journal import _authentic, header_authentic, read_header
 from ._manifest import FORMAT, Fold, Manifest, StepRecord, valid_event
 from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
 from ._stores import Store
@@ -179,6 +179,21 @@ def _read_base(store: Store, secret: bytes | None) -> tuple[int, Manifest, Check
     return offset, manifest, checkpoint
 
 
+def _base_id(store: Store, secret: bytes | None) -> int:
+    """The checkpoint the history base is at (0: none), read from its header alone."""
+    try:
+        header, _ = read_header(store, HISTORY_BASE)
+    except FileNotFoundError:
+        return 0
+    except (DamagedFileError, StateFormatError):
+        header = {}
+    found = header.get("checkpoint")
+    if type(found) is int and found >= 0 and (secret is None or header_authentic(header, secret)):
+        return found
+    base = _read_base(store, secret)  # a base written before the header held its id
+    return base[2].id if base is not None else 0
+
+
 def _write_base(
     store: Store, secret: bytes | None, offset: int, manifest: Manifest, point: Checkpoint
 ) -> None:
@@ -192,9 +207,9 @@ def _write_base(
             "label": point.label,
         },
     }
-    framed = frame(
-        encode(record, allow_pickle=False, what="the history base"), {"slot": HISTORY_BASE}, secret=secret
-    )
+    # the checkpoint id in the header too: a close reads it without decoding the whole base
+    meta = {"slot": HISTORY_BASE, "checkpoint": point.id}
+    framed = frame(encode(record, allow_pickle=False, what="the history base"), meta, secret=secret)
     store.write(HISTORY_BASE, framed.chunks(), durable=True)
 
 
@@ -336,9 +351,7 @@ def _rebase(store: Store, secret: bytes | None, keep: int, manifest: Manifest) -
     """Write a history base just before the retained checkpoints, if the log before them is long."""
     retained = _newest(manifest, keep)
     first_kept = min(retained) if retained else manifest.checkpoints + 1
-    base = _read_base(store, secret)
-    since = base[2].id if base is not None else 0
-    if first_kept - 1 - since < BASE_AFTER:
+    if first_kept - 1 - _base_id(store, secret) < BASE_AFTER:
         return
     at = first_kept - 1
     point = next((p for p in replay(store, secret, base_at=at) if p.checkpoint.id == at), None)
@@ -384,7 +397,7 @@ def find(points: list[_Point], target: int | str) -> int:
 def rollback(run: Keeper, target: int | str) -> Checkpoint:
     """Restore the state at *target* (see :func:`find`), outputs included, byte for byte."""
     store, durable = run.store, run.durable
-    run.journal.flush(durable=False)  # the log must hold every event replayed
+    run.journal.write_pending(durable=False)  # the log must hold every event replayed
     number = find(replay(store, run.secret), target)
     if number == 0:
         point = _Point(_EMPTY, {}, {})

@@ -103,7 +103,7 @@ def _skipped(damaged: int, forged: int, invalid: int) -> list[str]:
     return problems
 
 
-def _header_authentic(header: Mapping[str, Any], secret: bytes) -> bool:
+def header_authentic(header: Mapping[str, Any], secret: bytes) -> bool:
     mac = header.get("mac")
     return isinstance(mac, str) and hmac.compare_digest(mac, sign_header(header, secret))
 
@@ -153,6 +153,8 @@ class Journal:
         self._torn = False  # an append failed: the log may end with part of a line
         self._log_entry_durable = True
         self._writer: threading.Thread | None = None
+        self.rebuilt = False  # load found no usable manifest.json and rebuilt it
+        self.large = False  # the manifest read was over LARGE_MANIFEST bytes
 
     @property
     def manifest(self) -> Manifest:
@@ -168,6 +170,7 @@ class Journal:
         :meth:`_reconcile`).
         """
         manifest, problem = self._read_manifest()
+        self.rebuilt = problem is not None
         tail = None if manifest is None else self._read_log(manifest.events_offset)
         if manifest is not None and tail is None:
             problem = "out of step with the event log (its events_offset is not a line end of the log)"
@@ -194,6 +197,9 @@ class Journal:
             raw = self.store.read(MANIFEST)
         except FileNotFoundError:
             return None, "missing"
+        # a large manifest is rewritten less often (see flush)
+        self._manifest_interval = _rewrite_interval(len(raw))
+        self.large = len(raw) > LARGE_MANIFEST
         try:
             data = json.loads(raw)
         except ValueError:
@@ -327,7 +333,7 @@ class Journal:
             return None  # a damaged file is recomputed when its step is called
         if header["slot"] != slot or type(header.get("hsum")) is not str:
             return None
-        if self.secret is not None and not _header_authentic(header, self.secret):
+        if self.secret is not None and not header_authentic(header, self.secret):
             return None
         fingerprint = header.get("fingerprint")
         return {
@@ -419,6 +425,11 @@ class Journal:
             self.store.write(MANIFEST, [text], durable=True)
             self._log_entry_durable = True
 
+    def write_pending(self, *, durable: bool) -> None:
+        """Append the events not yet in the log (the manifest is left to the writer)."""
+        with self.lock:
+            self._write_pending(durable=durable)
+
     def _mark_dirty(self) -> None:
         # Only the first change after a flush wakes the writer; later ones ride along.
         if self._writer is not None and not self._dirty:
@@ -439,7 +450,7 @@ class Journal:
             self.store.write(MANIFEST, [text], durable=durable)
             # A large manifest is rewritten less often: every rewrite also makes the next
             # fsync of a step's output flush it. Readers replay the log, so none sees it stale.
-            self._manifest_interval = min(_MAX_INTERVAL, FLUSH_INTERVAL * max(1.0, len(text) / 65536))
+            self._manifest_interval = _rewrite_interval(len(text))
 
     def start_writer(self) -> None:
         """Start the thread that keeps ``manifest.json`` at most a moment behind."""
@@ -449,7 +460,7 @@ class Journal:
         self._writer.start()
 
     def _write_loop(self) -> None:
-        last_manifest = 0.0
+        last_manifest = time.monotonic()  # the manifest was just read (or written)
         while True:
             with self._wake:
                 while not self._dirty and not self._stopping:
@@ -478,6 +489,14 @@ class Journal:
                 self._stop.set()
                 self._wake.notify()
             writer.join()
+
+
+LARGE_MANIFEST = 1 << 20  # bytes (about 3,000 slots): not rewritten just to say a run started
+
+
+def _rewrite_interval(size: int) -> float:
+    """How long the writer leaves a manifest of *size* bytes unwritten: 0.2 s per 64 KB, at most 10 s."""
+    return min(_MAX_INTERVAL, FLUSH_INTERVAL * max(1.0, size / 65536))
 
 
 def read_state(store: Store, *, pipeline: str = "", secret: bytes | None = None) -> Manifest:

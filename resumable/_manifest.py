@@ -8,7 +8,10 @@ log offset it covers, so a reader replays only the few events written after it.
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import operator
 import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, get_args
@@ -157,6 +160,7 @@ _BOOL: _Check = frozenset({bool})
 # a slot: a step name, or a step name and an encoded key; never a path that leaves the directory
 _SLOT = re.compile(r"[^./\\\x00-\x1f][^/\\\x00-\x1f]*(?:/[^./\\\x00-\x1f][^/\\\x00-\x1f]*)?")
 _SLOT_LINES = re.compile(f"(?:{_SLOT.pattern}\n)*")
+_MAX_COMBOS = 1024  # allowed type combinations of a record precomputed at most
 
 
 def _fits(check: _Check, value: object) -> bool:
@@ -170,9 +174,21 @@ def _record(fields: Mapping[str, _Check], required: tuple[str, ...]) -> Callable
     # Type sets are checked inline (a manifest holds thousands of records), predicates called.
     types = {k: c for k, c in fields.items() if isinstance(c, frozenset)}
     predicates = {k: c for k, c in fields.items() if not isinstance(c, frozenset)}
+    # The common case, a record with every field, in one step: the tuple of its values'
+    # types is one of the allowed combinations (a set lookup instead of a loop per field).
+    names = tuple(fields)
+    every = frozenset(names)
+    combos: frozenset[tuple[type, ...]] | None = None
+    if not predicates and len(names) > 1 and math.prod(map(len, types.values())) <= _MAX_COMBOS:
+        combos = frozenset(itertools.product(*(types[k] for k in names)))
+    values = operator.itemgetter(*names)
 
     def check(data: object) -> bool:
-        if type(data) is not dict or not all(key in data for key in required):
+        if type(data) is not dict:
+            return False
+        if combos is not None and data.keys() == every:
+            return tuple(map(type, values(data))) in combos
+        if not all(key in data for key in required):
             return False
         for key, value in data.items():
             allowed = types.get(key)
@@ -358,7 +374,7 @@ def dumps(data: dict[str, Any]) -> str:
         comma = "," if i < last else ""
         if key in {"steps", "batches", "code", "defined"} and isinstance(value, dict) and value:
             lines.append(f"  {_json(key)}: {{")
-            inner = [f"    {_json(k)}: {_json(v)}" for k, v in value.items()]
+            inner = [f"    {_json(k)}: {_json_value(v)}" for k, v in value.items()]
             lines.append(",\n".join(inner))
             lines.append(f"  }}{comma}")
         else:
@@ -370,6 +386,24 @@ def dumps(data: dict[str, Any]) -> str:
 # one encoder for every value: json.dumps with options builds a new encoder at each call,
 # which was most of the time of writing a manifest of 100,000 slots
 _json = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": ")).encode
+
+
+def _c_encoder() -> Callable[[Any], str]:
+    """
+    Like ``_json``, for the records of a large manifest: ``JSONEncoder.encode`` makes a new C
+    encoder at every call, which was most of the time of encoding a record. The C encoder is
+    made once here (CPython's ``json.encoder.c_make_encoder``; ``_json`` where it is absent).
+    """
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - CPython always has it
+        return _json
+    # markers=None: no cycle check (the data is plain records); allow_nan as json's default
+    flags = (False, False, True)  # sort_keys, skipkeys, allow_nan (positional only)
+    iterencode = make(None, None, json.encoder.encode_basestring, None, ": ", ", ", *flags)
+    return lambda value: "".join(iterencode(value, 0))
+
+
+_json_value = _c_encoder()
 
 
 # format -> function upgrading data of that format to the next one

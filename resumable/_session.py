@@ -26,6 +26,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
@@ -215,7 +216,7 @@ class Session:
         self._code_before: dict[str, dict[str, str]] = {}
         self._skipped: set[str] = set()
         # slot -> (stamp, bytes, header, header length) of files verified in this run
-        self._verified: dict[str, tuple[Stamp, Verified]] = {}
+        self._verified: OrderedDict[str, tuple[Stamp, Verified]] = OrderedDict()
         self._verified_bytes = 0
 
     # lifecycle ---------------------------------------------------------------------------
@@ -253,7 +254,13 @@ class Session:
                     pid=holder["pid"],
                     host=holder["host"],
                 )
-                self.journal.flush(durable=False)
+                if self.journal.rebuilt or not self.journal.large:
+                    self.journal.flush(durable=False)  # manifest.json says "running" at once
+                else:
+                    # Rewriting a manifest of many thousand slots would be most of the cost of
+                    # opening: the writer does it within its interval, and readers that fold
+                    # the log (status, show, history) see the run as running already.
+                    self.journal.write_pending(durable=False)
                 self.journal.start_writer()
         except BaseException:
             self._release()
@@ -283,7 +290,7 @@ class Session:
         """Delete kept output versions that no retained checkpoint needs any more."""
         from . import _history  # noqa: PLC0415 - imported when history is first used
 
-        self.journal.flush(durable=False)  # the log must hold every event replayed
+        self.journal.write_pending(durable=False)  # the log must hold every event replayed
         # called as the run closes: nothing changes the manifest any more
         return _history.prune(
             self.store, self.secret, self.keep_checkpoints, self.journal.manifest, durable=False
@@ -364,12 +371,13 @@ class Session:
         data = checked.data
         if checked.header["buffers"] or len(data) > _VERIFIED_MAX_FILE:
             return
-        self._verified.pop(slot, None)
+        old = self._verified.pop(slot, None)
+        if old is not None:
+            self._verified_bytes -= len(old[1].data)
         self._verified[slot] = (stamp, Verified(bytes(data), checked.header, checked.head_len))
         self._verified_bytes += len(data)
-        while self._verified_bytes > _VERIFIED_MAX_TOTAL:
-            oldest = next(iter(self._verified))
-            self._verified_bytes -= len(self._verified.pop(oldest)[1].data)
+        while self._verified_bytes > _VERIFIED_MAX_TOTAL:  # oldest first, in O(1)
+            self._verified_bytes -= len(self._verified.popitem(last=False)[1][1].data)
 
     def _hit_verified(self, spec: StepView, plan: Plan, checked: Verified) -> Found:
         """A file already verified in this run and unchanged since: decode it from memory."""
