@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -18,6 +19,7 @@ from resumable import (
     StateLockedError,
 )
 from resumable._cli import main
+from resumable._codec import parse_header
 from resumable._stores._local import LocalStore
 
 
@@ -329,6 +331,20 @@ def test_old_history_folds_into_a_base_and_nothing_retained_changes(
     before_rollback = pipe.rollback("answer")  # the state just before answer last completed
     assert 22 == before_rollback.id
     assert "You are helpful. v7" == pipe.run(text="v7").outputs["prompt"]
+    # the base's checkpoint is in its header: a close decodes the base once (to replay), not twice
+    header, _ = parse_header(base.read_bytes())
+    assert _history.replay(LocalStore(state_dir), None)[0].checkpoint.id == header["checkpoint"]
+    decoded = []
+    read_base = _history._read_base
+
+    def counted(*args: Any) -> Any:
+        decoded.append(1)
+        return read_base(*args)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_history, "_read_base", counted)
+        pipe.run(text="v7")
+    assert 1 == len(decoded)
     # a damaged base is not trusted: the whole log is replayed, and the listing is the same
     expected = [(c.id, c.slot, c.completed_steps) for c in pipe.checkpoints()]
     data = bytearray(base.read_bytes())

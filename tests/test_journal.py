@@ -238,3 +238,66 @@ def _logged(store: MemoryStore) -> list[str]:
     except FileNotFoundError:
         return []
     return [json.loads(line)["event"] for line in log.splitlines()]
+
+
+def test_a_large_manifest_is_not_rewritten_when_a_run_opens(state_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    """
+    Over LARGE_MANIFEST bytes, opening a run appends run_started to the log instead of
+    rewriting manifest.json; readers fold the log, so they see the run running at once.
+    """
+    import resumable._journal as journal_module
+
+    pipe = Pipeline(state_dir=state_dir)
+
+    @pipe.step(key="{i}")
+    def item(i: int) -> int:
+        return i
+
+    with pipe:
+        for i in range(20):
+            item(i)
+    written = (state_dir / "manifest.json").read_bytes()
+    monkeypatch.setattr(journal_module, "LARGE_MANIFEST", len(written) - 1)
+    with pipe:
+        item(0)
+        assert written == (state_dir / "manifest.json").read_bytes()  # not rewritten at open
+        assert "running" == read_state(LocalStore(state_dir)).status
+        assert 2 == pipe.status().runs
+    after = json.loads((state_dir / "manifest.json").read_text())
+    assert ("completed", 2) == (after["status"], after["runs"])  # the close writes it
+    # a small one still says "running" the moment the run opens (test_with_block_scopes_one_run)
+    monkeypatch.setattr(journal_module, "LARGE_MANIFEST", len(written) * 10)
+    with pipe:
+        assert "running" == json.loads((state_dir / "manifest.json").read_text())["status"]
+
+
+def test_record_validation_checks_every_field_of_a_full_record():
+    """The one-lookup path for records with every field rejects what the field checks reject."""
+    full = {
+        "status": "completed",
+        "fingerprint": "f",
+        "reason": "new",
+        "started_at": "2026-01-01T00:00:00Z",
+        "finished_at": None,
+        "duration_s": 1,
+        "attempts": 1,
+        "bytes": None,
+        "file": "x",
+    }
+    check = manifest_module._STEP_RECORD
+    assert check(full)
+    assert check({**full, "duration_s": 0.5})
+    assert check({"status": "new"})  # the optional fields may be left out
+    for field, bad in [("attempts", True), ("attempts", None), ("status", None), ("bytes", 1.5), ("file", 3)]:
+        assert not check({**full, field: bad}), field
+    assert not check({**full, "extra": 1})
+    assert not check({k: v for k, v in full.items() if k != "status"})
+
+
+def test_manifest_json_is_the_same_whichever_encoder_writes_it():
+    """Records are encoded by a C encoder made once: the text is what json.dumps gives."""
+    record = {"status": "failed", "reason": 'é "quoted"\n\ttab \u2028', "duration_s": 1e-05, "bytes": None}
+    data = {"format": 1, "steps": {"s/é": record}, "batches": {}}
+    text = manifest_module.dumps(data)
+    assert data == json.loads(text)
+    assert json.dumps(record, ensure_ascii=False, separators=(", ", ": ")) in text
