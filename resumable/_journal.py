@@ -56,6 +56,18 @@ def _skip_event(skip: _Skip, stamp: str) -> dict[str, Any]:
     }
 
 
+def _skips_event(skips: list[_Skip]) -> dict[str, Any]:
+    """
+    Skips in a row as one event: a run that skips 100,000 slots logs 100 lines of about
+    115 bytes a slot, instead of 100,000 lines of 214 bytes (each parsed on its own by a replay).
+    """
+    return {
+        "t": _stamp(skips[0][0]),
+        "event": "steps_skipped",
+        "skips": [list(skip[1:]) for skip in skips],  # slot, fingerprint, bytes, created_at, file
+    }
+
+
 def _stamp(t: float) -> str:
     return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -401,9 +413,17 @@ class Journal:
             return
         lines = []
         pending, self._pending = self._pending, []
+        skips: list[_Skip] = []
         for item in pending:
-            data = _skip_event(item, _stamp(item[0])) if isinstance(item, tuple) else item
-            lines.append(_dumps(_signed(data, self.secret)) + "\n")
+            if isinstance(item, tuple):
+                skips.append(item)
+                continue
+            if skips:
+                lines.append(_dumps(_signed(_skips_event(skips), self.secret)) + "\n")
+                skips = []
+            lines.append(_dumps(_signed(item, self.secret)) + "\n")
+        if skips:
+            lines.append(_dumps(_signed(_skips_event(skips), self.secret)) + "\n")
         chunk = "".join(lines).encode()
         try:
             if self._torn:

@@ -301,6 +301,32 @@ def manifest_problem(data: Mapping[str, Any]) -> str | None:
     return None
 
 
+# the types of a skip row: slot, fingerprint, bytes, created_at, file
+_TEXT, _OPT_TEXT, _OPT_COUNT = frozenset({str}), frozenset({str, _NONE}), frozenset({int, _NONE})
+_SKIP_ROW_TYPES = (
+    _TEXT,
+    _OPT_TEXT,
+    _OPT_COUNT,
+    _OPT_TEXT,
+    _OPT_TEXT,
+)  # slot, fingerprint, bytes, created_at, file
+_SKIP_ROW_COMBOS = frozenset(itertools.product(*_SKIP_ROW_TYPES))
+
+
+def _skip_rows(value: object) -> bool:
+    return (
+        type(value) is list
+        and all(type(row) is list and tuple(map(type, row)) in _SKIP_ROW_COMBOS for row in value)
+        and _all_slots(row[0] for row in value)
+    )
+
+
+def skip_fields(row: list[Any]) -> dict[str, Any]:
+    """One row of a ``steps_skipped`` event as the fields of a ``step_skipped`` event."""
+    slot, fingerprint, size, created_at, file = row
+    return {"slot": slot, "fingerprint": fingerprint, "bytes": size, "created_at": created_at, "file": file}
+
+
 _ROLLBACK_STATE = _record(
     {"steps": _STEPS, "completed_steps": _slots, "code": _CODE}, ("steps", "completed_steps")
 )
@@ -340,6 +366,8 @@ EVENT_SCHEMA: dict[str, tuple[tuple[tuple[str, _Check], ...], dict[str, _Check]]
         _SLOT_FIELD,
         {"fingerprint": _OPT_STR, "bytes": _OPT_INT, "created_at": _OPT_STR, "file": _OPT_STR},
     ),
+    # skips logged together: [slot, fingerprint, bytes, created_at, file] each
+    "steps_skipped": ((("skips", _skip_rows),), {}),
     "step_failed": ((*_SLOT_FIELD, ("error", _EVENT_ERROR)), _RAN),
     "step_interrupted": (_SLOT_FIELD, _RAN),
     "steps_reset": ((("slots", _slots),), {}),
@@ -528,6 +556,10 @@ class Fold:
             self._complete(slot)
             self._done_running(slot)
 
+    def _steps_skipped(self, event: Mapping[str, Any]) -> None:
+        for row in event["skips"]:
+            self._step_skipped(skip_fields(row))
+
     def _step_ended(self, event: Mapping[str, Any]) -> None:
         slot = event["slot"]
         failed = event["event"] == "step_failed"
@@ -595,6 +627,7 @@ _HANDLERS: dict[str, Callable[[Fold, Mapping[str, Any]], None]] = {
     "step_retry": Fold._step_retry,  # noqa: SLF001
     "step_completed": Fold._step_completed,  # noqa: SLF001
     "step_skipped": Fold._step_skipped,  # noqa: SLF001
+    "steps_skipped": Fold._steps_skipped,  # noqa: SLF001
     "step_failed": Fold._step_ended,  # noqa: SLF001
     "step_interrupted": Fold._step_ended,  # noqa: SLF001
     "steps_reset": Fold._steps_reset,  # noqa: SLF001

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ._manifest import skip_fields
 from ._slots import slot_id
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable
+    from collections.abc import Iterable, Iterator
 
     from ._plan import Identity
     from ._stores import Store
@@ -125,6 +126,16 @@ def _slot_matches(slot: str, step: str, key: str | None) -> bool:
     return slot == step or slot.startswith(step + "/")
 
 
+def _one_per_slot(events: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The events, with skips logged together (``steps_skipped``) as one ``step_skipped`` each."""
+    for event in events:
+        if event.get("event") != "steps_skipped":
+            yield event
+            continue
+        for row in event["skips"]:
+            yield {"t": event.get("t"), "event": "step_skipped", **skip_fields(row)}
+
+
 def explain(
     events: Iterable[dict[str, Any]], store: Store, step: str, key: str | None = None
 ) -> list[Decision]:
@@ -132,7 +143,7 @@ def explain(
     run = 0
     last: dict[str, tuple[int, dict[str, Any]]] = {}
     kept: dict[str, tuple[int, dict[str, Any]]] = {}
-    for event in events:
+    for event in _one_per_slot(events):
         kind = event.get("event")
         if kind == "run_started":
             number = event.get("run")

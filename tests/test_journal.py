@@ -168,6 +168,10 @@ _event = st.one_of(
     ),
     st.builds(lambda s: {"event": "step_interrupted", "slot": s}, _slot),
     st.builds(lambda s: {"event": "step_skipped", "slot": s, "fingerprint": "f"}, _slot),
+    st.builds(
+        lambda ss: {"event": "steps_skipped", "skips": [[s, "f", 3, None, None] for s in ss]},
+        st.lists(_slot, max_size=3),
+    ),
     st.builds(lambda ss: {"event": "steps_reset", "slots": ss}, st.lists(_slot, max_size=3)),
     st.just({"event": "run_started", "run": 1}),
     st.sampled_from([{"event": "run_finished", "status": s} for s in ("completed", "failed", "interrupted")]),
@@ -301,3 +305,35 @@ def test_manifest_json_is_the_same_whichever_encoder_writes_it():
     text = manifest_module.dumps(data)
     assert data == json.loads(text)
     assert json.dumps(record, ensure_ascii=False, separators=(", ", ": ")) in text
+
+
+def test_skips_are_logged_together_and_why_still_sees_each(state_dir: Path):
+    """A run that skips many slots logs them a few lines at a time; `why` still has each one."""
+    pipe = Pipeline(state_dir=state_dir)
+
+    @pipe.step(key="{i}")
+    def item(i: int) -> int:
+        return i
+
+    with pipe:
+        for i in range(2500):
+            item(i)
+    log = state_dir / "events.jsonl"
+    size = log.stat().st_size
+    with pipe:
+        for i in range(2500):
+            item(i)
+    lines = log.read_bytes()[size:].decode().splitlines()
+    skips = [json.loads(line) for line in lines if '"steps_skipped"' in line]
+    assert 2500 == sum(len(event["skips"]) for event in skips)
+    assert len(skips) <= 4  # a line per write of pending skips (at most 1,000 each)
+    assert (size / 5000) / 1.5 > (log.stat().st_size - size) / 2500  # a skip costs far less than a start + end
+    decisions = {d.slot: d.outcome for d in pipe.why("item")}
+    assert {"skipped"} == set(decisions.values())
+    assert 2500 == len(decisions)
+    # a skip row of the wrong shape makes its line invalid: skipped with a warning, nothing applied
+    with log.open("a") as f:
+        f.write(json.dumps({"t": "x", "event": "steps_skipped", "skips": [["item/1", "f", "3", None, None]]}) + "\n")
+        f.write(json.dumps({"t": "x", "event": "steps_skipped", "skips": [["../up", "f", 3, None, None]]}) + "\n")
+    with pytest.warns(ResumableWarning, match="skipped 2 line"), pipe:
+        item(0)
