@@ -43,7 +43,7 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
     cutoff = (dt.datetime.now(dt.UTC) - older_than).isoformat(timespec="milliseconds").replace("+00:00", "Z")
     store = pipe.store
     with pipe._maintenance() as run:  # noqa: SLF001 - the CLI's own pipeline
-        run.journal.flush(durable=False)
+        run.journal.write_pending(durable=False)  # the log must hold every event replayed
         manifest = run.journal.manifest
         current = _history.current_versions(manifest)
         for key in _history.unneeded_versions(store, run.secret, pipe.keep_checkpoints, manifest, cutoff):

@@ -167,6 +167,7 @@ class Journal:
         self._writer: threading.Thread | None = None
         self.rebuilt = False  # load found no usable manifest.json and rebuilt it
         self.large = False  # the manifest read was over LARGE_MANIFEST bytes
+        self.unsaved = False  # the manifest holds something manifest.json does not
 
     @property
     def manifest(self) -> Manifest:
@@ -191,7 +192,9 @@ class Journal:
             manifest = Manifest(workflow_id=workflow, pipeline=self.pipeline)
             tail = self._read_log(0)
         self.fold = Fold(manifest)
+        before = manifest.events_offset
         self._offset = manifest.events_offset = self._replay(*(tail or (0, b"")))
+        self.unsaved = problem is not None or self._offset != before
         # a log this journal creates: its directory entry is made durable with the first sync
         self._log_entry_durable = self._offset > 0
         if problem is not None or manifest.status == "running":
@@ -378,6 +381,7 @@ class Journal:
         data = {"t": utcnow(), "event": event, **fields}
         with self.lock:
             self.fold.apply(data)
+            self.unsaved = True
             self._pending.append(data)
             # Stores where an append costs a round trip (object stores) get events in batches
             # from the background writer, except those that must be on disk before going on.
@@ -397,6 +401,7 @@ class Journal:
         if rec is None or rec.status != "completed":
             with self.lock:
                 self.fold.apply(_skip_event(skip, utcnow()))
+                self.unsaved = True
             self._mark_dirty()
         self._pending.append(skip)  # list.append is atomic: no lock on this hot path
         if len(self._pending) >= _MAX_PENDING:
@@ -465,6 +470,7 @@ class Journal:
             with self.lock:
                 self._write_pending(durable=durable)
                 snapshot = self.manifest.to_dict()
+                self.unsaved = False
             # encoded outside the lock: steps keep running while a large manifest is written
             text = dumps_manifest(_signed(snapshot, self.secret)).encode()
             self.store.write(MANIFEST, [text], durable=durable)

@@ -391,7 +391,7 @@ class Pipeline:
 
         run = self._run
         if run is not None and not run.closed:
-            run.journal.flush(durable=False)
+            run.journal.write_pending(durable=False)
         decisions = _why.explain(_history.events(self.store, self._secret), self.store, step, key)
         if not decisions:
             where = f"{step!r} with key {key!r}" if key is not None else repr(step)
@@ -414,7 +414,7 @@ class Pipeline:
         from . import _history  # noqa: PLC0415 - imported when history is first used
 
         with self._maintenance() as run, run.journal.lock:
-            run.journal.flush(durable=False)
+            run.journal.write_pending(durable=False)
             manifest = Manifest.from_dict(run.journal.manifest.to_dict())
         return _history.checkpoints(self.store, self._secret, self.keep_checkpoints, manifest)
 

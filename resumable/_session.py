@@ -282,7 +282,8 @@ class Session:
             if not self.maintenance:  # a maintenance lock (CLI, reset ...) keeps all history
                 self.prune()
                 file_digests.save(self.store, self.secret)
-            self.journal.flush(durable=self.durable)
+            if not self.maintenance or self.journal.unsaved:  # a look at the state writes nothing
+                self.journal.flush(durable=self.durable)
         finally:
             self._release()
 

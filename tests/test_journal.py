@@ -337,3 +337,20 @@ def test_skips_are_logged_together_and_why_still_sees_each(state_dir: Path):
         f.write(json.dumps({"t": "x", "event": "steps_skipped", "skips": [["../up", "f", 3, None, None]]}) + "\n")
     with pytest.warns(ResumableWarning, match="skipped 2 line"), pipe:
         item(0)
+
+
+def test_looking_at_the_state_does_not_rewrite_the_manifest(state_dir: Path):
+    """clean --dry-run, checkpoints() and why() take the lock but leave manifest.json as it is."""
+    from resumable._cli import main
+
+    pipe = Pipeline(state_dir=state_dir)
+    _three_steps(pipe)
+    pipe.run()
+    manifest = state_dir / "manifest.json"
+    before = (manifest.stat().st_ino, manifest.stat().st_mtime_ns, manifest.read_bytes())
+    assert 0 == main(["clean", "--dry-run", "--state-dir", str(state_dir)])
+    pipe.checkpoints()
+    pipe.why("a")
+    assert before == (manifest.stat().st_ino, manifest.stat().st_mtime_ns, manifest.read_bytes())
+    pipe.reset("c")  # a change is written
+    assert "reset" == json.loads(manifest.read_text())["steps"]["c/0"]["status"]
