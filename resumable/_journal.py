@@ -25,7 +25,7 @@ from typing import Any
 
 from ._codec import DamagedFileError, parse_header, utcnow
 from ._codec import _sign as sign_header
-from ._manifest import FORMAT, Fold, Manifest, valid_event
+from ._manifest import FORMAT, Fold, Manifest, StepRecord, valid_event
 from ._manifest import dumps as dumps_manifest
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
 from ._stores import Store
@@ -215,6 +215,10 @@ class Journal:
         # a large manifest is rewritten less often (see flush)
         self._manifest_interval = _rewrite_interval(len(raw))
         self.large = len(raw) > LARGE_MANIFEST
+        large = self._read_large(bytes(raw)) if len(raw) > LAZY_RECORDS else None
+        return (large, None) if large is not None else self._parse_manifest(raw)
+
+    def _parse_manifest(self, raw: bytes | bytearray) -> tuple[Manifest | None, str | None]:
         try:
             data = json.loads(raw)
         except ValueError:
@@ -230,6 +234,43 @@ class Journal:
             return Manifest.from_dict(data), None
         except (ValueError, TypeError, KeyError) as exc:
             return None, f"damaged ({exc})"
+
+    def _read_large(self, raw: bytes) -> Manifest | None:
+        """
+        A large manifest with its completed records left as text until used (Manifest.loads);
+        None where that does not apply: then it is parsed whole. With a secret it always is,
+        since its signature covers the whole.
+        """
+        if self.secret is not None:
+            return None
+        try:
+            manifest = Manifest.loads(raw)
+        except (ValueError, TypeError, KeyError, StateFormatError):
+            return None  # parsed whole, which says what is wrong
+        if manifest is not None:
+            manifest.steps.lock = self.lock
+            manifest.steps.damaged = self._damaged_record
+        return manifest
+
+    def _damaged_record(self, slot: str) -> StepRecord | None:
+        """A record of manifest.json found damaged when first used: rebuilt from its output file."""
+        event = self._recovered(slot, slot + OUTPUT_SUFFIX)
+        where = f"{self.store.location}/{MANIFEST}"
+        if event is None:
+            warn(
+                f"{where}: the record of {slot} was damaged, and so is its output file (or it is gone): "
+                "dropped it."
+            )
+            self.fold.forget_completed(slot)
+            return None
+        warn(f"{where}: the record of {slot} was damaged; rebuilt it from its output file.")
+        return StepRecord(
+            status="completed",
+            fingerprint=event["fingerprint"],
+            finished_at=event["created_at"] or None,
+            bytes=event["bytes"],
+            file=event["file"],
+        )
 
     def _read_log(self, start: int) -> tuple[int, bytes] | None:
         """
@@ -446,7 +487,7 @@ class Journal:
         if durable and not self._log_entry_durable:
             # A log this run created is fsynced, but its name may not be: a durable write
             # of the manifest fsyncs the directory the two share.
-            text = dumps_manifest(_signed(self.manifest.to_dict(), self.secret)).encode()
+            text = dumps_manifest(_signed(self._snapshot(), self.secret)).encode()
             self.store.write(MANIFEST, [text], durable=True)
             self._log_entry_durable = True
 
@@ -469,7 +510,7 @@ class Journal:
         with self._flush_lock:
             with self.lock:
                 self._write_pending(durable=durable)
-                snapshot = self.manifest.to_dict()
+                snapshot = self._snapshot()
                 self.unsaved = False
             # encoded outside the lock: steps keep running while a large manifest is written
             text = dumps_manifest(_signed(snapshot, self.secret)).encode()
@@ -477,6 +518,10 @@ class Journal:
             # A large manifest is rewritten less often: every rewrite also makes the next
             # fsync of a step's output flush it. Readers replay the log, so none sees it stale.
             self._manifest_interval = _rewrite_interval(len(text))
+
+    def _snapshot(self) -> dict[str, Any]:
+        """The manifest's data to write (records never parsed as their text, unless it is signed)."""
+        return self.manifest.to_dict(texts=self.secret is None)
 
     def start_writer(self) -> None:
         """Start the thread that keeps ``manifest.json`` at most a moment behind."""
@@ -520,6 +565,9 @@ class Journal:
 LARGE_MANIFEST = 1 << 20  # bytes (about 3,000 slots): not rewritten just to say a run started
 
 
+LAZY_RECORDS = LARGE_MANIFEST  # bytes: over this, completed records are parsed when used (Steps)
+
+
 def _rewrite_interval(size: int) -> float:
     """How long the writer leaves a manifest of *size* bytes unwritten: 0.2 s per 64 KB, at most 10 s."""
     return min(_MAX_INTERVAL, FLUSH_INTERVAL * max(1.0, size / 65536))
@@ -530,4 +578,6 @@ def read_state(store: Store, *, pipeline: str = "", secret: bytes | None = None)
     journal = Journal(store, pipeline=pipeline, secret=secret, readonly=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResumableWarning)
-        return journal.load()
+        manifest = journal.load()
+        manifest.steps.parse_all()  # what is damaged is found now, quietly, as the rest of the load
+        return manifest

@@ -8,12 +8,14 @@ log offset it covers, so a reader replays only the few events written after it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
 import operator
 import re
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any, Literal, get_args
 
 import attrs
@@ -65,6 +67,107 @@ class BatchRecord:
     failures: int = 0
 
 
+class Steps(MutableMapping[str, StepRecord]):
+    """
+    The slot records of a manifest, by slot, in insertion order.
+
+    Records of completed slots read from a large ``manifest.json`` stay as their JSON text
+    until they are used (:meth:`Manifest.loads`): opening a state of 100,000 slots parses
+    none of them, holds them as plain strings (no objects for the garbage collector to
+    walk), and writing the manifest again copies the text of every record nothing touched.
+    A record is checked when it is parsed; one that is not valid goes to :attr:`damaged`,
+    which may give a record rebuilt from elsewhere, and is dropped otherwise.
+    """
+
+    __slots__ = ("_items", "damaged", "lock")
+
+    def __init__(self, records: Mapping[str, StepRecord] | None = None) -> None:
+        self._items: dict[str, StepRecord | str] = dict(records or {})
+        self.damaged: Callable[[str], StepRecord | None] = lambda _slot: None
+        # held while a record is parsed (the journal's lock, for one order of locks)
+        self.lock: threading.RLock | contextlib.nullcontext[None] = contextlib.nullcontext()
+
+    @classmethod
+    def of_text(cls, texts: dict[str, str]) -> Steps:
+        steps = cls()
+        steps._items = dict(texts)
+        return steps
+
+    def __getitem__(self, slot: str) -> StepRecord:
+        value = self._items[slot]
+        return self._parse(slot, value) if isinstance(value, str) else value
+
+    def get(self, slot: str, default: StepRecord | None = None) -> StepRecord | None:  # type: ignore[override]
+        # the hot path: no exception raised
+        value = self._items.get(slot)
+        if isinstance(value, str):
+            try:
+                return self._parse(slot, value)
+            except KeyError:
+                return default
+        return default if value is None else value
+
+    def _parse(self, slot: str, text: str) -> StepRecord:
+        with self.lock:  # two threads must not each make a record of one slot
+            value = self._items.get(slot, text)
+            if not isinstance(value, str):
+                return value  # parsed meanwhile
+            try:
+                data = json.loads(text)
+            except ValueError:
+                data = None
+            record = StepRecord(**data) if _STEP_RECORD(data) else self.damaged(slot)
+            if record is None:
+                self._items.pop(slot, None)
+                raise KeyError(slot)
+            self._items[slot] = record
+            return record
+
+    def __setitem__(self, slot: str, record: StepRecord) -> None:
+        self._items[slot] = record
+
+    def __delitem__(self, slot: str) -> None:
+        del self._items[slot]
+
+    def __iter__(self) -> Iterator[str]:
+        self.parse_all()  # first: a record found damaged is dropped, not met half-way
+        return iter(list(self._items))
+
+    def parse_all(self) -> None:
+        """Parse (and check) every record still kept as text."""
+        for slot, value in list(self._items.items()):
+            if isinstance(value, str):
+                self.get(slot)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, slot: object) -> bool:
+        return slot in self._items
+
+    def parsed(self) -> Iterator[tuple[str, StepRecord]]:
+        """The records already parsed (every record not kept as text)."""
+        return ((s, r) for s, r in self._items.items() if type(r) is not str)  # type: ignore[misc]
+
+    def texts(self) -> dict[str, StepRecord | str]:
+        """Every record, those never parsed as the text they were read as (for writing)."""
+        return dict(self._items)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mapping):
+            return NotImplemented
+        return dict(self.items()) == dict(other.items())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{dict(self.items())!r}"
+
+
+def _as_steps(records: Mapping[str, StepRecord]) -> Steps:
+    return records if isinstance(records, Steps) else Steps(records)
+
+
 @attrs.define
 class Manifest:
     """The state of a pipeline: returned by ``Pipeline.status()``."""
@@ -77,7 +180,8 @@ class Manifest:
     completed_steps: list[str] = attrs.field(factory=list)
     last_update: str | None = None
     runs: int = 0
-    steps: dict[str, StepRecord] = attrs.field(factory=dict)
+    steps: Steps = attrs.field(factory=Steps, converter=_as_steps)
+    """Per slot, its record: a mapping (records of a large manifest are parsed when used)."""
     error: ErrorRecord | None = None
     batches: dict[str, BatchRecord] = attrs.field(factory=dict)
     code: dict[str, dict[str, str]] = attrs.field(factory=dict)
@@ -89,10 +193,20 @@ class Manifest:
     events_offset: int = 0
     """How many bytes of ``events.jsonl`` this manifest includes."""
 
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready data (a deep copy), keys in the documented order."""
+    def to_dict(self, *, texts: bool = False) -> dict[str, Any]:
+        """
+        Plain JSON-ready data (a deep copy), keys in the documented order. With *texts*,
+        records never parsed stay the text they were read as (what :func:`dumps` writes as it is).
+        """
         # Written out by hand: attrs.asdict is ten times slower, and this runs for every
         # manifest write, over every slot.
+        if texts:
+            steps = {
+                slot: rec if type(rec) is str else _record_dict(rec)  # type: ignore[arg-type]
+                for slot, rec in self.steps.texts().items()
+            }
+        else:
+            steps = {slot: _record_dict(rec) for slot, rec in self.steps.items()}
         return {
             "workflow_id": self.workflow_id,
             "pipeline": self.pipeline,
@@ -102,7 +216,7 @@ class Manifest:
             "completed_steps": list(self.completed_steps),
             "last_update": self.last_update,
             "runs": self.runs,
-            "steps": {slot: _record_dict(rec) for slot, rec in self.steps.items()},
+            "steps": steps,
             "error": None if self.error is None else attrs.asdict(self.error),
             "batches": {name: attrs.asdict(b) for name, b in self.batches.items()},
             "code": {name: dict(parts) for name, parts in self.code.items()},
@@ -139,7 +253,61 @@ class Manifest:
             **data, steps=steps, batches=batches, error=None if error is None else ErrorRecord(**error)
         )
 
+    @classmethod
+    def loads(cls, raw: bytes) -> Manifest | None:
+        """
+        A manifest from the text of a ``manifest.json`` in the layout :func:`dumps` writes,
+        leaving the records of completed slots as text until used (see :class:`Steps`); None
+        if the text is not in that layout (then parse it whole with :meth:`from_dict`).
 
+        Raises:
+            StateFormatError, ValueError: as :meth:`from_dict`.
+        """
+        try:
+            text = raw.decode()
+        except UnicodeDecodeError:
+            return None
+        # JSON strings hold no raw newline: these only occur where dumps put them
+        start, end = text.find(_STEPS_OPEN), text.find(_STEPS_CLOSE)
+        if start < 0 or end < start or text.find(_STEPS_OPEN, start + 1) >= 0:
+            return None
+        try:
+            data = json.loads(text[:start] + '\n  "steps": {}' + text[end + len(_STEPS_CLOSE) :])
+        except ValueError:
+            return None
+        texts = _record_texts(text[start + len(_STEPS_OPEN) : end + 1])
+        if texts is None or type(data) is not dict or type(data.get("steps")) is not dict:
+            return None
+        # only completed records wait: one that is not is needed at once (a running one by Fold)
+        eager = [slot for slot, record in texts.items() if not record.startswith(_COMPLETED)]
+        try:
+            data["steps"] = {slot: json.loads(texts[slot]) for slot in eager}
+        except ValueError:
+            return None
+        manifest = cls.from_dict(data)
+        steps = Steps.of_text(texts)
+        for slot in eager:
+            steps[slot] = manifest.steps[slot]  # in its place: the order of the file is kept
+        manifest.steps = steps
+        return manifest
+
+
+def _record_texts(body: str) -> dict[str, str] | None:
+    """The ``"slot": {record}`` lines of the steps of a manifest.json, as text; None if not in that layout."""
+    texts: dict[str, str] = {}
+    for line in body.split(",\n") if body else ():
+        key, sep, record = line.partition('": ')
+        if not sep or not key.startswith('    "') or "\\" in key:
+            return None  # not the layout dumps writes, or an escaped key: parsed whole instead
+        texts[key[5:]] = record
+    return texts if _all_slots(texts) else None
+
+
+_COMPLETED = '{"status": "completed", '
+
+
+_STEPS_OPEN = '\n  "steps": {\n'
+_STEPS_CLOSE = "\n  }"
 _RECORD_FIELDS = tuple(a.name for a in attrs.fields(StepRecord))
 
 
@@ -402,7 +570,9 @@ def dumps(data: dict[str, Any]) -> str:
         comma = "," if i < last else ""
         if key in {"steps", "batches", "code", "defined"} and isinstance(value, dict) and value:
             lines.append(f"  {_json(key)}: {{")
-            inner = [f"    {_json(k)}: {_json_value(v)}" for k, v in value.items()]
+            # the text of a record never parsed is written as it was read (Steps)
+            encode = _raw_or_json if key == "steps" else _json_value
+            inner = [f"    {_json_value(k)}: {encode(v)}" for k, v in value.items()]
             lines.append(",\n".join(inner))
             lines.append(f"  }}{comma}")
         else:
@@ -434,6 +604,10 @@ def _c_encoder() -> Callable[[Any], str]:
 _json_value = _c_encoder()
 
 
+def _raw_or_json(value: Any) -> str:
+    return value if type(value) is str else _json_value(value)
+
+
 # format -> function upgrading data of that format to the next one
 MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
 
@@ -450,7 +624,8 @@ class Fold:
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
-        self._running: list[str] = [slot for slot, rec in manifest.steps.items() if rec.status == "running"]
+        # records kept as text are completed ones (Manifest.loads): only parsed ones can be running
+        self._running: list[str] = [slot for slot, rec in manifest.steps.parsed() if rec.status == "running"]
         # mirrors completed_steps so that completing a slot costs O(1), not O(slots)
         self._completed: set[str] = set(manifest.completed_steps)
 
@@ -459,6 +634,10 @@ class Fold:
         if rec is None:
             rec = self.manifest.steps[slot] = StepRecord(status="new")
         return rec
+
+    def forget_completed(self, slot: str) -> None:
+        """Take *slot* out of the completed slots (its record was found damaged and is dropped)."""
+        self._uncomplete(slot)
 
     def _uncomplete(self, slot: str) -> None:
         if slot in self._completed:
@@ -593,7 +772,7 @@ class Fold:
         # The event carries the state rolled back to, so replaying it needs nothing else.
         m = self.manifest
         state = event["state"]
-        m.steps = {slot: StepRecord(**rec) for slot, rec in state["steps"].items()}
+        m.steps = Steps({slot: StepRecord(**rec) for slot, rec in state["steps"].items()})
         m.completed_steps = list(state["completed_steps"])
         m.code = {name: dict(parts) for name, parts in state.get("code", {}).items()}
         m.batches = {}
