@@ -438,8 +438,7 @@ class Journal:
         keeps skipping cheap); applied at once only if the manifest had lagged behind.
         """
         skip = (time.time(), slot, fingerprint, size, created_at, file)
-        rec = self.manifest.steps.get(slot)
-        if rec is None or rec.status != "completed":
+        if not self.manifest.steps.is_completed(slot):  # without parsing a record kept as text
             with self.lock:
                 self.fold.apply(_skip_event(skip, utcnow()))
                 self.unsaved = True

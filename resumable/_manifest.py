@@ -107,6 +107,11 @@ class Steps(MutableMapping[str, StepRecord]):
                 return default
         return default if value is None else value
 
+    def is_completed(self, slot: str) -> bool:
+        """True if *slot*'s record says completed (a record kept as text is: see loads)."""
+        value = self._items.get(slot)
+        return isinstance(value, str) or (value is not None and value.status == "completed")
+
     def _parse(self, slot: str, text: str) -> StepRecord:
         with self.lock:  # two threads must not each make a record of one slot
             value = self._items.get(slot, text)
@@ -275,7 +280,7 @@ class Manifest:
             data = json.loads(text[:start] + '\n  "steps": {}' + text[end + len(_STEPS_CLOSE) :])
         except ValueError:
             return None
-        texts = _record_texts(text[start + len(_STEPS_OPEN) : end + 1])
+        texts = _record_texts(text, start + len(_STEPS_OPEN), end + 1)
         if texts is None or type(data) is not dict or type(data.get("steps")) is not dict:
             return None
         # only completed records wait: one that is not is needed at once (a running one by Fold)
@@ -292,15 +297,25 @@ class Manifest:
         return manifest
 
 
-def _record_texts(body: str) -> dict[str, str] | None:
-    """The ``"slot": {record}`` lines of the steps of a manifest.json, as text; None if not in that layout."""
+def _record_texts(text: str, start: int, end: int) -> dict[str, str] | None:
+    """
+    The ``"slot": {record}`` lines of *text* between *start* and *end* (the steps of a
+    manifest.json) as text, by slot; None if they are not in the layout dumps writes.
+    """
     texts: dict[str, str] = {}
-    for line in body.split(",\n") if body else ():
-        key, sep, record = line.partition('": ')
-        if not sep or not key.startswith('    "') or "\\" in key:
-            return None  # not the layout dumps writes, or an escaped key: parsed whole instead
-        texts[key[5:]] = record
+    while start < end:  # a megabyte at a time: the lines of 30 MB are never all held at once
+        stop = text.find(",\n", min(start + _PIECE, end), end)
+        stop = end if stop < 0 else stop
+        for line in text[start:stop].split(",\n"):
+            key, sep, record = line.partition('": ')
+            if not sep or not key.startswith('    "') or "\\" in key:
+                return None  # not that layout, or an escaped key: parsed whole instead
+            texts[key[5:]] = record
+        start = stop + 2
     return texts if _all_slots(texts) else None
+
+
+_PIECE = 1 << 20
 
 
 _COMPLETED = '{"status": "completed", '
