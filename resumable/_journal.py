@@ -215,7 +215,7 @@ class Journal:
         # a large manifest is rewritten less often (see flush)
         self._manifest_interval = _rewrite_interval(len(raw))
         self.large = len(raw) > LARGE_MANIFEST
-        large = self._read_large(bytes(raw)) if len(raw) > LAZY_RECORDS else None
+        large = self._read_large(raw) if len(raw) > LAZY_RECORDS else None
         return (large, None) if large is not None else self._parse_manifest(raw)
 
     def _parse_manifest(self, raw: bytes | bytearray) -> tuple[Manifest | None, str | None]:
@@ -235,7 +235,7 @@ class Journal:
         except (ValueError, TypeError, KeyError) as exc:
             return None, f"damaged ({exc})"
 
-    def _read_large(self, raw: bytes) -> Manifest | None:
+    def _read_large(self, raw: bytes | bytearray) -> Manifest | None:
         """
         A large manifest with its completed records left as text until used (Manifest.loads);
         None where that does not apply: then it is parsed whole. With a secret it always is,

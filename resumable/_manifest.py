@@ -259,7 +259,7 @@ class Manifest:
         )
 
     @classmethod
-    def loads(cls, raw: bytes) -> Manifest | None:
+    def loads(cls, raw: bytes | bytearray) -> Manifest | None:
         """
         A manifest from the text of a ``manifest.json`` in the layout :func:`dumps` writes,
         leaving the records of completed slots as text until used (see :class:`Steps`); None

@@ -128,6 +128,9 @@ def _error_fields(exc: BaseException) -> dict[str, str]:
 # size, all together under the second): a later skip of the same slot decodes from memory.
 _VERIFIED_MAX_FILE = 64 * 1024
 _VERIFIED_MAX_TOTAL = 16 * 1024 * 1024
+# each entry also holds its parsed header (about 1.5 KB): a run skipping 100,000 small slots
+# once each would otherwise keep 36,000 of them (75 MB) for skips that never come
+_VERIFIED_MAX_FILES = 4096
 
 
 def _changed_phrase(found: Found) -> str:
@@ -377,7 +380,8 @@ class Session:
             self._verified_bytes -= len(old[1].data)
         self._verified[slot] = (stamp, Verified(bytes(data), checked.header, checked.head_len))
         self._verified_bytes += len(data)
-        while self._verified_bytes > _VERIFIED_MAX_TOTAL:  # oldest first, in O(1)
+        while self._verified_bytes > _VERIFIED_MAX_TOTAL or len(self._verified) > _VERIFIED_MAX_FILES:
+            # oldest first, in O(1)
             self._verified_bytes -= len(self._verified.popitem(last=False)[1][1].data)
 
     def _hit_verified(self, spec: StepView, plan: Plan, checked: Verified) -> Found:

@@ -239,7 +239,7 @@ def check_key(key: str, location: str) -> str:
     return key
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=4096)  # the keys of a run's hot slots; not one per slot of a large state
 def _valid_key(key: str) -> bool:
     *dirs, name = key.split("/")
     return not (
