@@ -79,10 +79,11 @@ class Steps(MutableMapping[str, StepRecord]):
     which may give a record rebuilt from elsewhere, and is dropped otherwise.
     """
 
-    __slots__ = ("_items", "damaged", "lock")
+    __slots__ = ("_items", "_texts", "damaged", "lock")
 
     def __init__(self, records: Mapping[str, StepRecord] | None = None) -> None:
         self._items: dict[str, StepRecord | str] = dict(records or {})
+        self._texts = 0  # how many records are still text: none, iterating costs nothing more
         self.damaged: Callable[[str], StepRecord | None] = lambda _slot: None
         # held while a record is parsed (the journal's lock, for one order of locks)
         self.lock: threading.RLock | contextlib.nullcontext[None] = contextlib.nullcontext()
@@ -91,6 +92,7 @@ class Steps(MutableMapping[str, StepRecord]):
     def of_text(cls, texts: dict[str, str]) -> Steps:
         steps = cls()
         steps._items = dict(texts)
+        steps._texts = len(texts)
         return steps
 
     def __getitem__(self, slot: str) -> StepRecord:
@@ -122,6 +124,7 @@ class Steps(MutableMapping[str, StepRecord]):
             except ValueError:
                 data = None
             record = StepRecord(**data) if _STEP_RECORD(data) else self.damaged(slot)
+            self._texts -= 1
             if record is None:
                 self._items.pop(slot, None)
                 raise KeyError(slot)
@@ -129,10 +132,13 @@ class Steps(MutableMapping[str, StepRecord]):
             return record
 
     def __setitem__(self, slot: str, record: StepRecord) -> None:
+        if isinstance(self._items.get(slot), str):
+            self._texts -= 1
         self._items[slot] = record
 
     def __delitem__(self, slot: str) -> None:
-        del self._items[slot]
+        if isinstance(self._items.pop(slot), str):
+            self._texts -= 1
 
     def __iter__(self) -> Iterator[str]:
         self.parse_all()  # first: a record found damaged is dropped, not met half-way
@@ -140,6 +146,8 @@ class Steps(MutableMapping[str, StepRecord]):
 
     def parse_all(self) -> None:
         """Parse (and check) every record still kept as text."""
+        if not self._texts:
+            return
         for slot, value in list(self._items.items()):
             if isinstance(value, str):
                 self.get(slot)
