@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -71,6 +72,7 @@ class ChunkStore:
         self.appends = run.store.cheap_appends
         self._end = 0  # where the log's whole records end: the next record goes there
         self._torn = False  # an append failed: the log may end with part of a record
+        self._lock = threading.Lock()
 
     @property
     def where(self) -> str:
@@ -123,30 +125,31 @@ class ChunkStore:
 
     # changing ----------------------------------------------------------------------------
 
-    def add(self, chunk: Chunk, framed: Framed) -> Chunk:
-        """Store one committed chunk; return it with its place."""
+    def add(self, start: int, end: int, failures: int, digest: str, framed: Framed) -> Chunk:
+        """Store one committed chunk (rows *start* to *end*, framed); return it, with its place."""
         run = self.run
         if not self.appends:
+            chunk = Chunk(start, end, failures, digest)
             run.store.write(self.directory + chunk.file_name, framed.chunks(), durable=run.durable)
             return chunk
         data = b"".join(framed.chunks())
-        offset = self._append(data, durable=run.durable)
-        return chunk._replace(offset=offset, length=len(data))
+        return Chunk(start, end, failures, digest, self._append(data, durable=run.durable), len(data))
 
     def _append(self, data: bytes, *, durable: bool) -> int:
         """Append one record to the log in one write; return where it starts."""
         store = self.run.store
-        if self._torn:
-            store.truncate(self.log_key, self._end, durable=durable)
-            self._torn = False
-        try:
-            store.append(self.log_key, data, durable=durable)
-        except BaseException:
-            self._torn = True  # the append may have written part of the record
-            raise
-        offset = self._end
-        self._end += len(data)
-        return offset
+        with self._lock:
+            if self._torn:
+                store.truncate(self.log_key, self._end, durable=durable)
+                self._torn = False
+            try:
+                store.append(self.log_key, data, durable=durable)
+            except BaseException:
+                self._torn = True  # the append may have written part of the record
+                raise
+            offset = self._end
+            self._end += len(data)
+            return offset
 
     def _void(self, offsets: list[int]) -> None:
         """Append a void record: the records (or damaged bytes) at *offsets* no longer count."""

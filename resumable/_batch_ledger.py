@@ -32,7 +32,7 @@ from ._codec import DamagedFileError, encode, frame, read_verified
 from ._codec_types import qualified_name
 from ._session import Session
 from ._warn import warn
-from .exceptions import InputChangedError, ResumableError
+from .exceptions import InputChangedError, ResumableError, SerializationError
 
 log = logging.getLogger("resumable")
 
@@ -429,16 +429,17 @@ class StoredLedger(Ledger):
         failures = sum(type(r) is RowFailure for r in results) if self.record_failures else 0
         run = where.run
         digest = self._digester.digest(rows if type(rows) is list else list(rows))
-        chunk = Chunk(start, start + size, failures, digest)
-        encoded = encode(
-            results,
-            allow_pickle=run.allow_pickle,
-            what=f"the {_WHAT[self.kind]} of batch {where.display!r}, {chunk.rows}",
-        )
+        end = start + size
+        try:
+            encoded = encode(results, allow_pickle=run.allow_pickle)
+        except SerializationError:
+            # again, for the message (not built for every commit: it takes as long as a write)
+            encode(results, allow_pickle=run.allow_pickle, what=self._what(start, end))
+            raise  # pragma: no cover - the second encode raises the same error
         meta = {
             "slot": where.label,
             "batch": where.directory,
-            "rows": [chunk.start, chunk.end],
+            "rows": [start, end],
             "digest": digest,
             "failures": failures,
         }
@@ -446,12 +447,15 @@ class StoredLedger(Ledger):
         with self._lock:
             if self._stored is None:
                 self._save_record()  # before the first chunk: chunks never exist without it
-            chunk = self._chunks.add(chunk, framed)
+            chunk = self._chunks.add(start, end, failures, digest, framed)
             self.chunks.append(chunk)
             self.fresh[start] = results
             self.done += size
             self.failures += failures
             self.report()
+
+    def _what(self, start: int, end: int) -> str:
+        return f"the {_WHAT[self.kind]} of batch {self.where.display!r}, {Chunk(start, end, 0, '').rows}"
 
     def salvage(self, start: int, rows: Sequence[Any], results: Any) -> None:
         """Commit the rows finished before an exception; a failure here is only logged."""

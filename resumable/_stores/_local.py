@@ -376,7 +376,9 @@ class LocalStore(Store):
                     fd, created = self._open_append(key, path, durable=durable)
                 # O_APPEND keeps concurrent appenders from interleaving within one write();
                 # a short write (disk full) goes on where it stopped, or raises
-                _write_all(fd, [data])
+                written = os.write(fd, data)
+                if written < len(data):
+                    _write_all(fd, [memoryview(data)[max(written, 0) :]])
                 if durable:
                     os.fsync(fd)
                     if created:
