@@ -82,7 +82,7 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def append(self, key: str, data: bytes, *, durable: bool) -> None:
-        """Append *data* to the object at *key* (creating it); used for the event log."""
+        """Append *data* to the object at *key* (creating it): the event log, batches' chunk logs."""
 
     @abc.abstractmethod
     def delete(self, key: str, *, durable: bool) -> None:
