@@ -104,13 +104,14 @@ class _Reader:
     def find(self, pattern: bytes, pos: int) -> int:
         """The offset of the next *pattern* at or after *pos*, or -1."""
         while True:
-            view = self.view(pos, _BLOCK)
-            found = bytes(view).find(pattern)
+            n = len(self.view(pos, _BLOCK))  # makes the buffer hold bytes pos on
+            buf, start = self._buf, self._start
+            found = buf.find(pattern, pos - start, pos - start + n)
             if found >= 0:
-                return pos + found
-            if len(view) < _BLOCK:
+                return start + found
+            if n < _BLOCK:
                 return -1
-            pos += len(view) - len(pattern) + 1
+            pos += n - len(pattern) + 1
 
     def total(self) -> int:
         """The log's size (reading on from the last byte known to exist, if need be)."""
