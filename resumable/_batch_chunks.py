@@ -74,10 +74,6 @@ class ChunkStore:
         self._torn = False  # an append failed: the log may end with part of a record
         self._lock = threading.Lock()
 
-    @property
-    def where(self) -> str:
-        return f"{self.run.store.location}/{self.directory}"
-
     def find(self) -> tuple[bool, list[Chunk]]:
         """
         Whether the batch record exists, and the committed chunks, in no particular order.
@@ -115,7 +111,9 @@ class ChunkStore:
                 self.display, found.tail, self.run.store.location, self.log_key,
             )  # fmt: skip
         if damaged:
-            spans = "; ".join(f"bytes {d.offset:,} to {d.end:,}: {d.problem}" for d in damaged)
+            spans = "; ".join(f"bytes {d.offset:,} to {d.end:,}: {d.problem}" for d in damaged[:5])
+            if len(damaged) > 5:
+                spans += f"; and {len(damaged) - 5} more"
             warn(
                 f"batch {self.display!r}: damaged records in {self.run.store.location}/{self.log_key} "
                 f"({spans}). They are skipped, and the rows they held are done again."

@@ -233,22 +233,3 @@ def resolve(found: Scan, read_range: ReadRange, secret: bytes | None) -> tuple[l
         voided.update(o for o in record.header["void"] if o < record.offset)
     chunks = [r for r in found.records if not r.is_void and r.offset not in voided]
     return chunks, sorted(d for d in damaged if d.offset not in voided)
-
-
-def verified_chunk(data: bytes | bytearray | memoryview, record: Record, secret: bytes | None) -> Any:
-    """
-    Check the whole record (*data*) read back for *record*: size, HMAC with a secret,
-    checksum, and that it is still the record scanned.
-
-    Raises:
-        DamagedFileError: it is not.
-    """
-    if len(data) != record.length:
-        msg = "the chunk log ends inside it"
-        raise DamagedFileError(msg)
-    checked = read_verified(data, secret)
-    header = checked.header
-    if any(header.get(k) != record.header.get(k) for k in ("rows", "digest", "batch")):
-        msg = "it holds other rows than its header said when the log was read"
-        raise DamagedFileError(msg)
-    return checked

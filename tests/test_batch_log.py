@@ -378,3 +378,22 @@ def test_damage_anywhere_never_yields_a_record_that_was_not_written(seed: int):
 def test_a_whole_log_is_read_back_exactly():
     records = framed_records(50, lambda i: "x" * (i * 997 % 5000))
     assert records == checked_chunks(b"".join(records))
+
+
+def test_a_forged_void_record_is_ignored_with_a_secret(tmp_path: Path):
+    """With a secret, a void record written without it cancels nothing: it is damage, warned about once."""
+    from resumable._codec import encode, frame
+
+    state = tmp_path / "state"
+    fn = Counter()
+    with Pipeline("p", state_dir=state, secret="k1"):
+        checkpointed_map(fn, range(ROWS), every=EVERY, name="b")
+    meta = {"slot": "b", "batch": BATCH_DIR, "void": [0]}
+    with log_path(state).open("ab") as f:
+        f.write(b"".join(frame(encode(None, allow_pickle=False), meta).chunks()))
+    fn.calls.clear()
+    with Pipeline("p", state_dir=state, secret="k1"), pytest.warns(ResumableWarning, match="a void record"):
+        assert EXPECTED == checkpointed_map(fn, range(ROWS), every=EVERY, name="b")
+    with Pipeline("p", state_dir=state, secret="k1"):
+        assert EXPECTED == checkpointed_map(fn, range(ROWS), every=EVERY, name="b")
+    assert [] == fn.calls
