@@ -397,3 +397,26 @@ def test_a_forged_void_record_is_ignored_with_a_secret(tmp_path: Path):
     with Pipeline("p", state_dir=state, secret="k1"):
         assert EXPECTED == checkpointed_map(fn, range(ROWS), every=EVERY, name="b")
     assert [] == fn.calls
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_a_linked_chunk_log_is_never_followed(pipe: Pipeline, state_dir: Path, tmp_path: Path, link: str):
+    """A chunk log planted as a link to a file elsewhere is neither read through nor appended to."""
+    from resumable import StateDirectoryError
+
+    fn = Counter(fail_at=12)
+    with pytest.raises(RuntimeError):
+        run_batch(pipe, fn)
+    path = log_path(state_dir)
+    precious = tmp_path / "precious.bin"
+    precious.write_bytes(path.read_bytes())
+    path.unlink()
+    if link == "symlink":
+        path.symlink_to(precious)
+    else:
+        os.link(precious, path)
+    before = precious.read_bytes()
+    fn.fail_at = None
+    with pytest.raises(StateDirectoryError, match="remove it"):
+        run_batch(pipe, fn)
+    assert before == precious.read_bytes()
