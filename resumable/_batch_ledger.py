@@ -1,42 +1,41 @@
 """
-Row chunks on disk: which rows of a batch are committed, and committing more.
+Row chunks: which rows of a batch are committed, and committing more.
 
 A batch lives in one directory of the store (see :func:`resumable._slots.batch_dir`)::
 
-    batch.msgpack                                         the batch record (kind, every, total, owner)
-    000000000000-000000000100-0-m5f0c...a1.msgpack        rows 0 to 99: their results
-    000000000100-000000000200-2-m77ab...03.msgpack        rows 100 to 199, two of them RowFailure values
+    batch.msgpack      the batch record (kind, every, total, owner)
+    chunks.log         the committed chunks, one record each (stores that append cheaply)
+    000000000000-000000000100-0-m5f0c...a1.msgpack    or a file per chunk (other stores)
 
-A chunk's name says which rows it holds, how many of them failed, and a digest of the
-rows' *inputs*; its content (framed like an output file: checksum, HMAC with a secret)
-holds their results. Listing the directory therefore tells which rows are committed
-without reading any chunk, and a resume checks its input by digesting the committed
-rows' inputs again. Chunks are only ever added: a commit writes one new file, so the
-cost of a commit does not grow with the rows committed before it.
+A chunk says which rows it holds, how many of them failed, and a digest of the rows'
+*inputs* (in its record's header, or its file's name); its value (framed like an output
+file: checksum, HMAC with a secret) holds their results. Reading the headers therefore
+tells which rows are committed without reading any result, and a resume checks its input
+by digesting the committed rows' inputs again. Chunks are only ever added: a commit
+appends one record (or writes one new file), so the cost of a commit does not grow with
+the rows committed before it. Where chunks are kept is :mod:`resumable._batch_chunks`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import attrs
 
+from ._batch_chunks import RECORD, Chunk, ChunkStore
 from ._batch_input import Digester, Source
 from ._codec import DamagedFileError, encode, frame, read_verified
 from ._codec_types import qualified_name
 from ._session import Session
 from ._warn import warn
-from .exceptions import InputChangedError, ResumableError
+from .exceptions import InputChangedError, ResumableError, SerializationError
 
 log = logging.getLogger("resumable")
 
-RECORD = "batch.msgpack"
-_CHUNK = re.compile(r"(\d{12})-(\d{12})-(\d+)-([mf][0-9a-f]{24})\.msgpack")
 # The manifest's batch progress is written at most this often (and at the end).
 REPORT_INTERVAL = 0.5
 
@@ -58,24 +57,6 @@ class RowFailure:
     def of(cls, index: int, exc: BaseException) -> RowFailure:
         """The failure of row *index*, which raised *exc*."""
         return cls(index, qualified_name(type(exc)), str(exc)[:2000])
-
-
-class Chunk(NamedTuple):
-    """Committed rows ``start`` to ``end`` (exclusive), as a chunk file names them."""
-
-    start: int
-    end: int
-    failures: int
-    digest: str
-
-    @property
-    def file_name(self) -> str:
-        return f"{self.start:012d}-{self.end:012d}-{self.failures}-{self.digest}.msgpack"
-
-    @property
-    def rows(self) -> str:
-        """``rows 100 to 199`` style, for messages."""
-        return f"rows {self.start:,} to {self.end - 1:,}"
 
 
 class Where:
@@ -234,6 +215,7 @@ class StoredLedger(Ledger):
         self._carries_state = False  # a loop state was restored from the committed chunks
         self._reported = 0.0
         self._digester = Digester(where.display)
+        self._chunks = ChunkStore(where.run, where.directory, label=where.label, display=where.display)
 
     @property
     def display(self) -> str:
@@ -248,23 +230,14 @@ class StoredLedger(Ledger):
     def open(self) -> None:
         """List the committed chunks, and drop them if they belong to something else."""
         where = self.where
-        store = where.run.store
-        prefix = where.directory
-        chunks: list[Chunk] = []
-        has_record = False
-        for key in store.list(prefix):
-            name = key[len(prefix) :]
-            if name == RECORD:
-                has_record = True
-            elif (m := _CHUNK.fullmatch(name)) is not None:
-                chunks.append(Chunk(int(m[1]), int(m[2]), int(m[3]), m[4]))
+        has_record, chunks = self._chunks.find()
         record = self._read_record() if has_record else None
         stale = self._stale(record, has_record=has_record, chunks=chunks)
         if stale is not None:
             log.info("batch %r: starting over (%s)", where.display, stale)
-            self._delete(chunks)
+            self._chunks.drop_all(chunks)
             if has_record:
-                store.delete(prefix + RECORD, durable=False)
+                where.run.store.delete(where.directory + RECORD, durable=False)
             chunks, record = [], None
         self._stored = record
         self.chunks = self._without_overlaps(sorted(chunks))
@@ -375,8 +348,8 @@ class StoredLedger(Ledger):
             if chunk.start < end or chunk.end <= chunk.start:
                 # never written by resumable: chunks are only made for rows not yet committed
                 warn(
-                    f"batch {self.display!r}: chunk {chunk.file_name} overlaps another one; "
-                    f"it is deleted and its rows are done again."
+                    f"batch {self.display!r}: chunk {chunk.label} overlaps another one; "
+                    f"it is dropped and its rows are done again."
                 )
                 self._delete([chunk])
                 continue
@@ -456,28 +429,33 @@ class StoredLedger(Ledger):
         failures = sum(type(r) is RowFailure for r in results) if self.record_failures else 0
         run = where.run
         digest = self._digester.digest(rows if type(rows) is list else list(rows))
-        chunk = Chunk(start, start + size, failures, digest)
-        encoded = encode(
-            results,
-            allow_pickle=run.allow_pickle,
-            what=f"the {_WHAT[self.kind]} of batch {where.display!r}, {chunk.rows}",
-        )
+        end = start + size
+        try:
+            encoded = encode(results, allow_pickle=run.allow_pickle)
+        except SerializationError:
+            # again, for the message (not built for every commit: it takes as long as a write)
+            encode(results, allow_pickle=run.allow_pickle, what=self._what(start, end))
+            raise  # pragma: no cover - the second encode raises the same error
         meta = {
             "slot": where.label,
             "batch": where.directory,
-            "rows": [chunk.start, chunk.end],
+            "rows": [start, end],
             "digest": digest,
+            "failures": failures,
         }
         framed = frame(encoded, meta, secret=run.secret)
         with self._lock:
             if self._stored is None:
                 self._save_record()  # before the first chunk: chunks never exist without it
-            run.store.write(where.directory + chunk.file_name, framed.chunks(), durable=run.durable)
+            chunk = self._chunks.add(start, end, failures, digest, framed)
             self.chunks.append(chunk)
             self.fresh[start] = results
             self.done += size
             self.failures += failures
             self.report()
+
+    def _what(self, start: int, end: int) -> str:
+        return f"the {_WHAT[self.kind]} of batch {self.where.display!r}, {Chunk(start, end, 0, '').rows}"
 
     def salvage(self, start: int, rows: Sequence[Any], results: Any) -> None:
         """Commit the rows finished before an exception; a failure here is only logged."""
@@ -548,9 +526,7 @@ class StoredLedger(Ledger):
         self.failures -= sum(c.failures for c in chunks)
 
     def _delete(self, chunks: Iterable[Chunk]) -> None:
-        where = self.where
-        for chunk in chunks:
-            where.run.store.delete(where.directory + chunk.file_name, durable=False)
+        self._chunks.drop(chunks)
 
     # assembling --------------------------------------------------------------------------
 
@@ -562,43 +538,33 @@ class StoredLedger(Ledger):
         Raises:
             DamagedChunksError: some chunks were damaged; they have been deleted.
         """
-        out: list[Any] = []
+        earlier = [c for c in self.chunks if c.start not in self.fresh]
+        stored: dict[Chunk, list[Any]] = {}
         damaged: list[str] = []
-        for chunk in sorted(self.chunks):
-            results = self.fresh.get(chunk.start)
-            if results is None:
-                try:
-                    results = self._load(chunk)
-                except DamagedFileError as exc:
-                    damaged.append(f"{chunk.file_name} ({exc})")
-                    self._drop([chunk])
-                    continue
-            out.extend(results)
+        allow_pickle = self.where.run.allow_pickle
+        for chunk, checked in self._chunks.read_many(earlier):
+            try:
+                if isinstance(checked, DamagedFileError):
+                    raise checked
+                stored[chunk] = _results(checked.decode(allow_pickle=allow_pickle), chunk)
+            except DamagedFileError as exc:
+                damaged.append(f"{chunk.label} ({exc})")
         if damaged:
+            self._drop([c for c in earlier if c not in stored])
             where = self.where
             warn(
                 f"batch {where.display!r}: damaged chunk(s) in {where.run.store.location}/"
                 f"{where.directory}: {'; '.join(damaged)}. Their rows are done again."
             )
             raise DamagedChunksError(where.display)
+        out: list[Any] = []
+        for chunk in sorted(self.chunks):
+            results = self.fresh.get(chunk.start)
+            out.extend(stored[chunk] if results is None else results)
         return out
 
-    def _load(self, chunk: Chunk) -> list[Any]:
-        value = self._read(chunk)
-        if not isinstance(value, list) or len(value) != chunk.end - chunk.start:
-            msg = "it does not hold one result per row"
-            raise DamagedFileError(msg)
-        return value
-
     def _read(self, chunk: Chunk) -> Any:
-        where = self.where
-        run = where.run
-        checked = read_verified(run.store.read(where.directory + chunk.file_name), run.secret)
-        header = checked.header
-        if header.get("rows") != [chunk.start, chunk.end] or header.get("digest") != chunk.digest:
-            msg = "it holds other rows than its name says"
-            raise DamagedFileError(msg)
-        return checked.decode(allow_pickle=run.allow_pickle)
+        return self._chunks.read(chunk).decode(allow_pickle=self.where.run.allow_pickle)
 
     def restore_state(self, state: dict[str, Any]) -> None:
         """
@@ -612,9 +578,9 @@ class StoredLedger(Ledger):
         try:
             value = self._read(newest)
         except (DamagedFileError, FileNotFoundError) as exc:
-            value, why = None, f"{newest.file_name} cannot be used ({exc})"
+            value, why = None, f"{newest.label} cannot be used ({exc})"
         else:
-            why = f"{newest.file_name} holds no loop state"
+            why = f"{newest.label} holds no loop state"
         if type(value) is not dict:
             warn(
                 f"batch {self.display!r}: its loop state is not restored: {why}; "
@@ -634,6 +600,13 @@ def _changed(old: object, new: dict[str, str] | None) -> set[str] | None:
     if not isinstance(old, dict) or new is None:
         return None
     return {name for name in old.keys() | new.keys() if old.get(name) != new.get(name)}
+
+
+def _results(value: Any, chunk: Chunk) -> list[Any]:
+    if not isinstance(value, list) or len(value) != chunk.end - chunk.start:
+        msg = "it does not hold one result per row"
+        raise DamagedFileError(msg)
+    return value
 
 
 def _rows(chunks: list[Chunk]) -> str:

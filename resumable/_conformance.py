@@ -273,6 +273,24 @@ class StoreConformance(abc.ABC):
         store.append("events.jsonl", b"new\n", durable=False)
         _expect(b"new\n", bytes(store.read("events.jsonl")), "append after delete starts afresh")
 
+    def test_truncate_cuts_an_appended_object(self) -> None:
+        """truncate() keeps the first bytes (never adds any); appends go on at the new end."""
+        import pytest  # noqa: PLC0415 - only test runs need pytest
+
+        store = self.make_store()
+        key = "batches/b/chunks.log"
+        store.append(key, b"record 1|", durable=True)
+        store.append(key, b"record 2|torn", durable=False)
+        store.truncate(key, 18, durable=True)
+        _expect(b"record 1|record 2|", bytes(store.read(key)), "the object after truncate")
+        store.truncate(key, 100, durable=False)
+        _expect(b"record 1|record 2|", bytes(store.read(key)), "the object after truncate to a larger size")
+        store.append(key, b"record 3|", durable=True)
+        _expect(b"record 1|record 2|record 3|", bytes(store.read(key)), "append after truncate")
+        _expect(b"record 3|", store.read_range(key, 18, 27), "read_range after truncate")
+        with pytest.raises(FileNotFoundError):
+            store.truncate("batches/b/missing.log", 0, durable=False)
+
     # deleting and listing -----------------------------------------------------------------
 
     def test_delete_is_idempotent(self) -> None:

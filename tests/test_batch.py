@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import re
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from chunk_files import LOG, committed, live_records
 
 from resumable import (
     BatchRecord,
@@ -23,18 +23,48 @@ from resumable import (
     checkpointed,
     checkpointed_map,
 )
+from resumable._stores._local import LocalStore
 
 BATCHES = Path(".resumable") / "batches"
-CHUNK = re.compile(r"(\d{12})-(\d{12})-(\d+)-[mf][0-9a-f]{24}\.msgpack")
 
 
 def chunks(state_dir: Path, where: str) -> list[tuple[int, int, int]]:
-    """(start, end, failures) of the chunk files directly in a batch directory, in order."""
-    directory = state_dir / BATCHES / where
-    if not directory.is_dir():
-        return []
-    found = [CHUNK.fullmatch(p.name) for p in directory.iterdir() if p.is_file()]
-    return sorted((int(m[1]), int(m[2]), int(m[3])) for m in found if m is not None)
+    """(start, end, failures) of the committed chunks of a batch directory, in order."""
+    return committed(state_dir / BATCHES / where)
+
+
+@pytest.fixture(params=["log", "files"])
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """
+    Chunks as records of the batch's chunk log (stores that append cheaply), or as files of
+    their own (object stores, and state directories written by earlier versions).
+    """
+    if request.param == "files":
+        monkeypatch.setattr(LocalStore, "cheap_appends", False)
+    return str(request.param)
+
+
+def change_chunk(directory: Path, start: int, change: Callable[[bytes], bytes]) -> None:
+    """Replace the bytes of the chunk of rows *start* on (its file, or its record in the log)."""
+    for path in directory.iterdir():
+        if path.name.startswith(f"{start:012d}-"):
+            path.write_bytes(change(path.read_bytes()))
+            return
+    record = next(r for r in live_records(directory / LOG) if r.header["rows"][0] == start)
+    data = (directory / LOG).read_bytes()
+    end = record.offset + record.length
+    (directory / LOG).write_bytes(data[: record.offset] + change(data[record.offset : end]) + data[end:])
+
+
+def chunk_bytes(directory: Path, start: int) -> bytes:
+    """The bytes of the chunk of rows *start* on (its file, or its record in the log)."""
+    found: list[bytes] = []
+    change_chunk(directory, start, lambda data: found.append(data) or data)  # type: ignore[func-returns-value]
+    return found[0]
+
+
+def flip_last_byte(data: bytes) -> bytes:
+    return data[:-1] + bytes([data[-1] ^ 0xFF])
 
 
 class Counter:
@@ -122,8 +152,8 @@ def test_log_says_where_the_batch_resumes(pipe: Pipeline, caplog: pytest.LogCapt
     assert "resuming batch 'enrich' at row 4,200 of 10,000" in caplog.messages
 
 
-def test_chunks_are_written_once_and_never_rewritten(pipe: Pipeline, state_dir: Path):
-    """Each commit adds one file; files of earlier commits keep their bytes and inode."""
+def test_chunks_are_written_once_and_never_rewritten(pipe: Pipeline, state_dir: Path, layout: str):
+    """Each commit appends one record (or adds one file); earlier commits keep their bytes and inode."""
     fn = Counter(fail_at=35)
 
     @pipe.step
@@ -138,6 +168,10 @@ def test_chunks_are_written_once_and_never_rewritten(pipe: Pipeline, state_dir: 
     with pipe, pytest.raises(RuntimeError):
         enrich()
     after = {p.name: (p.stat().st_ino, p.read_bytes()) for p in directory.iterdir()}
+    if layout == "log":
+        (inode, old), (new_inode, new) = before.pop(LOG), after.pop(LOG)
+        assert (inode, old) == (new_inode, new[: len(old)])
+        assert len(new) > len(old)
     assert before == {name: after[name] for name in before}
     assert [(35, 45, 0), (45, 55, 0)] == [c for c in chunks(state_dir, "steps/enrich") if c[0] >= 35]
 
@@ -472,32 +506,30 @@ def test_unstorable_result_names_the_batch(pipe: Pipeline):
         checkpointed_map(lambda _: object(), range(2), every=5, name="objs")
 
 
-def test_damaged_chunk_is_redone_with_a_warning(pipe: Pipeline, state_dir: Path):
-    """A damaged chunk is never returned: it is deleted, warned about, and its rows are done again."""
+def test_damaged_chunk_is_redone_with_a_warning(pipe: Pipeline, state_dir: Path, layout: str):
+    """A damaged chunk is never returned: it is dropped, warned about, and its rows are done again."""
     fn = Counter()
     with pipe:
         expected = checkpointed_map(fn, range(30), every=10, name="b")
-    victim = next(
-        p for p in (state_dir / BATCHES / "named" / "b").iterdir() if p.name.startswith("000000000010")
-    )
-    data = bytearray(victim.read_bytes())
-    data[-1] ^= 0xFF
-    victim.write_bytes(bytes(data))
+    change_chunk(state_dir / BATCHES / "named" / "b", 10, flip_last_byte)
     fn.calls.clear()
     with pipe, pytest.warns(ResumableWarning, match="damaged chunk"):
         assert expected == checkpointed_map(fn, range(30), every=10, name="b")
     assert list(range(10, 20)) == fn.calls
+    fn.calls.clear()
+    with pipe:  # dropped for good: no warning, nothing done again
+        assert expected == checkpointed_map(fn, range(30), every=10, name="b")
+    assert [] == fn.calls
 
 
-def test_damaged_chunk_of_an_iterator_batch_is_redone_by_the_next_run(pipe: Pipeline, state_dir: Path):
+def test_damaged_chunk_of_an_iterator_batch_is_redone_by_the_next_run(
+    pipe: Pipeline, state_dir: Path, layout: str
+):
     """With a one-shot iterator the damaged rows cannot be redone at once: an error says to run again."""
     fn = Counter()
     with pipe:
         expected = checkpointed_map(fn, iter(range(30)), every=10, name="b")
-    victim = next(
-        p for p in (state_dir / BATCHES / "named" / "b").iterdir() if p.name.startswith("000000000000")
-    )
-    victim.write_bytes(victim.read_bytes()[:-3])
+    change_chunk(state_dir / BATCHES / "named" / "b", 0, flip_last_byte)
     with pipe, pytest.warns(ResumableWarning), pytest.raises(ResumableError, match="run again"):
         checkpointed_map(fn, iter(range(30)), every=10, name="b")
     fn.calls.clear()
@@ -506,15 +538,16 @@ def test_damaged_chunk_of_an_iterator_batch_is_redone_by_the_next_run(pipe: Pipe
     assert list(range(10)) == fn.calls
 
 
-def test_chunks_without_a_record_or_overlapping_are_not_trusted(pipe: Pipeline, state_dir: Path):
+def test_chunk_files_without_a_record_or_overlapping_are_not_trusted(pipe: Pipeline, state_dir: Path):
     """Chunk files resumable would never leave behind are dropped, and their rows done again."""
     fn = Counter()
     with pipe:
         checkpointed_map(fn, range(20), every=10, name="b")
     directory = state_dir / BATCHES / "named" / "b"
-    first = next(p for p in directory.iterdir() if p.name.startswith("000000000000"))
-    overlapping = directory / first.name.replace("000000000000-000000000010", "000000000005-000000000010")
-    overlapping.write_bytes(first.read_bytes())
+    first = chunk_bytes(directory, 0)
+    digest = live_records(directory / LOG)[0].header["digest"]
+    overlapping = directory / f"000000000005-000000000010-0-{digest}.msgpack"
+    overlapping.write_bytes(first)
     fn.calls.clear()
     with pipe, pytest.warns(ResumableWarning, match="overlaps"):
         checkpointed_map(fn, range(20), every=10, name="b")
@@ -525,6 +558,23 @@ def test_chunks_without_a_record_or_overlapping_are_not_trusted(pipe: Pipeline, 
     with pipe:
         checkpointed_map(fn, range(20), every=10, name="b")
     assert list(range(20)) == fn.calls
+    assert [(0, 10, 0), (10, 20, 0)] == chunks(state_dir, "named/b")  # the old log went with its record
+
+
+def test_overlapping_records_of_the_log_are_not_trusted(pipe: Pipeline, state_dir: Path):
+    """A record for rows another record holds already (never written by resumable) is voided."""
+    fn = Counter()
+    with pipe:
+        checkpointed_map(fn, range(20), every=10, name="b")
+    log_file = state_dir / BATCHES / "named" / "b" / LOG
+    first = live_records(log_file)[0]
+    with log_file.open("ab") as f:
+        f.write(log_file.read_bytes()[first.offset : first.offset + first.length])
+    fn.calls.clear()
+    with pipe, pytest.warns(ResumableWarning, match="overlaps"):
+        assert [x * 10 for x in range(20)] == checkpointed_map(fn, range(20), every=10, name="b")
+    assert [] == fn.calls
+    assert [(0, 10, 0), (10, 20, 0)] == chunks(state_dir, "named/b")
 
 
 def test_damaged_record_starts_over(pipe: Pipeline, state_dir: Path):
@@ -540,7 +590,7 @@ def test_damaged_record_starts_over(pipe: Pipeline, state_dir: Path):
     assert list(range(10)) == fn.calls
 
 
-def test_signed_state_refuses_chunks_written_without_the_secret(tmp_path: Path):
+def test_signed_state_refuses_chunks_written_without_the_secret(tmp_path: Path, layout: str):
     """With a secret, a chunk that is not authentic is treated as damaged and redone."""
     fn = Counter()
     signed, unsigned = tmp_path / "signed", tmp_path / "unsigned"
@@ -548,10 +598,9 @@ def test_signed_state_refuses_chunks_written_without_the_secret(tmp_path: Path):
         checkpointed_map(fn, range(10), every=5, name="b")
     with Pipeline("p", state_dir=unsigned):
         checkpointed_map(fn, range(10), every=5, name="b")
-    forged = next((unsigned / BATCHES / "named" / "b").glob("000000000000-*"))
-    original = signed / BATCHES / "named" / "b" / forged.name
-    assert original.read_bytes() != forged.read_bytes()
-    original.write_bytes(forged.read_bytes())
+    forged = chunk_bytes(unsigned / BATCHES / "named" / "b", 0)
+    assert forged != chunk_bytes(signed / BATCHES / "named" / "b", 0)
+    change_chunk(signed / BATCHES / "named" / "b", 0, lambda _: forged)
     fn.calls.clear()
     with Pipeline("p", state_dir=signed, secret="k1"), pytest.warns(ResumableWarning, match="authentication"):
         assert [x * 10 for x in range(10)] == checkpointed_map(fn, range(10), every=5, name="b")
@@ -755,7 +804,7 @@ def test_a_failing_salvage_does_not_hide_the_error(state_dir: Path, caplog):
     assert any("could not commit 1 finished rows" in m for m in caplog.messages)
 
 
-def test_chunks_holding_other_rows_are_damaged(pipe: Pipeline, state_dir: Path):
+def test_chunks_holding_other_rows_are_damaged(pipe: Pipeline, state_dir: Path, layout: str):
     """A chunk whose header disagrees with its name, or with the wrong number of results, is redone."""
     from resumable._codec import encode, frame
 
@@ -763,20 +812,30 @@ def test_chunks_holding_other_rows_are_damaged(pipe: Pipeline, state_dir: Path):
     with pipe:
         checkpointed_map(fn, range(30), every=10, name="b")
     directory = state_dir / BATCHES / "named" / "b"
-    files = sorted(p for p in directory.iterdir() if CHUNK.fullmatch(p.name))
-    files[1].write_bytes(files[0].read_bytes())  # rows 0-9 under the name of rows 10-19
-    name = CHUNK.fullmatch(files[2].name)
-    assert name is not None
-    digest = files[2].name.split("-")[3].removesuffix(".msgpack")
-    meta = {"slot": "b", "batch": "x", "rows": [20, 30], "digest": digest}
-    files[2].write_bytes(b"".join(frame(encode([1, 2], allow_pickle=False), meta).chunks()))
+    digest = {r.header["rows"][0]: r.header["digest"] for r in live_records(directory / LOG)}
+    meta = {"slot": "b", "batch": ".resumable/batches/named/b/", "rows": [20, 30], "failures": 0}
+    wrong_count = b"".join(
+        frame(encode([1, 2], allow_pickle=False), meta | {"digest": digest.get(20)}).chunks()
+    )
+    if layout == "files":
+        first = chunk_bytes(directory, 0)
+        change_chunk(directory, 10, lambda _: first)  # rows 0-9 under the name of rows 10-19
+        digest = {
+            0: "",
+            20: next(directory.glob("000000000020-*")).name.split("-")[3].removesuffix(".msgpack"),
+        }
+        wrong_count = b"".join(
+            frame(encode([1, 2], allow_pickle=False), meta | {"digest": digest[20]}).chunks()
+        )
+    change_chunk(directory, 20, lambda _: wrong_count)
     fn.calls.clear()
     with pipe, pytest.warns(ResumableWarning) as warned:
         assert [x * 10 for x in range(30)] == checkpointed_map(fn, range(30), every=10, name="b")
     text = str(warned[0].message)
-    assert "other rows than its name says" in text
+    if layout == "files":
+        assert "other rows than its name says" in text
     assert "one result per row" in text
-    assert list(range(10, 30)) == fn.calls
+    assert list(range(10 if layout == "files" else 20, 30)) == fn.calls
 
 
 def test_chunks_damaged_again_and_again_give_up(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
@@ -1019,14 +1078,15 @@ def test_loop_state_must_be_a_dict_of_storable_values(pipe: Pipeline):
     assert loop.state
 
 
-def test_a_damaged_loop_state_warns_and_starts_from_the_value_passed_in(pipe: Pipeline, state_dir: Path):
+def test_a_damaged_loop_state_warns_and_starts_from_the_value_passed_in(
+    pipe: Pipeline, state_dir: Path, layout: str
+):
     with pipe:
         for x in (loop := checkpointed(range(10), every=2, name="a", state={"n": 0})):
             if x == 5:
                 break
             loop.state["n"] += 1
-    newest = max((state_dir / BATCHES / "named" / "a").glob("*-*.msgpack"))
-    newest.write_bytes(newest.read_bytes()[:-3] + b"xyz")
+    change_chunk(state_dir / BATCHES / "named" / "a", 4, lambda data: data[:-3] + b"xyz")
     with pipe, pytest.warns(ResumableWarning, match="loop state is not restored"):
         loop = checkpointed(range(10), every=2, name="a", state={"n": 0})
     assert {"n": 0} == loop.state

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chunk_files import committed
 
 from resumable import BatchRecord, Pipeline, RowFailure, checkpointed_map
 
@@ -68,9 +69,9 @@ def test_a_client_is_accepted_and_a_failed_batch_resumes(pipe: Pipeline, state_d
     with pipe, pytest.raises(ValueError, match="math domain error"):
         checkpointed_map(root, rows, every=5, name="roots", executor=client, concurrency=2)
     directory = state_dir / ".resumable" / "batches" / "named" / "roots"
-    committed = {p.name[:25] for p in directory.glob("0*.msgpack")}
-    assert "000000000030-000000000035" not in committed
-    assert {"000000000000-000000000005", "000000000005-000000000010"} <= committed
+    done = {(start, end) for start, end, _ in committed(directory)}
+    assert (30, 35) not in done
+    assert {(0, 5), (5, 10)} <= done
 
     rows[30] = 30
     with pipe:

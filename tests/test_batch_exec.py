@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_batch import chunks
+from test_batch import change_chunk, chunks, flip_last_byte
 
 from resumable import (
     BatchRecord,
@@ -329,8 +329,7 @@ def test_async_damaged_chunk_is_redone(pipe: Pipeline, state_dir: Path):
     fn = AsyncRows()
     with pipe:
         asyncio.run(checkpointed_map(fn, range(8), every=4, name="d"))
-    victim = next((state_dir / ".resumable" / "batches" / "named" / "d").glob("000000000004-*"))
-    victim.write_bytes(victim.read_bytes()[:-1])
+    change_chunk(state_dir / ".resumable" / "batches" / "named" / "d", 4, flip_last_byte)
     fn.calls.clear()
     with pipe, pytest.warns(ResumableWarning, match="damaged"):
         assert [x + 1000 for x in range(8)] == asyncio.run(checkpointed_map(fn, range(8), every=4, name="d"))

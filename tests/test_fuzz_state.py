@@ -3,9 +3,10 @@ Random and adversarial bytes in every kind of state file: no run and no command 
 anything but a ResumableError, and no value is ever returned from a damaged file.
 
 A state with every kind of file (manifest, event log, unkeyed and keyed outputs, a kept
-history version, a batch record and its chunks, a code record, the file-digest cache) is
-made once; each case copies it, damages one file, runs the pipeline again and every
-read-only command on it.
+history version, a batch record and its chunk log, a code record, the file-digest cache) is
+made once, and once more with the batch's chunks in files of their own (the layout of object
+stores and of earlier versions); each case copies it, damages one file, runs the pipeline
+again and every read-only command on it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import pytest
 
 from resumable import Pipeline, ResumableError, checkpointed_map
 from resumable._cli import main
+from resumable._stores._local import LocalStore
 
 ROWS = 30
 EXPECTED = {
@@ -57,10 +59,7 @@ def _run(state: Path, *, fail_batch: bool = False, version: str = "1") -> dict[s
         return {"base": base(), "pages": [page(i) for i in (1, 2, 3)], "total": total()}
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A state holding every kind of file (an unfinished batch included)."""
-    state = tmp_path_factory.mktemp("fuzz") / "state"
+def _pristine(state: Path) -> Path:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         _run(state)
@@ -71,6 +70,20 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return state
 
 
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A state holding every kind of file (an unfinished batch included, its chunks in a log)."""
+    return _pristine(tmp_path_factory.mktemp("fuzz") / "state")
+
+
+@pytest.fixture(scope="module")
+def pristine_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same, with the batch's chunks in files of their own."""
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(LocalStore, "cheap_appends", False)
+        return _pristine(tmp_path_factory.mktemp("fuzz-files") / "state")
+
+
 KINDS = {
     "manifest": "manifest.json",
     "events": "events.jsonl",
@@ -78,7 +91,8 @@ KINDS = {
     "keyed output": "page/2.msgpack",
     "history version": ".resumable/objects/*.msgpack",
     "batch record": ".resumable/batches/steps/total/batch.msgpack",
-    "batch chunk": ".resumable/batches/steps/total/0*.msgpack",
+    "batch chunk log": ".resumable/batches/steps/total/chunks.log",
+    "batch chunk file": ".resumable/batches/steps/total/0*.msgpack",
     "code record": ".resumable/code/*.json",
 }
 
@@ -129,10 +143,12 @@ def _cli_is_calm(state: Path) -> None:
 
 @pytest.mark.parametrize(("kind", "which"), _cases(), ids=[f"{k}-{i}" for k, i in _cases()])
 def test_damaged_state_never_crashes_and_never_returns_damage(
-    pristine: Path, tmp_path: Path, kind: str, which: int
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str, which: int
 ) -> None:
     state = tmp_path / "state"
-    shutil.copytree(pristine, state)
+    shutil.copytree(
+        request.getfixturevalue("pristine_files" if kind == "batch chunk file" else "pristine"), state
+    )
     targets = sorted(state.glob(KINDS[kind]))
     assert targets, f"the pristine state has no {kind}"
     target = targets[0]

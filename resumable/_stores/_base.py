@@ -56,6 +56,13 @@ class Store(abc.ABC):
     slow_appends: ClassVar[bool] = False
     """True where each append is a round trip (an object store): events are then appended in batches."""
 
+    cheap_appends: ClassVar[bool] = False
+    """
+    True where appending a record to an object costs about what writing its bytes does (a
+    local file, memory): a batch then appends its committed chunks to one log instead of
+    writing an object per chunk. False (the default) where objects are written whole.
+    """
+
     local_root: str | None = None
     """The directory on this machine that holds the store, if it is one (the local store)."""
 
@@ -75,7 +82,7 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def append(self, key: str, data: bytes, *, durable: bool) -> None:
-        """Append *data* to the object at *key* (creating it); used for the event log."""
+        """Append *data* to the object at *key* (creating it): the event log, batches' chunk logs."""
 
     @abc.abstractmethod
     def delete(self, key: str, *, durable: bool) -> None:
@@ -146,6 +153,14 @@ class Store(abc.ABC):
 
     def close_appends(self) -> None:  # noqa: B027 - optional, and nothing to do by default
         """Release what appends keep open (file descriptors, buffered segments)."""
+
+    def truncate(self, key: str, size: int, *, durable: bool) -> None:
+        """
+        Cut the object at *key* to its first *size* bytes (a log whose last record a crash
+        cut short); an object that is not longer stays as it is. Appends then go on at the
+        new end. Default: read those bytes and :meth:`write` them, atomically.
+        """
+        self.write(key, [self.read_range(key, 0, size)], durable=durable)
 
 
 class ProtocolStore(Store):

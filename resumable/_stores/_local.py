@@ -30,6 +30,7 @@ from ._base import Buffer, Stamp, Store, check_key, read_file_stamped, stamp_of
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _WRITE_MAX = 1 << 30  # bytes per write() call; Linux caps a single write just below 2 GiB
 _counter = itertools.count()
+_MAX_APPEND_FDS = 64  # descriptors kept open between appends (the event log, batch chunk logs)
 # link() failing with these means "no hard links here" (another file system, one that has
 # none, or too many links): copy the bytes instead.
 _NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
@@ -119,6 +120,8 @@ class _FileLock:
 
 class LocalStore(Store):
     """A directory on the local file system; files 0600, directories 0700."""
+
+    cheap_appends = True  # an append is one write() (and one fsync when durable)
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(root))
@@ -360,29 +363,73 @@ class LocalStore(Store):
             _fsync_dir(directory)
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:
-        """Append all of *data* or raise (an ``OSError`` naming the file)."""
+        """
+        Append all of *data* in one ``write`` or raise (an ``OSError`` naming the file). With
+        *durable*, the file is fsynced, and its directory too when this append created it.
+        """
         path = self.path(key)
         with self._fd_lock:
             fd = self._append_fds.get(key)
+            created = False
             try:
                 if fd is None:
-                    self._check_dirs(key)
-                    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-                    try:
-                        fd = self._open_own(path, flags)
-                    except FileNotFoundError:
-                        self._makedirs(os.path.dirname(path), durable=durable)
-                        fd = self._open_own(path, flags)
-                    self._append_fds[key] = fd
+                    fd, created = self._open_append(key, path, durable=durable)
                 # O_APPEND keeps concurrent appenders from interleaving within one write();
                 # a short write (disk full) goes on where it stopped, or raises
-                _write_all(fd, [data])
+                written = os.write(fd, data)
+                if written < len(data):
+                    _write_all(fd, [memoryview(data)[max(written, 0) :]])
                 if durable:
                     os.fsync(fd)
+                    if created:
+                        # the new name must survive a power loss too, like a renamed file's
+                        _fsync_dir(os.path.dirname(path))
             except OSError as exc:
                 if isinstance(exc, StateDirectoryError):
                     raise
                 raise _with_path(exc, path) from exc
+
+    def _open_append(self, key: str, path: str, *, durable: bool) -> tuple[int, bool]:
+        """Open *key* for appending, keeping the descriptor; also whether the file was created."""
+        self._check_dirs(key)
+        flags = os.O_WRONLY | os.O_APPEND
+        created = False
+        try:
+            fd = self._open_own(path, flags)
+        except FileNotFoundError:
+            created = True
+            try:
+                fd = self._open_own(path, flags | os.O_CREAT)
+            except FileNotFoundError:
+                self._makedirs(os.path.dirname(path), durable=durable)
+                fd = self._open_own(path, flags | os.O_CREAT)
+        if len(self._append_fds) >= _MAX_APPEND_FDS:
+            # a run may append to many batch logs: keep the most recently opened descriptors
+            oldest = next(iter(self._append_fds))
+            os.close(self._append_fds.pop(oldest))
+        self._append_fds[key] = fd
+        return fd, created
+
+    def truncate(self, key: str, size: int, *, durable: bool) -> None:
+        """Cut *key* to its first *size* bytes in place (a log's torn tail); appends go on at the new end."""
+        path = self.path(key)
+        self._check_dirs(key)
+        with self._fd_lock:
+            try:
+                fd = self._open_own(path, os.O_WRONLY)
+            except OSError as exc:
+                if isinstance(exc, StateDirectoryError):
+                    raise
+                raise _with_path(exc, path) from exc
+            try:
+                if os.fstat(fd).st_size > size:
+                    os.ftruncate(fd, size)
+                    if durable:
+                        os.fsync(fd)
+            except OSError as exc:
+                raise _with_path(exc, path) from exc
+            finally:
+                os.close(fd)
 
     def close_appends(self) -> None:
         """Close the event-log descriptors kept open between appends."""

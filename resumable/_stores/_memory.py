@@ -24,6 +24,8 @@ class _MemoryLock:
 class MemoryStore(Store):
     """Objects in a dict; ``memory://name`` returns the same store for the same name."""
 
+    cheap_appends = True  # an append extends a bytearray in place
+
     _named: ClassVar[dict[str, MemoryStore]] = {}
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 

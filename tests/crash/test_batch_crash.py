@@ -3,7 +3,8 @@ Kill tests for batches: batch_rows.py is SIGKILLed (with its worker processes) a
 moments and run again on the same state directory, in each mode (sequential, side-effect
 loop, process pool, async, Dask).
 
-After every kill the rows committed so far are read from the chunk files' names. The
+After every kill the rows committed so far are read from the chunk logs (as any msgpack
+reader would read them). The
 rerun must never execute a committed row again; the rows a kill makes run again must be
 at most the rows that were in flight (an open piece of ``every`` rows, or the pieces an
 executor or the event loop holds); and the final result must be that of an uninterrupted run.
@@ -16,7 +17,6 @@ import itertools
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chunk_files import committed
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +45,6 @@ IN_FLIGHT = {
     "async": 2 * EVERY,  # concurrency 8 keeps at most two pieces open
     "dask": 4 * EVERY,
 }
-CHUNK = re.compile(r"(\d{12})-(\d{12})-\d+-[mf][0-9a-f]{24}\.msgpack")
 
 
 @dataclass
@@ -95,12 +95,11 @@ class Case:
             return []
 
     def committed(self) -> set[int]:
-        """Rows in chunk files, from their names only."""
+        """Rows in the chunks of every batch directory (records of whole logs, chunk files)."""
         rows: set[int] = set()
-        for path in (self.state / ".resumable" / "batches").rglob("*.msgpack"):
-            m = CHUNK.fullmatch(path.name)
-            if m is not None:
-                rows.update(range(int(m[1]), int(m[2])))
+        for path in (self.state / ".resumable" / "batches").rglob("batch.msgpack"):
+            for start, end, _ in committed(path.parent):
+                rows.update(range(start, end))
         return rows
 
 

@@ -1,0 +1,251 @@
+"""
+Where a batch's committed chunks are: records of one chunk log, or objects of their own.
+
+On a store that appends cheaply (:attr:`Store.cheap_appends`: the local directory, memory)
+a commit appends one record to the batch's chunk log (see :mod:`resumable._chunklog`): one
+write, and one fsync when durable. On other stores (object stores, where every object is
+written whole) each chunk is an object named by its rows::
+
+    000000000000-000000000100-0-m5f0c...a1.msgpack    rows 0 to 99, no failed row
+
+Both are read on every store: a state directory written by an earlier version holds chunk
+files, and a state copied to an object store may hold a log. A chunk is never changed once
+committed: a chunk file is deleted, a log record is voided by a void record appended later.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, NamedTuple
+
+from ._chunklog import LOG, Record, resolve, scan
+from ._codec import DamagedFileError, Framed, Verified, encode, frame, read_verified
+from ._warn import warn
+
+if TYPE_CHECKING:
+    from ._session import Session
+
+log = logging.getLogger("resumable")
+
+RECORD = "batch.msgpack"
+_CHUNK = re.compile(r"(\d{12})-(\d{12})-(\d+)-([mf][0-9a-f]{24})\.msgpack")
+_MERGED_READ = 64 << 20  # at most this many bytes of the log are read at once when assembling
+
+
+class Chunk(NamedTuple):
+    """Committed rows ``start`` to ``end`` (exclusive), and where their results are."""
+
+    start: int
+    end: int
+    failures: int
+    digest: str
+    offset: int = -1  # where its record starts in the chunk log; -1: a file of its own
+    length: int = 0  # the record's bytes
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.start:012d}-{self.end:012d}-{self.failures}-{self.digest}.msgpack"
+
+    @property
+    def label(self) -> str:
+        """The chunk in messages: its file, or its place in the log."""
+        return self.file_name if self.offset < 0 else f"{LOG} at byte {self.offset:,}"
+
+    @property
+    def rows(self) -> str:
+        """``rows 100 to 199`` style, for messages."""
+        return f"rows {self.start:,} to {self.end - 1:,}"
+
+
+class ChunkStore:
+    """The committed chunks of the batch in *directory*: listing, adding, dropping, reading."""
+
+    def __init__(self, run: Session, directory: str, *, label: str, display: str) -> None:
+        self.run = run
+        self.directory = directory
+        self.label = label  # the slot (or name) written in each record's header
+        self.display = display
+        self.log_key = directory + LOG
+        self.appends = run.store.cheap_appends
+        self._end = 0  # where the log's whole records end: the next record goes there
+        self._torn = False  # an append failed: the log may end with part of a record
+        self._lock = threading.Lock()
+
+    def find(self) -> tuple[bool, list[Chunk]]:
+        """
+        Whether the batch record exists, and the committed chunks, in no particular order.
+        A torn tail of the log is cut; damage in it is warned about once (and voided).
+        """
+        has_record = has_log = False
+        chunks: list[Chunk] = []
+        prefix = self.directory
+        for key in self.run.store.list(prefix):
+            name = key[len(prefix) :]
+            if name == RECORD:
+                has_record = True
+            elif name == LOG:
+                has_log = True
+            elif (m := _CHUNK.fullmatch(name)) is not None:
+                chunks.append(Chunk(int(m[1]), int(m[2]), int(m[3]), m[4]))
+        self._end, self._torn = 0, False
+        if has_log:
+            chunks += self._scan()
+        return has_record, chunks
+
+    def _read_log(self, start: int, end: int) -> bytes:
+        return self.run.store.read_range(self.log_key, start, end)
+
+    def _scan(self) -> list[Chunk]:
+        found = scan(self._read_log, self.directory)
+        records, damaged = resolve(found, self._read_log, self.run.secret)
+        self._end = found.end
+        if found.tail:
+            # a record a crash cut short: what follows must not be glued to it
+            self.run.store.truncate(self.log_key, found.end, durable=self.run.durable)
+            log.info(
+                "batch %r: cut the last %d bytes of %s/%s, a record cut short by a crash; "
+                "its rows are done again",
+                self.display, found.tail, self.run.store.location, self.log_key,
+            )  # fmt: skip
+        if damaged:
+            spans = "; ".join(f"bytes {d.offset:,} to {d.end:,}: {d.problem}" for d in damaged[:5])
+            if len(damaged) > 5:
+                spans += f"; and {len(damaged) - 5} more"
+            warn(
+                f"batch {self.display!r}: damaged records in {self.run.store.location}/{self.log_key} "
+                f"({spans}). They are skipped, and the rows they held are done again."
+            )
+            self._void([d.offset for d in damaged])
+        return [_chunk_of(r) for r in records]
+
+    # changing ----------------------------------------------------------------------------
+
+    def add(self, start: int, end: int, failures: int, digest: str, framed: Framed) -> Chunk:
+        """Store one committed chunk (rows *start* to *end*, framed); return it, with its place."""
+        run = self.run
+        if not self.appends:
+            chunk = Chunk(start, end, failures, digest)
+            run.store.write(self.directory + chunk.file_name, framed.chunks(), durable=run.durable)
+            return chunk
+        data = b"".join(framed.chunks())
+        return Chunk(start, end, failures, digest, self._append(data, durable=run.durable), len(data))
+
+    def _append(self, data: bytes, *, durable: bool) -> int:
+        """Append one record to the log in one write; return where it starts."""
+        store = self.run.store
+        with self._lock:
+            if self._torn:
+                store.truncate(self.log_key, self._end, durable=durable)
+                self._torn = False
+            try:
+                store.append(self.log_key, data, durable=durable)
+            except BaseException:
+                self._torn = True  # the append may have written part of the record
+                raise
+            offset = self._end
+            self._end += len(data)
+            return offset
+
+    def _void(self, offsets: list[int]) -> None:
+        """Append a void record: the records (or damaged bytes) at *offsets* no longer count."""
+        meta = {"slot": self.label, "batch": self.directory, "void": sorted(offsets)}
+        framed = frame(encode(None, allow_pickle=False), meta, secret=self.run.secret)
+        # Not fsynced: a later durable append fsyncs it too (the same file), and if a crash
+        # loses it, the next run finds the same records to drop again.
+        self._append(b"".join(framed.chunks()), durable=False)
+
+    def drop(self, chunks: Iterable[Chunk]) -> None:
+        """Forget committed chunks: delete their files, void their records."""
+        offsets = []
+        for chunk in chunks:
+            if chunk.offset < 0:
+                self.run.store.delete(self.directory + chunk.file_name, durable=False)
+            else:
+                offsets.append(chunk.offset)
+        if offsets:
+            self._void(offsets)
+
+    def drop_all(self, chunks: Iterable[Chunk]) -> None:
+        """Forget every chunk: delete the chunk files and the log."""
+        store = self.run.store
+        for chunk in chunks:
+            if chunk.offset < 0:
+                store.delete(self.directory + chunk.file_name, durable=False)
+        store.delete(self.log_key, durable=False)
+        self._end, self._torn = 0, False
+
+    # reading -----------------------------------------------------------------------------
+
+    def read(self, chunk: Chunk) -> Verified:
+        """
+        The chunk's verified contents.
+
+        Raises:
+            DamagedFileError: it is damaged, forged, or holds other rows.
+        """
+        if chunk.offset < 0:
+            return _checked(self.run.store.read(self.directory + chunk.file_name), chunk, self.run.secret)
+        # a writable buffer, as from a file: arrays decoded from it are writable
+        data = bytearray(self._read_log(chunk.offset, chunk.offset + chunk.length))
+        return _checked(data, chunk, self.run.secret)
+
+    def read_many(self, chunks: list[Chunk]) -> Iterator[tuple[Chunk, Verified | DamagedFileError]]:
+        """Each chunk with its verified contents, or what is wrong with it (the log read in long runs)."""
+        run: list[Chunk] = []
+        for chunk in sorted(chunks, key=lambda c: c.offset):
+            if chunk.offset < 0:
+                yield chunk, _attempt(self.read, chunk)
+                continue
+            if run and (
+                chunk.offset != run[-1].offset + run[-1].length
+                or chunk.offset + chunk.length - run[0].offset > _MERGED_READ
+            ):
+                yield from self._read_run(run)
+                run = []
+            run.append(chunk)
+        if run:
+            yield from self._read_run(run)
+
+    def _read_run(self, run: list[Chunk]) -> Iterator[tuple[Chunk, Verified | DamagedFileError]]:
+        """Consecutive records of the log, read at once."""
+        first, last = run[0], run[-1]
+        # a writable buffer, as from a file: arrays decoded from it are writable
+        view = memoryview(bytearray(self._read_log(first.offset, last.offset + last.length)))
+        for chunk in run:
+            start = chunk.offset - first.offset
+            try:
+                yield chunk, _checked(view[start : start + chunk.length], chunk, self.run.secret)
+            except DamagedFileError as exc:
+                yield chunk, exc
+
+
+def _chunk_of(record: Record) -> Chunk:
+    header = record.header
+    start, end = header["rows"]
+    return Chunk(start, end, header["failures"], header["digest"], record.offset, record.length)
+
+
+def _checked(data: bytes | bytearray | memoryview, chunk: Chunk, secret: bytes | None) -> Verified:
+    if chunk.offset >= 0 and len(data) != chunk.length:
+        msg = "the chunk log ends inside it"
+        raise DamagedFileError(msg)
+    checked = read_verified(data, secret)
+    header = checked.header
+    if header.get("rows") != [chunk.start, chunk.end] or header.get("digest") != chunk.digest:
+        msg = (
+            "it holds other rows than its name says"
+            if chunk.offset < 0
+            else "it holds other rows than the log said"
+        )
+        raise DamagedFileError(msg)
+    return checked
+
+
+def _attempt(read: Callable[[Chunk], Verified], chunk: Chunk) -> Verified | DamagedFileError:
+    try:
+        return read(chunk)
+    except DamagedFileError as exc:
+        return exc
