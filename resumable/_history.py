@@ -117,7 +117,10 @@ class _Point:
     after_rollback: int | None = None
     """The checkpoint a rollback restored just before this one was made (no checkpoint between)."""
     versions: dict[str, str] | None = None
-    """The version of each completed slot's output (None unless asked for)."""
+    """The version of each completed slot's output (at the first checkpoint asked for, and at
+    those to restore; see :func:`_each_versions` for the others)."""
+    changes: dict[str, str | None] | None = None
+    """The versions changed since the checkpoint asked for before this one (None: gone)."""
     base: tuple[int, Manifest] | None = None
     """The log offset after this checkpoint and the whole manifest then (for a history base)."""
 
@@ -231,22 +234,13 @@ def replay(
     (what a new history base needs).
     """
     wanted, whole = set(want), set(full)
-    base = _read_base(store, secret)
-    start = 0
     points: list[_Point] = []
-    if base is not None:
-        start, manifest, first = base
-        try:  # the base must point just after a line of this log
-            if store.read_range(EVENTS, start - 1, start) != b"\n":
-                base = None
-        except FileNotFoundError:
-            base = None
-    if base is None:
-        start, fold = 0, Fold(Manifest(workflow_id="", pipeline=""))
-    else:
-        fold = Fold(manifest)
+    start, fold, first = _replay_start(store, secret)
+    if first is not None:
         asked = first.id in wanted or first.id in whole
         points.append(_point(first, fold.manifest, asked, first.id in whole, None))
+        if asked:
+            points[-1].versions = current_versions(fold.manifest)
     rolled_back_to: int | None = None
     versions = _Versions()
     for offset, event in _events_from(store, secret, start):
@@ -262,8 +256,9 @@ def replay(
         # checkpoint would make a replay quadratic in the number of slots.
         checkpoint = Checkpoint(number, event.get("t"), event.get("slot"), event.get("label"), _NOT_COPIED)
         asked = number in wanted or number in whole
-        now = versions.at(m) if asked else None
-        point = _point(checkpoint, m, asked, number in whole, rolled_back_to, versions=now)
+        point = _point(checkpoint, m, asked, number in whole, rolled_back_to)
+        if asked:
+            point.versions, point.changes = versions.at(m, whole=number in whole)
         if number == base_at:
             point.base = (offset, Manifest.from_dict(m.to_dict()))
         points.append(point)
@@ -295,34 +290,47 @@ class _Versions:
         elif event.get("event") == "rollback" or event.get("steps"):
             self._now = None  # the whole state changed (or every slot of some steps): start over
 
-    def at(self, m: Manifest) -> dict[str, str]:
-        """The versions now (a copy), for the manifest *m* the events were folded into."""
+    def at(self, m: Manifest, *, whole: bool) -> tuple[dict[str, str] | None, dict[str, str | None] | None]:
+        """
+        For the manifest *m* the events were folded into: the versions now (a copy, if this is
+        the first time or *whole*), and what changed since the last call (None the first time).
+        """
+        changes: dict[str, str | None] | None = None
         if self._now is None:
             self._now = current_versions(m)
         else:
+            changes = {}
             for slot in self._touched:
                 rec = m.steps.get(slot)
-                if rec is not None and rec.status == "completed" and rec.file is not None:
-                    self._now[slot] = rec.file
-                else:
+                version = rec.file if rec is not None and rec.status == "completed" else None
+                changes[slot] = version
+                if version is None:
                     self._now.pop(slot, None)
+                else:
+                    self._now[slot] = version
         self._touched.clear()
-        return dict(self._now)
+        return (dict(self._now) if changes is None or whole else None), changes
 
 
-def _point(  # noqa: PLR0913 - plain data
-    checkpoint: Checkpoint,
-    m: Manifest,
-    asked: bool,
-    whole: bool,
-    rolled_back_to: int | None,
-    *,
-    versions: dict[str, str] | None = None,
+def _replay_start(store: Store, secret: bytes | None) -> tuple[int, Fold, Checkpoint | None]:
+    """Where a replay starts: the history base (its offset, state and checkpoint) or the empty state."""
+    base = _read_base(store, secret)
+    if base is not None:
+        start, manifest, first = base
+        try:  # the base must point just after a line of this log
+            if store.read_range(EVENTS, start - 1, start) == b"\n":
+                return start, Fold(manifest), first
+        except FileNotFoundError:
+            pass
+    return 0, Fold(Manifest(workflow_id="", pipeline="")), None
+
+
+def _point(
+    checkpoint: Checkpoint, m: Manifest, asked: bool, whole: bool, rolled_back_to: int | None
 ) -> _Point:
     point = _Point(checkpoint, None, {}, rolled_back_to)
     if asked:
         point.checkpoint = attrs.evolve(checkpoint, completed_steps=list(m.completed_steps))
-        point.versions = versions if versions is not None else current_versions(m)
     if whole:
         point.steps = {s: attrs.evolve(r) for s, r in m.steps.items()}
         point.code = {k: dict(v) for k, v in m.code.items()}
@@ -331,6 +339,26 @@ def _point(  # noqa: PLR0913 - plain data
 
 def _versions(point: _Point) -> dict[str, str]:
     return point.versions or {}
+
+
+def _each_versions(points: Iterable[_Point]) -> Iterator[tuple[_Point, dict[str, str]]]:
+    """
+    Each point asked for, with its versions: one map brought up to date point by point (use
+    it before taking the next), so that 20 checkpoints of 100,000 slots hold one map, not 20.
+    """
+    now: dict[str, str] | None = None
+    for point in points:
+        if point.changes is not None and now is not None:
+            for slot, version in point.changes.items():
+                if version is None:
+                    now.pop(slot, None)
+                else:
+                    now[slot] = version
+        elif point.versions is not None:
+            now = dict(point.versions)
+        else:
+            continue
+        yield point, now
 
 
 def _kept(store: Store) -> set[str]:
@@ -346,8 +374,8 @@ def current_versions(manifest: Manifest) -> dict[str, str]:
     return {s: r.file for s, r in manifest.steps.items() if r.status == "completed" and r.file is not None}
 
 
-def _restorable(point: _Point, available: set[str]) -> bool:
-    return set(_versions(point).values()) <= available
+def _restorable(versions: dict[str, str], available: set[str]) -> bool:
+    return available.issuperset(versions.values())
 
 
 def _newest(manifest: Manifest, count: int) -> set[int]:
@@ -358,9 +386,9 @@ def _newest(manifest: Manifest, count: int) -> set[int]:
 
 def checkpoints(store: Store, secret: bytes | None, newest: int, manifest: Manifest) -> list[Checkpoint]:
     """The checkpoints among the *newest* that can still be restored, oldest first."""
-    points = [p for p in replay(store, secret, _newest(manifest, newest)) if p.versions is not None]
     available = _kept(store) | set(current_versions(manifest).values())
-    return [p.checkpoint for p in points if _restorable(p, available)]
+    points = _each_versions(replay(store, secret, _newest(manifest, newest)))
+    return [p.checkpoint for p, versions in points if _restorable(versions, available)]
 
 
 def unneeded_versions(
@@ -382,8 +410,8 @@ def unneeded_versions(
 def _unneeded(kept: set[str], manifest: Manifest, points: Iterable[_Point]) -> list[str]:
     """The keys of the *kept* versions that the current state and the *points* asked for do not need."""
     needed = set(current_versions(manifest).values())
-    for point in points:
-        needed.update(_versions(point).values())
+    for _, versions in _each_versions(points):
+        needed.update(versions.values())
     return [object_key(v) for v in sorted(kept - needed)]
 
 
