@@ -482,11 +482,16 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
     """Restore the state at *target* (see :func:`find`), outputs included, byte for byte."""
     store, durable = run.store, run.durable
     run.journal.write_pending(durable=False)  # the log must hold every event replayed
-    number = find(replay(store, run.secret), target)
+    numbered = isinstance(target, int) or (isinstance(target, str) and target.isdigit())
+    # a checkpoint id: one replay both finds it and copies its state; a name needs two
+    points = replay(store, run.secret, full=[int(target)] if numbered else [])
+    number = find(points, target)
     if number == 0:
         point = _Point(_EMPTY, {}, {})
     else:
-        point = next(p for p in replay(store, run.secret, full=[number]) if p.checkpoint.id == number)
+        if not numbered:
+            points = replay(store, run.secret, full=[number])
+        point = next(p for p in points if p.checkpoint.id == number)
     current = current_versions(run.journal.manifest)
     wanted = _versions(point)
     missing = sorted(set(wanted.values()) - _kept(store) - set(current.values()))
