@@ -492,7 +492,11 @@ def read_output_fd(fd: int, size: int) -> Reading:
     """:func:`read_output` from a file open at its start, *size* bytes long."""
     if size < _STAGED_MIN:
         whole = bytearray(size)
-        del whole[_read_into(fd, memoryview(whole)) :]  # a file cut short meanwhile reads short
+        done = os.readv(fd, [whole])
+        if done < size:  # a short read: go on, and a file cut short meanwhile reads short
+            with memoryview(whole) as view:
+                done += _read_into(fd, view[done:])
+            del whole[done:]
         header, head_len = parse_header(whole)
         return Reading(whole, header, head_len)
     head = memoryview(bytearray(_HEAD_READ))

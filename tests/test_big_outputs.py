@@ -190,6 +190,23 @@ def test_a_file_cut_short_while_it_is_read_is_judged_by_what_was_read(big, cut):
     assert ["truncated", "truncated", True] == outcomes
 
 
+def test_a_small_file_cut_short_while_it_is_read_is_judged_by_what_was_read(tmp_path):
+    """The same for a small file, read in one call: whole it verifies, cut short it is truncated."""
+    framed = _codec.frame(_codec.encode([1, 2, 3], allow_pickle=False), {"slot": "x"})
+    path = tmp_path / "x.msgpack"
+    good = b"".join(bytes(c) for c in framed.chunks())
+    outcomes = []
+    for data in (good, good[:-1]):
+        path.write_bytes(data)
+        with path.open("rb") as f:
+            reading = _codec.read_output_fd(f.fileno(), len(good) + 100)
+        try:
+            outcomes.append(reading.verified(None).decode(allow_pickle=False))
+        except _codec.DamagedFileError as exc:
+            outcomes.append(str(exc).split(":")[0])
+    assert [[1, 2, 3], "truncated"] == outcomes
+
+
 def test_a_large_file_from_another_secret_is_refused(state_dir):
     """With a secret, a large file is authenticated too: another secret's file is recomputed."""
     producer = Big(state_dir, secret="one")
