@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import importlib
 import os
 import struct
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
@@ -28,7 +30,7 @@ from typing import Any
 import msgpack
 
 from . import _codec_arrays  # noqa: F401 - registers the NumPy and pandas codec (imports neither)
-from ._checksum import CHECKSUM_PREFIX, TREE_MIN, TREE_PREFIX, start_checksum
+from ._checksum import CHECKSUM_PREFIX, TREE_MIN, TREE_PREFIX, fill_and_checksum, start_checksum
 from ._codec_types import (
     Decoder,
     Encoder,
@@ -38,7 +40,8 @@ from ._codec_types import (
     find_path,
     qualified_name,
 )
-from ._stores._base import read_file
+from ._stores._base import Stamp, Store
+from ._stores._local import LocalStore, read_file_with
 from .exceptions import SerializationError, StateFormatError
 
 FORMAT = 1
@@ -304,10 +307,18 @@ def _valid_header(header: object) -> bool:
     )
 
 
-def verify(data: Buffer, header: Mapping[str, Any], head_len: int, secret: bytes | None) -> None:
+def verify(
+    data: Buffer,
+    header: Mapping[str, Any],
+    head_len: int,
+    secret: bytes | None,
+    checksum: str | None = None,
+) -> None:
     """
     Check that *data* (already through :func:`parse_header`) is complete, authentic (with a
-    secret) and matches its checksum.
+    secret) and matches its checksum. *checksum*, if given, is the checksum of everything
+    after the header, of the kind the header records, computed as it was read (see
+    :func:`read_output`).
 
     Raises:
         DamagedFileError: it is not.
@@ -323,7 +334,9 @@ def verify(data: Buffer, header: Mapping[str, Any], head_len: int, secret: bytes
         msg += f"{size} value bytes instead of {header['size']}"
         raise DamagedFileError(msg)
     value = memoryview(data)[head_len:]
-    if header["checksum"].startswith(TREE_PREFIX):
+    if checksum is not None:
+        actual = checksum
+    elif header["checksum"].startswith(TREE_PREFIX):
         actual = start_checksum([value], TREE_MIN)()
     else:
         actual = CHECKSUM_PREFIX + hashlib.sha256(value).hexdigest()
@@ -416,6 +429,132 @@ def verified(data: Buffer, header: dict[str, Any], head_len: int, secret: bytes 
     return Verified(data, header, head_len)
 
 
+# Files this large are read into an uninitialised buffer by the hash pool, each piece of
+# the tree checksum read and hashed by one thread; smaller ones are read in one call.
+_STAGED_MIN = TREE_MIN
+_HEAD_READ = 64 * 1024  # read first, for the header, before the buffer for the rest is made
+
+
+class Reading:
+    """
+    An output file read whole and its header parsed. For a large value, its checksum was
+    computed as it was read; :meth:`verified` checks it against the header, and is the way
+    on to the value.
+    """
+
+    __slots__ = ("checksum", "data", "head_len", "header", "stamp")
+
+    def __init__(
+        self,
+        data: Buffer,
+        header: dict[str, Any],
+        head_len: int,
+        checksum: str | None = None,
+        stamp: Stamp | None = None,
+    ) -> None:
+        self.data = data
+        self.header = header
+        self.head_len = head_len
+        self.checksum = checksum
+        self.stamp = stamp
+
+    def verified(self, secret: bytes | None) -> Verified:
+        """
+        :func:`verified` for the file read.
+
+        Raises:
+            DamagedFileError: it is incomplete, forged or damaged.
+        """
+        verify(self.data, self.header, self.head_len, secret, self.checksum)
+        return Verified(self.data, self.header, self.head_len)
+
+
+def read_output(store: Store, key: str) -> Reading:
+    """
+    Read the output file *key* of *store* and parse its header. From a local directory, a
+    large file is checksummed as it is read, into a buffer its arrays will view.
+
+    Raises:
+        FileNotFoundError: there is no such file.
+        DamagedFileError: it is not a resumable output file (a damaged header).
+        StateFormatError: it was written by a newer version.
+    """
+    if isinstance(store, LocalStore):
+        reading, stamp = store.read_with(key, read_output_fd)
+        reading.stamp = stamp
+        return reading
+    data, data_stamp = store.read_stamped(key)
+    header, head_len = parse_header(data)
+    return Reading(data, header, head_len, stamp=data_stamp)
+
+
+def read_output_fd(fd: int, size: int) -> Reading:
+    """:func:`read_output` from a file open at its start, *size* bytes long."""
+    if size < _STAGED_MIN:
+        whole = bytearray(size)
+        done = os.readv(fd, [whole])
+        if done < size:  # a short read: go on, and a file cut short meanwhile reads short
+            with memoryview(whole) as view:
+                done += _read_into(fd, view[done:])
+            del whole[done:]
+        header, head_len = parse_header(whole)
+        return Reading(whole, header, head_len)
+    head = memoryview(bytearray(_HEAD_READ))
+    head = head[: _read_into(fd, head)]
+    try:
+        header, head_len = parse_header(head)
+    except DamagedFileError:
+        if len(head) < _HEAD_READ:
+            raise
+        header, head_len = {}, 0  # a header longer than the head (or damage): read it all
+    buffer = _fresh_buffer(size, arrays=bool(header.get("buffers")))
+    buffer[: len(head)] = head
+    if header and str(header["checksum"]).startswith(TREE_PREFIX) and hasattr(os, "preadv"):
+
+        def read_at(part: memoryview, offset: int) -> int:
+            return _read_into(fd, part, offset)
+
+        checksum, filled = fill_and_checksum(read_at, buffer, head_len, len(head))
+        # a file that got shorter while it was read is judged by what was read
+        return Reading(buffer[:filled], header, head_len, checksum if filled == size else None)
+    data = buffer[: len(head) + _read_into(fd, buffer[len(head) :])]
+    if not header:
+        header, head_len = parse_header(data)  # raises if it is damaged after all
+    return Reading(data, header, head_len)
+
+
+def _read_into(fd: int, view: memoryview, offset: int | None = None) -> int:
+    """
+    Fill *view* from *fd* (at *offset*, or its position), going on after short reads; the
+    bytes read, fewer only at the end of the file.
+    """
+    done = 0
+    while done < len(view):
+        part = view[done:]
+        got = os.readv(fd, [part]) if offset is None else os.preadv(fd, [part], offset + done)
+        if not got:
+            break
+        done += got
+    return done
+
+
+def _fresh_buffer(size: int, *, arrays: bool) -> memoryview:
+    """
+    A writable buffer for a large file. With NumPy (already imported, or needed for the
+    file's arrays anyway) it is left uninitialised, as every byte is read into it: a zeroed
+    bytearray costs a pass over the memory and a page fault per 4 KiB page.
+    """
+    np = sys.modules.get("numpy")
+    if np is None and arrays:
+        try:
+            np = importlib.import_module("numpy")
+        except ImportError:
+            np = None
+    if np is None:
+        return memoryview(bytearray(size))
+    return memoryview(np.empty(size, dtype=np.uint8))
+
+
 def value_digest(header: Mapping[str, Any]) -> str:
     """The digest another step's fingerprint uses for this stored value."""
     checksum: str = header["checksum"]
@@ -449,9 +588,9 @@ def load(
         StateFormatError: the file was written by a newer version of resumable.
         FileNotFoundError: there is no such file.
     """
-    data = read_file(path)
     try:
-        return read_verified(data, secret_bytes(secret)).decode(allow_pickle=allow_pickle)
+        reading = read_file_with(path, read_output_fd, nofollow=False)[0]
+        return reading.verified(secret_bytes(secret)).decode(allow_pickle=allow_pickle)
     except DamagedFileError as exc:
         msg = f"cannot load {os.fspath(path)}: {exc}"
         raise SerializationError(msg) from None

@@ -35,11 +35,10 @@ from ._codec import (
     Verified,
     encode,
     frame,
-    parse_header,
+    read_output,
     read_verified,
     utcnow,
     value_digest,
-    verified,
 )
 from ._codec_types import qualified_name
 from ._files import file_digests
@@ -313,20 +312,19 @@ class Session:
         if plan.key is None:
             self._check_single_slot(spec, plan)
         key = slot_file(plan.slot)
-        stamp: Stamp | None = None
         try:
             known = self._verified.get(plan.slot)
             if known is not None and known[0] == self.store.stamp(key):
                 return self._hit_verified(spec, plan, known[1])
-            data, stamp = self.store.read_stamped(key)
-            header, head_len = parse_header(data)
+            reading = read_output(self.store, key)
         except (FileNotFoundError, DamagedFileError) as exc:
             return self._unusable(plan, exc)
+        header, head_len, stamp = reading.header, reading.head_len, reading.stamp
         miss = self._check_header(spec, plan, header)
         if miss is not None:
             return miss
         try:
-            checked = verified(data, header, head_len, self.secret)
+            checked = reading.verified(self.secret)
             value = checked.decode(allow_pickle=self.allow_pickle)
         except DamagedFileError as exc:
             return self._corrupt(plan, str(exc))

@@ -21,12 +21,13 @@ import os
 import stat
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from .._slots import INTERNAL_DIR
 from ..exceptions import StateDirectoryError, StateLockedError
 from ._base import Buffer, Stamp, Store, check_key, read_file_stamped, stamp_of
 
+T = TypeVar("T")
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _WRITE_MAX = 1 << 30  # bytes per write() call; Linux caps a single write just below 2 GiB
 _counter = itertools.count()
@@ -80,6 +81,22 @@ def _copy_with_reads(fd_in: int, fd_out: int) -> None:
     os.ftruncate(fd_out, 0)
     while data := os.read(fd_in, 1 << 20):
         _write_all(fd_out, [data])
+
+
+def read_file_with(
+    path: str | os.PathLike[str], read: Callable[[int, int], T], *, nofollow: bool
+) -> tuple[T, Stamp]:
+    """
+    Open *path* for reading (with *nofollow*, not through a symbolic link: ``OSError``
+    ELOOP) and return what ``read(descriptor, size)`` returns, with the stamp of the version
+    it read. The descriptor is closed afterwards.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0))
+    try:
+        st = os.fstat(fd)
+        return read(fd, st.st_size), stamp_of(st)
+    finally:
+        os.close(fd)
 
 
 def _open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
@@ -202,6 +219,20 @@ class LocalStore(Store):
         path = self.path(key)
         try:
             return read_file_stamped(path, nofollow=True)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise self._linked(path) from None
+            raise
+
+    def read_with(self, key: str, read: Callable[[int, int], T]) -> tuple[T, Stamp]:
+        """
+        What ``read(descriptor, size)`` returns for *key*, opened without following a
+        symbolic link, and the stamp of the version read: for readers that fill their own
+        buffer (a large output is checksummed while it is read).
+        """
+        path = self.path(key)
+        try:
+            return read_file_with(path, read, nofollow=True)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise self._linked(path) from None
