@@ -1,6 +1,6 @@
 """
-Checksums of stored values: SHA-256, and for large values a tree of SHA-256 computed in
-parallel (also while the value is being written, or read).
+Checksums of stored values: SHA-256, and for large values a tree of BLAKE3 (SHA-256 in files
+written before 0.2) computed in parallel, also while the value is being written or read.
 """
 
 from __future__ import annotations
@@ -9,13 +9,17 @@ import hashlib
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 Buffer = bytes | bytearray | memoryview
 CHECKSUM_PREFIX = "sha256:"
-TREE_PREFIX = "sha256-tree:"
+TREE_PREFIX = "blake3-tree:"
+"""What large values are written with: BLAKE3 runs at about 4 times the speed of SHA-256."""
+SHA256_TREE_PREFIX = "sha256-tree:"
+"""What large values were written with before: still read and verified."""
+TREE_PREFIXES = (TREE_PREFIX, SHA256_TREE_PREFIX)
 
-# Values this large get a tree checksum: SHA-256 over the SHA-256 of each 4 MiB piece, the
+# Values this large get a tree checksum: a hash over the hashes of each 4 MiB piece, the
 # pieces hashed in parallel (and, when writing, while the value is being written).
 TREE_MIN = 8 * 1024 * 1024
 _TREE_PIECE = 4 * 1024 * 1024
@@ -58,15 +62,33 @@ def _pieces(chunks: Sequence[Buffer]) -> list[list[memoryview]]:
     return pieces
 
 
-def _hash_piece(parts: list[memoryview]) -> bytes:
-    digest = hashlib.sha256()
+class _Hash(Protocol):
+    def update(self, data: Buffer, /) -> object: ...
+    def digest(self) -> bytes: ...
+    def hexdigest(self) -> str: ...
+
+
+def tree_hash(prefix: str) -> Callable[[], _Hash]:
+    """The hash of a tree checksum of kind *prefix* (one of TREE_PREFIXES)."""
+    if prefix == SHA256_TREE_PREFIX:
+        return hashlib.sha256
+    import blake3  # noqa: PLC0415 - only for large values: `import resumable` stays light
+
+    return blake3.blake3
+
+
+def _hash_piece(parts: list[memoryview], new: Callable[[], _Hash]) -> bytes:
+    digest = new()
     for part in parts:
         digest.update(part)  # releases the GIL: pieces are hashed in parallel
     return digest.digest()
 
 
-def start_checksum(chunks: Sequence[Buffer], size: int) -> Callable[[], str]:
-    """Start checksumming the value; the returned function waits for and returns the result."""
+def start_checksum(chunks: Sequence[Buffer], size: int, tree: str = TREE_PREFIX) -> Callable[[], str]:
+    """
+    Start checksumming the value (a tree checksum of kind *tree* if it is large); the
+    returned function waits for and returns the result.
+    """
     if size < TREE_MIN:
 
         def plain() -> str:
@@ -76,15 +98,16 @@ def start_checksum(chunks: Sequence[Buffer], size: int) -> Callable[[], str]:
             return CHECKSUM_PREFIX + digest.hexdigest()
 
         return plain
-    futures = [_hash_pool().submit(_hash_piece, parts) for parts in _pieces(chunks)]
+    new = tree_hash(tree)
+    futures = [_hash_pool().submit(_hash_piece, parts, new) for parts in _pieces(chunks)]
 
-    def tree() -> str:
-        top = hashlib.sha256()
+    def whole() -> str:
+        top = new()
         for future in futures:
             top.update(future.result())
-        return TREE_PREFIX + top.hexdigest()
+        return tree + top.hexdigest()
 
-    return tree
+    return whole
 
 
 # Each piece of a file being read is read and hashed in steps this large by one thread, so
@@ -94,7 +117,7 @@ _READ_STEP = 256 * 1024
 
 
 def fill_and_checksum(
-    read_at: Callable[[memoryview, int], int], view: memoryview, start: int, filled: int
+    read_at: Callable[[memoryview, int], int], view: memoryview, start: int, filled: int, tree: str
 ) -> tuple[str, int]:
     """
     Fill ``view[filled:]`` with positional reads and compute the tree checksum of
@@ -111,26 +134,35 @@ def fill_and_checksum(
     end = len(view)
     starts = range(start, end, _TREE_PIECE) if start < end else [start]
     pool = _hash_pool()
-    futures = [pool.submit(_fill_piece, read_at, view, s, min(s + _TREE_PIECE, end), filled) for s in starts]
+    new = tree_hash(tree)
+    futures = [
+        pool.submit(_fill_piece, read_at, view, s, min(s + _TREE_PIECE, end), filled, new=new) for s in starts
+    ]
     wait(futures)  # all of them, even if one failed: none may write into *view* afterwards
-    top = hashlib.sha256()
+    top = new()
     reached = end
     for future in futures:
         digest, short = future.result()
         top.update(digest)
         if short is not None:
             reached = min(reached, short)
-    return TREE_PREFIX + top.hexdigest(), reached
+    return tree + top.hexdigest(), reached
 
 
-def _fill_piece(
-    read_at: Callable[[memoryview, int], int], view: memoryview, start: int, end: int, filled: int
+def _fill_piece(  # noqa: PLR0913 - the piece, and how to read and hash it
+    read_at: Callable[[memoryview, int], int],
+    view: memoryview,
+    start: int,
+    end: int,
+    filled: int,
+    *,
+    new: Callable[[], _Hash],
 ) -> tuple[bytes, int | None]:
     """
     Read ``view[start:end]`` (what is not filled yet) and hash it: the digest, and where the
     file ended if it ended early.
     """
-    digest = hashlib.sha256()
+    digest = new()
     position = start
     while position < end:
         step_end = min(end, position + _READ_STEP)

@@ -30,7 +30,14 @@ from typing import Any
 import msgpack
 
 from . import _codec_arrays  # noqa: F401 - registers the NumPy and pandas codec (imports neither)
-from ._checksum import CHECKSUM_PREFIX, TREE_MIN, TREE_PREFIX, fill_and_checksum, start_checksum
+from ._checksum import (
+    CHECKSUM_PREFIX,
+    TREE_MIN,
+    TREE_PREFIX,
+    TREE_PREFIXES,
+    fill_and_checksum,
+    start_checksum,
+)
 from ._codec_types import (
     Decoder,
     Encoder,
@@ -241,13 +248,20 @@ def _value_chunks(encoded: Encoded, pads: Sequence[int]) -> list[Buffer]:
     return chunks
 
 
-def value_checksum(encoded: Encoded, pads: Sequence[int]) -> str:
+def value_checksum(encoded: Encoded, pads: Sequence[int], like: str | None = None) -> str:
     """
     The checksum a file would record for *encoded* laid out with these buffer *pads*: equal
-    to a stored file's ``checksum`` exactly when the value encodes to the same bytes.
+    to a stored file's ``checksum`` exactly when the value encodes to the same bytes (with
+    *like*, a stored checksum, a large value is checksummed with the same kind of tree).
     """
     chunks = _value_chunks(encoded, pads)
-    return start_checksum(chunks, len(encoded.body) + sum(b.nbytes for b in encoded.buffers))()
+    size = len(encoded.body) + sum(b.nbytes for b in encoded.buffers)
+    return start_checksum(chunks, size, _tree_kind(like) if like else TREE_PREFIX)()
+
+
+def _tree_kind(checksum: str) -> str:
+    """The tree prefix *checksum* starts with (the current one if none)."""
+    return next((p for p in TREE_PREFIXES if checksum.startswith(p)), TREE_PREFIX)
 
 
 def parse_header(data: Buffer) -> tuple[dict[str, Any], int]:
@@ -336,8 +350,8 @@ def verify(
     value = memoryview(data)[head_len:]
     if checksum is not None:
         actual = checksum
-    elif header["checksum"].startswith(TREE_PREFIX):
-        actual = start_checksum([value], TREE_MIN)()
+    elif header["checksum"].startswith(TREE_PREFIXES):
+        actual = start_checksum([value], TREE_MIN, _tree_kind(header["checksum"]))()
     else:
         actual = CHECKSUM_PREFIX + hashlib.sha256(value).hexdigest()
     if not hmac.compare_digest(actual, header["checksum"]):
@@ -509,12 +523,13 @@ def read_output_fd(fd: int, size: int) -> Reading:
         header, head_len = {}, 0  # a header longer than the head (or damage): read it all
     buffer = _fresh_buffer(size, arrays=bool(header.get("buffers")))
     buffer[: len(head)] = head
-    if header and str(header["checksum"]).startswith(TREE_PREFIX) and hasattr(os, "preadv"):
+    if header and str(header["checksum"]).startswith(TREE_PREFIXES) and hasattr(os, "preadv"):
 
         def read_at(part: memoryview, offset: int) -> int:
             return _read_into(fd, part, offset)
 
-        checksum, filled = fill_and_checksum(read_at, buffer, head_len, len(head))
+        tree = _tree_kind(str(header["checksum"]))
+        checksum, filled = fill_and_checksum(read_at, buffer, head_len, len(head), tree)
         # a file that got shorter while it was read is judged by what was read
         return Reading(buffer[:filled], header, head_len, checksum if filled == size else None)
     data = buffer[: len(head) + _read_into(fd, buffer[len(head) :])]

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import resumable
 from resumable import Pipeline, ResumableWarning, SerializationError, StateDirectoryError, _checksum, _codec
+from resumable._fingerprint import provenance
 from resumable._stores._local import LocalStore
 
 PIECE = 4 * 1024 * 1024
@@ -66,7 +67,7 @@ def big(state_dir: Path) -> tuple[Big, bytes, int]:
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
     unpacker.feed(good[:65536])
     header = unpacker.unpack()
-    assert header["checksum"].startswith("sha256-tree:")
+    assert header["checksum"].startswith("blake3-tree:")
     return producer, good, unpacker.tell()
 
 
@@ -228,7 +229,7 @@ def test_a_large_file_with_a_plain_checksum_still_reads(state_dir, monkeypatch):
         producer.run()
     good = producer.path.read_bytes()
     assert b"sha256:" in good[:4096]
-    assert b"sha256-tree:" not in good[:4096]
+    assert b"-tree:" not in good[:4096]
     assert (1, True) == (producer.calls, same(EXPECTED, producer.run()))
     producer.path.write_bytes(flipped(good, len(good) - 1))
     with pytest.warns(ResumableWarning, match="checksum mismatch"):
@@ -269,7 +270,7 @@ def test_a_large_value_without_arrays_does_not_import_numpy(tmp_path):
     framed = _codec.frame(_codec.encode(payload, allow_pickle=False), {"slot": "x"})
     path = tmp_path / "x.msgpack"
     path.write_bytes(b"".join(bytes(c) for c in framed.chunks()))
-    assert framed.header["checksum"].startswith("sha256-tree:")
+    assert framed.header["checksum"].startswith("blake3-tree:")
     code = (
         "import hashlib, sys, resumable\n"
         f"value = resumable.load({str(path)!r})\n"
@@ -304,8 +305,40 @@ def test_reading_while_hashing_gives_the_tree_checksum(data, start, filled, cut)
     with pytest.MonkeyPatch.context() as patch:  # small pieces and steps, to cross many boundaries
         patch.setattr(_checksum, "_TREE_PIECE", 64)
         patch.setattr(_checksum, "_READ_STEP", 24)
-        checksum, reached = _checksum.fill_and_checksum(read_at, memoryview(buffer), start, filled)
+        tree = _checksum.TREE_PREFIX
+        checksum, reached = _checksum.fill_and_checksum(read_at, memoryview(buffer), start, filled, tree)
         expected = _checksum.start_checksum([data[start:]], _checksum.TREE_MIN)()
+        old = _checksum.SHA256_TREE_PREFIX  # files written before: the same, with SHA-256
+        old_checksum, _ = _checksum.fill_and_checksum(
+            read_at, memoryview(bytearray(buffer)), start, filled, old
+        )
+        old_expected = _checksum.start_checksum([data[start:]], _checksum.TREE_MIN, old)()
     assert min(len(data), max(cut, filled)) == reached
     if reached == len(data):
         assert (expected, data) == (checksum, bytes(buffer))
+        assert old_expected == old_checksum
+
+
+def test_a_large_file_with_a_sha256_tree_still_reads(state_dir, monkeypatch):
+    """Large values written before BLAKE3 trees (SHA-256 trees) read, are verified, and pass on unchanged."""
+    producer = Big(state_dir)
+    write_tree = _codec.start_checksum
+
+    def sha256_tree(chunks: Any, size: int, tree: str = _checksum.TREE_PREFIX) -> Any:
+        return write_tree(chunks, size, _checksum.SHA256_TREE_PREFIX)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(_codec, "TREE_PREFIX", _checksum.SHA256_TREE_PREFIX)
+        patch.setattr(_codec, "start_checksum", sha256_tree)
+        producer.run()
+    good = producer.path.read_bytes()
+    assert b"sha256-tree:" in good[:4096]
+    assert (1, True) == (producer.calls, same(EXPECTED, producer.run()))
+    assert same(EXPECTED, resumable.load(producer.path))
+    # its provenance is checked with the same kind of tree: unchanged, it is the stored digest
+    stored = producer.run()
+    assert provenance.lookup(stored) is not None
+    producer.path.write_bytes(flipped(good, len(good) // 2))
+    with pytest.warns(ResumableWarning, match="checksum mismatch"):
+        producer.run()
+    assert 2 == producer.calls

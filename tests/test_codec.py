@@ -1174,7 +1174,7 @@ def test_large_values_get_a_parallel_tree_checksum(tmp_path):
     path = tmp_path / "state" / "huge.msgpack"
     with path.open("rb") as f:
         header = next(iter(msgpack.Unpacker(f, raw=False, strict_map_key=False)))
-    assert header["checksum"].startswith("sha256-tree:")
+    assert header["checksum"].startswith("blake3-tree:")
     assert np.array_equal(arr, resumable.load(path))
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 1
