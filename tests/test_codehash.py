@@ -8,6 +8,7 @@ so ``inspect.getsource`` reads them as it reads user code.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import linecache
@@ -678,3 +679,130 @@ def test_code_change_reruns_a_step_and_says_why(state_dir, modules, caplog):
     assert "code changed (const PROMPT)" in running[1]
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert 1 == len(skipped)
+
+
+_TRICKY = '''
+import functools
+
+
+def comment_at_column_zero(x):
+    y = x + 1
+# a comment at column 0 inside the body
+    return y * 2
+
+
+def string_at_column_zero(x):
+    text = """
+not code: at column 0
+"""
+    return text + str(x)
+
+
+def continued(x):
+    total = x + \\
+1
+    return total
+
+
+def signature_on_lines(
+    a,
+    b,
+):
+    return a + b
+
+
+@functools.lru_cache(
+    maxsize=None,
+)
+def decorated_on_lines(x):
+    return x
+
+
+def outer(x):
+    def inner(y):
+        return y + x
+# between
+    return inner
+
+
+class Holder:
+    @staticmethod
+    def method(x):
+        return x - 1
+
+    def other(self):
+        return 2
+'''
+
+
+def _both_ways(fn: types.FunctionType) -> tuple[ast.AST | None, ast.AST | None]:
+    lines = linecache.getlines(fn.__code__.co_filename, fn.__globals__)
+    index = _codehash._module_nodes(fn.__code__.co_filename, lines)
+    assert index is not None
+    return _codehash._own_lines_node(fn, lines), _codehash._indexed(fn, index)
+
+
+def _canon(node: ast.AST) -> str:
+    out: list[str] = []
+    _codehash._canon(node, out, top=True)
+    return "".join(out)
+
+
+def test_a_function_read_from_its_own_lines_is_the_one_in_its_file(tmp_path: Path):
+    """Where a function's own lines parse alone, they give the node the whole file gives; else the file is parsed."""
+    path = tmp_path / "tricky_module.py"
+    path.write_text(_TRICKY)
+    spec = importlib.util.spec_from_file_location("tricky_module", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    functions = [
+        module.comment_at_column_zero,
+        module.string_at_column_zero,
+        module.continued,
+        module.signature_on_lines,
+        module.decorated_on_lines.__wrapped__,
+        module.outer,
+        module.outer(1),
+        module.Holder.method,
+        module.Holder.other,
+    ]
+    alone = 0
+    for fn in functions:
+        own, whole = _both_ways(fn)
+        assert whole is not None, fn
+        if own is not None:
+            alone += 1
+            assert _canon(whole) == _canon(own), fn.__name__
+        assert _canon(whole) == _canon(_codehash._function_node(fn))
+    assert alone >= 5  # the plain ones need no parse of the whole file
+    # a comment at column 0 does not cut the function short: its return is in the node
+    own, whole = _both_ways(module.comment_at_column_zero)
+    assert own is not None
+    assert "Return" in _canon(own)
+
+
+def test_every_function_of_the_package_reads_the_same_from_its_own_lines():
+    """Over resumable's own modules: the shortcut never gives another node than the whole file."""
+    import resumable
+
+    checked = 0
+    for path in sorted(Path(resumable.__file__).parent.rglob("*.py")):
+        if path.name == "__main__.py":
+            continue  # importing it runs the command line
+        name = "resumable." + ".".join(
+            path.relative_to(Path(resumable.__file__).parent).with_suffix("").parts
+        )
+        module = importlib.import_module(name.removesuffix(".__init__"))
+        for value in list(vars(module).values()):
+            candidates = [value, *vars(value).values()] if isinstance(value, type) else [value]
+            for fn in candidates:
+                fn = getattr(fn, "__func__", fn)
+                if not isinstance(fn, types.FunctionType) or fn.__module__ != module.__name__:
+                    continue
+                own, whole = _both_ways(fn)
+                if own is not None and whole is not None:
+                    assert _canon(whole) == _canon(own), f"{name}.{fn.__qualname__}"
+                    checked += 1
+    assert checked > 300
