@@ -326,6 +326,12 @@ def value_digest(value: object) -> str | None:
     return digest
 
 
+# id -> (the value a step read, its msgpack bytes then, their digest): values steps read are
+# module globals and closure cells, alive anyway; at most a thousand are kept
+_packed_digests: dict[int, tuple[object, bytes, str]] = {}
+_PACKED_MAX = 64 * 1024
+
+
 def _refuse(value: object) -> None:
     raise TypeError(type(value).__name__)
 
@@ -338,7 +344,16 @@ def _fresh_digest(value: object) -> str | None:
     except (TypeError, ValueError, OverflowError):
         pass
     else:
-        return "p" + hashlib.sha256(packed).hexdigest()[:15]
+        # the same object packing to the same bytes as last time: the same digest, unhashed
+        last = _packed_digests.get(id(value))
+        if last is not None and last[0] is value and last[1] == packed:
+            return last[2]
+        digest = "p" + hashlib.sha256(packed).hexdigest()[:15]
+        if len(packed) <= _PACKED_MAX:  # a large value would be kept twice
+            if len(_packed_digests) > 1_000:
+                _packed_digests.clear()
+            _packed_digests[id(value)] = (value, packed, digest)
+        return digest
     from ._codec import encode, value_checksum  # noqa: PLC0415 - the codec is loaded by then anyway
     from .exceptions import SerializationError  # noqa: PLC0415
 

@@ -806,3 +806,16 @@ def test_every_function_of_the_package_reads_the_same_from_its_own_lines():
                     assert _canon(whole) == _canon(own), f"{name}.{fn.__qualname__}"
                     checked += 1
     assert checked > 300
+
+
+def test_a_value_changed_in_place_gets_a_new_digest_the_same_object_unchanged_the_same():
+    """The digest of plain data a step reads is reused only when it packs to the very same bytes."""
+    table = {"k": 1, "rows": [1, 2, 3]}
+    first = _codehash.value_digest(table)
+    assert first == _codehash.value_digest(table)
+    table["rows"].append(4)  # in place, one level down
+    changed = _codehash.value_digest(table)
+    assert changed != first
+    assert changed == _codehash.value_digest({"k": 1, "rows": [1, 2, 3, 4]})  # by value, not by object
+    table["rows"].pop()
+    assert first == _codehash.value_digest(table)
