@@ -193,7 +193,7 @@ def _as_steps(records: Mapping[str, StepRecord]) -> Steps:
     return records if isinstance(records, Steps) else Steps(records)
 
 
-@attrs.define
+@attrs.define(on_setattr=attrs.setters.NO_OP)  # converters at init only: the fold sets fields often
 class Manifest:
     """The state of a pipeline: returned by ``Pipeline.status()``."""
 
