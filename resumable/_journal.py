@@ -25,8 +25,7 @@ from typing import Any
 
 from ._codec import DamagedFileError, parse_header, utcnow
 from ._codec import _sign as sign_header
-from ._manifest import FORMAT, Fold, Manifest, StepRecord, valid_event
-from ._manifest import dumps as dumps_manifest
+from ._manifest import FORMAT, Fold, Manifest, StepRecord, dump_chunks, valid_event
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
 from ._stores import Store
 from ._warn import warn
@@ -486,8 +485,7 @@ class Journal:
         if durable and not self._log_entry_durable:
             # A log this run created is fsynced, but its name may not be: a durable write
             # of the manifest fsyncs the directory the two share.
-            text = dumps_manifest(_signed(self._snapshot(), self.secret)).encode()
-            self.store.write(MANIFEST, [text], durable=True)
+            self.store.write(MANIFEST, dump_chunks(_signed(self._snapshot(), self.secret)), durable=True)
             self._log_entry_durable = True
 
     def write_pending(self, *, durable: bool) -> None:
@@ -512,11 +510,12 @@ class Journal:
                 snapshot = self._snapshot()
                 self.unsaved = False
             # encoded outside the lock: steps keep running while a large manifest is written
-            text = dumps_manifest(_signed(snapshot, self.secret)).encode()
-            self.store.write(MANIFEST, [text], durable=durable)
+            chunks = dump_chunks(_signed(snapshot, self.secret))
+            del snapshot  # what a large manifest holds twice while it is written: its pieces
+            self.store.write(MANIFEST, chunks, durable=durable)
             # A large manifest is rewritten less often: every rewrite also makes the next
             # fsync of a step's output flush it. Readers replay the log, so none sees it stale.
-            self._manifest_interval = _rewrite_interval(len(text))
+            self._manifest_interval = _rewrite_interval(sum(map(len, chunks)))
 
     def _snapshot(self) -> dict[str, Any]:
         """The manifest's data to write (records never parsed as their text, unless it is signed)."""

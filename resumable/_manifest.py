@@ -288,19 +288,16 @@ class Manifest:
         Raises:
             StateFormatError, ValueError: as :meth:`from_dict`.
         """
-        try:
-            text = raw.decode()
-        except UnicodeDecodeError:
-            return None
-        # JSON strings hold no raw newline: these only occur where dumps put them
-        start, end = text.find(_STEPS_OPEN), text.find(_STEPS_CLOSE)
-        if start < 0 or end < start or text.find(_STEPS_OPEN, start + 1) >= 0:
+        # JSON strings hold no raw newline: these only occur where dumps put them. The bytes
+        # are decoded a piece at a time: 30 MB of text is never held beside the records.
+        start, end = raw.find(_STEPS_OPEN), raw.find(_STEPS_CLOSE)
+        if start < 0 or end < start or raw.find(_STEPS_OPEN, start + 1) >= 0:
             return None
         try:
-            data = json.loads(text[:start] + '\n  "steps": {}' + text[end + len(_STEPS_CLOSE) :])
-        except ValueError:
+            data = json.loads(raw[:start] + b'\n  "steps": {}' + raw[end + len(_STEPS_CLOSE) :])
+            texts = _record_texts(raw, start + len(_STEPS_OPEN), end + 1)
+        except ValueError:  # UnicodeDecodeError too
             return None
-        texts = _record_texts(text, start + len(_STEPS_OPEN), end + 1)
         if texts is None or type(data) is not dict or type(data.get("steps")) is not dict:
             return None
         # only completed records wait: one that is not is needed at once (a running one by Fold)
@@ -317,16 +314,19 @@ class Manifest:
         return manifest
 
 
-def _record_texts(text: str, start: int, end: int) -> dict[str, str] | None:
+def _record_texts(raw: bytes | bytearray, start: int, end: int) -> dict[str, str] | None:
     """
-    The ``"slot": {record}`` lines of *text* between *start* and *end* (the steps of a
+    The ``"slot": {record}`` lines of *raw* between *start* and *end* (the steps of a
     manifest.json) as text, by slot; None if they are not in the layout dumps writes.
+
+    Raises:
+        UnicodeDecodeError: they are not UTF-8.
     """
     texts: dict[str, str] = {}
     while start < end:  # a megabyte at a time: the lines of 30 MB are never all held at once
-        stop = text.find(",\n", min(start + _PIECE, end), end)
+        stop = raw.find(b",\n", min(start + _PIECE, end), end)
         stop = end if stop < 0 else stop
-        for line in text[start:stop].split(",\n"):
+        for line in raw[start:stop].decode().split(",\n"):
             key, sep, record = line.partition('": ')
             if not sep or not key.startswith('    "') or "\\" in key:
                 return None  # not that layout, or an escaped key: parsed whole instead
@@ -341,8 +341,8 @@ _PIECE = 1 << 20
 _COMPLETED = '{"status": "completed", '
 
 
-_STEPS_OPEN = '\n  "steps": {\n'
-_STEPS_CLOSE = "\n  }"
+_STEPS_OPEN = b'\n  "steps": {\n'
+_STEPS_CLOSE = b"\n  }"
 _RECORD_FIELDS = tuple(a.name for a in attrs.fields(StepRecord))
 
 
@@ -599,21 +599,42 @@ def valid_event(event: object) -> bool:
 
 def dumps(data: dict[str, Any]) -> str:
     """Manifest data as JSON: one line per key, and one line per slot, batch and step."""
-    lines = ["{"]
+    return "".join(_fragments(data))
+
+
+def dump_chunks(data: dict[str, Any]) -> list[bytes]:
+    """:func:`dumps` encoded, in pieces of about a megabyte (a large manifest is never one string)."""
+    chunks: list[bytes] = []
+    pending: list[str] = []
+    size = 0
+    for fragment in _fragments(data):
+        pending.append(fragment)
+        size += len(fragment)
+        if size >= _PIECE:
+            chunks.append("".join(pending).encode())
+            pending.clear()
+            size = 0
+    chunks.append("".join(pending).encode())
+    return chunks
+
+
+def _fragments(data: dict[str, Any]) -> Iterator[str]:
     last = len(data) - 1
+    yield "{"
     for i, (key, value) in enumerate(data.items()):
         comma = "," if i < last else ""
         if key in {"steps", "batches", "code", "defined"} and isinstance(value, dict) and value:
-            lines.append(f"  {_json(key)}: {{")
+            yield f"\n  {_json(key)}: {{\n"
             # the text of a record never parsed is written as it was read (Steps)
             encode = _raw_or_json if key == "steps" else _json_value
-            inner = [f"    {_json_value(k)}: {encode(v)}" for k, v in value.items()]
-            lines.append(",\n".join(inner))
-            lines.append(f"  }}{comma}")
+            separator = ""
+            for k, v in value.items():
+                yield f"{separator}    {_json_value(k)}: {encode(v)}"
+                separator = ",\n"
+            yield f"\n  }}{comma}"
         else:
-            lines.append(f"  {_json(key)}: {_json(value)}{comma}")
-    lines.append("}\n")
-    return "\n".join(lines)
+            yield f"\n  {_json(key)}: {_json(value)}{comma}"
+    yield "\n}\n"
 
 
 # one encoder for every value: json.dumps with options builds a new encoder at each call,
