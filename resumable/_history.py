@@ -13,6 +13,7 @@ pruned when a run closes.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import json
@@ -523,13 +524,51 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
             copy_object(store, object_key(then), slot_file(slot), durable=durable)
         else:
             store.delete(slot_file(slot), durable=durable)
-    state = {
-        "steps": {s: attrs.asdict(r) for s, r in (point.steps or {}).items()},
-        "completed_steps": list(point.checkpoint.completed_steps),
-        "code": point.code,
-    }
-    run.journal.record("rollback", to=number, state=state)
+    run.journal.record("rollback", to=number, changes=_changes(run.journal.manifest, point))
     return point.checkpoint
+
+
+def _changes(now: Manifest, then: _Point) -> dict[str, Any]:
+    """
+    What a rollback from the state *now* to the state of *then* changes, as a rollback event
+    carries it: rolling back 10 checkpoints in a state of 100,000 slots logs about 10 records,
+    not 100,000 (and every later replay of the log reads that much less).
+    """
+    target = then.steps or {}
+    steps: dict[str, Any] = {s: attrs.asdict(r) for s, r in target.items() if now.steps.get(s) != r}
+    steps.update({s: None for s in now.steps if s not in target})
+    drop, insert = _reorder(now.completed_steps, then.checkpoint.completed_steps)
+    return {"steps": steps, "drop": drop, "insert": insert, "code": then.code}
+
+
+def _reorder(before: list[str], after: list[str]) -> tuple[list[str], list[tuple[int, str]]]:
+    """
+    How to turn the list *before* into *after* with few edits: the items to drop, then those
+    to insert, at their index in *after*, in order. The items kept in place are a longest run
+    of *before* already in *after*'s order (a longest increasing subsequence, O(n log n)).
+    """
+    where = {slot: i for i, slot in enumerate(after)}
+    kept = [slot for slot in before if slot in where]
+    # longest increasing subsequence of their indices in *after*
+    tails: list[int] = []  # tails[k]: the smallest index ending a run of k + 1
+    ends: list[int] = []  # the position in *kept* of that run's last item
+    back = [-1] * len(kept)
+    for pos, slot in enumerate(kept):
+        k = bisect.bisect_left(tails, where[slot])
+        if k == len(tails):
+            tails.append(where[slot])
+            ends.append(pos)
+        else:
+            tails[k], ends[k] = where[slot], pos
+        back[pos] = ends[k - 1] if k else -1
+    stay: set[str] = set()
+    pos = ends[-1] if ends else -1
+    while pos >= 0:
+        stay.add(kept[pos])
+        pos = back[pos]
+    drop = [slot for slot in before if slot not in stay]
+    insert = [(i, slot) for i, slot in enumerate(after) if slot not in stay]
+    return drop, insert
 
 
 # the whole state as data ---------------------------------------------------------------

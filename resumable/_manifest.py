@@ -533,6 +533,28 @@ def skip_fields(row: list[Any]) -> dict[str, Any]:
 _ROLLBACK_STATE = _record(
     {"steps": _STEPS, "completed_steps": _slots, "code": _CODE}, ("steps", "completed_steps")
 )
+_CHANGED_STEPS = _map_of(lambda v: v is None or _STEP_RECORD(v))
+
+
+def _inserts(value: object) -> bool:
+    """``[[index, slot], ...]`` with indices in increasing order."""
+    if type(value) is not list or not all(type(p) is list and len(p) == 2 and _count(p[0]) for p in value):
+        return False
+    indices = [p[0] for p in value]
+    return indices == sorted(set(indices)) and _all_slots(p[1] for p in value)
+
+
+# what a rollback changed: the records set (None: removed), the completed slots to drop from
+# their list and those to insert into it (at their index), and the code records
+_ROLLBACK_CHANGES = _record(
+    {
+        "steps": lambda v: _CHANGED_STEPS(v) and _all_slots(v),
+        "drop": _slots,
+        "insert": _inserts,
+        "code": _CODE,
+    },
+    ("steps", "drop", "insert", "code"),
+)
 _SLOT_FIELD = (("slot", _slot),)
 _RAN = {"duration_s": _OPT_NUM, "attempts": _INT}
 # per event: the fields it must have, and the optional ones the fold reads (others are ignored)
@@ -576,7 +598,8 @@ EVENT_SCHEMA: dict[str, tuple[tuple[tuple[str, _Check], ...], dict[str, _Check]]
     "steps_reset": ((("slots", _slots),), {}),
     "snapshot": ((), {"label": _OPT_STR}),
     "steps_removed": ((), {"slots": _slots, "steps": _strs}),
-    "rollback": ((("state", _ROLLBACK_STATE),), {"to": _INT}),
+    # the state rolled back to as changes (since 0.2), or whole (written before)
+    "rollback": ((), {"to": _INT, "changes": _ROLLBACK_CHANGES, "state": _ROLLBACK_STATE}),
     "batch": ((("batch", _STR), ("progress", _BATCH_RECORD)), {}),
     "batch_done": ((("batch", _STR),), {}),
 }
@@ -825,12 +848,29 @@ class Fold:
         self.manifest.checkpoints += 1
 
     def _rollback(self, event: Mapping[str, Any]) -> None:
-        # The event carries the state rolled back to, so replaying it needs nothing else.
+        # The event carries what changed from the state before it to the state rolled back
+        # to (or, written before 0.2, that whole state): replaying it needs nothing else.
         m = self.manifest
-        state = event["state"]
-        m.steps = Steps({slot: StepRecord(**rec) for slot, rec in state["steps"].items()})
-        m.completed_steps = list(state["completed_steps"])
-        m.code = {name: dict(parts) for name, parts in state.get("code", {}).items()}
+        changes, state = event.get("changes"), event.get("state")
+        if changes is not None:
+            for slot, rec in changes["steps"].items():
+                if rec is None:
+                    m.steps.pop(slot, None)
+                else:
+                    m.steps[slot] = StepRecord(**rec)
+            dropped = set(changes["drop"])
+            completed = [slot for slot in m.completed_steps if slot not in dropped]
+            for index, slot in changes["insert"]:
+                completed.insert(index, slot)
+            m.completed_steps = completed
+            code = changes["code"]
+        elif state is not None:
+            m.steps = Steps({slot: StepRecord(**rec) for slot, rec in state["steps"].items()})
+            m.completed_steps = list(state["completed_steps"])
+            code = state.get("code", {})
+        else:
+            return
+        m.code = {name: dict(parts) for name, parts in code.items()}
         m.batches = {}
         m.current_step = None
         self._completed = set(m.completed_steps)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -9,12 +10,15 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from resumable import (
     Checkpoint,
     DamagedStateError,
     Pipeline,
     ResumableError,
+    ResumableWarning,
     StateFormatError,
     StateLockedError,
 )
@@ -351,3 +355,70 @@ def test_old_history_folds_into_a_base_and_nothing_retained_changes(
     data[-1] ^= 1
     base.write_bytes(bytes(data))
     assert expected == [(c.id, c.slot, c.completed_steps) for c in pipe.checkpoints()]
+
+
+def test_a_rollback_logs_what_it_changed_and_replays_to_the_same_state(state_dir: Path):
+    """Rolling back a few checkpoints in a state of many slots logs a few records, not all of them."""
+    pipe = Pipeline("many", state_dir=state_dir)
+
+    @pipe.step(key="{i}")
+    def item(i: int, v: int = 1) -> int:
+        return i * v
+
+    with pipe:
+        for i in range(300):
+            item(i)
+        for i in range(3):
+            item(i, 2)  # three slots rerun: three checkpoints to undo
+    log = state_dir / "events.jsonl"
+    size = log.stat().st_size
+    target = pipe.checkpoints()[-4]
+    pipe.rollback(target.id)
+    events = [json.loads(line) for line in log.read_bytes()[size:].splitlines()]
+    rollback = next(e for e in events if e["event"] == "rollback")
+    assert "state" not in rollback
+    assert {f"item/{i}" for i in range(3)} == set(rollback["changes"]["steps"])
+    assert len(rollback["changes"]["drop"]) <= 3
+    assert len(rollback["changes"]["insert"]) <= 3
+    after = pipe.status()
+    assert target.completed_steps == after.completed_steps
+    # the log alone gives the same state: the manifest rebuilt from it agrees
+    (state_dir / "manifest.json").unlink()
+    with pytest.warns(ResumableWarning, match="manifest.json was missing"), pipe:
+        pass
+    rebuilt = pipe.status()
+    assert (after.completed_steps, after.steps) == (rebuilt.completed_steps, rebuilt.steps)
+    with pipe:
+        assert [0, 1, 2] == [item(i) for i in range(3)]  # the rolled-back outputs, skipped
+
+
+def test_a_rollback_logged_with_the_whole_state_still_replays():
+    """Logs written before rollbacks logged their changes carry the whole state: still folded."""
+    from resumable._manifest import Fold, Manifest
+
+    fold = Fold(Manifest(workflow_id="w", pipeline="p"))
+    for slot in ("a", "b"):
+        fold.apply({"t": "1", "event": "step_started", "slot": slot})
+        fold.apply({"t": "1", "event": "step_completed", "slot": slot, "file": slot})
+    state = {"steps": {"a": {"status": "completed", "file": "a"}}, "completed_steps": ["a"], "code": {}}
+    fold.apply({"t": "2", "event": "rollback", "to": 1, "state": state})
+    assert ["a"] == fold.manifest.completed_steps
+    assert ["a"] == list(fold.manifest.steps)
+
+
+@given(
+    st.lists(st.sampled_from([f"s{i}" for i in range(12)]), unique=True),
+    st.lists(st.sampled_from([f"s{i}" for i in range(12)]), unique=True),
+)
+def test_the_reorder_a_rollback_logs_gives_the_list_rolled_back_to(before: list[str], after: list[str]):
+    from resumable import _history
+
+    drop, insert = _history._reorder(before, after)
+    dropped = set(drop)
+    result = [slot for slot in before if slot not in dropped]
+    for index, slot in insert:
+        result.insert(index, slot)
+    assert after == result
+    assert len(insert) <= len(after)
+    if before[: len(after)] == after:  # only later completions to undo: nothing moves
+        assert [] == insert
