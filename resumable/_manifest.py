@@ -150,19 +150,23 @@ class Steps(MutableMapping[str, StepRecord]):
             return
         with self.lock:
             slots = [slot for slot, value in self._items.items() if isinstance(value, str)]
-            texts: list[str] = [self._items[slot] for slot in slots]  # type: ignore[misc]
-            try:  # one parse of them all, C speed; the count says each text was one value
-                values = json.loads("[" + ",".join(texts) + "]")
-            except ValueError:
-                values = None
-            if type(values) is not list or len(values) != len(slots):
-                values = [None] * len(slots)  # parsed one by one below: the damage is found there
-            for slot, data in zip(slots, values, strict=True):
-                if _STEP_RECORD(data):
-                    self._items[slot] = StepRecord(**data)
-                    self._texts -= 1
-                else:
-                    self.get(slot)  # on its own: a damaged one is rebuilt or dropped
+            for start in range(0, len(slots), _PARSE_BATCH):  # a batch at a time: bounded memory
+                self._parse_batch(slots[start : start + _PARSE_BATCH])
+
+    def _parse_batch(self, slots: list[str]) -> None:
+        texts: list[str] = [self._items[slot] for slot in slots]  # type: ignore[misc]
+        try:  # one parse of them all, C speed; the count says each text was one value
+            values = json.loads("[" + ",".join(texts) + "]")
+        except ValueError:
+            values = None
+        if type(values) is not list or len(values) != len(slots):
+            values = [None] * len(slots)  # parsed one by one below: the damage is found there
+        for slot, data in zip(slots, values, strict=True):
+            if _STEP_RECORD(data):
+                self._items[slot] = StepRecord(**data)
+                self._texts -= 1
+            else:
+                self.get(slot)  # on its own: a damaged one is rebuilt or dropped
 
     def __len__(self) -> int:
         return len(self._items)
@@ -336,6 +340,7 @@ def _record_texts(raw: bytes | bytearray, start: int, end: int) -> dict[str, str
 
 
 _PIECE = 1 << 20
+_PARSE_BATCH = 4096  # records parsed in one json call by Steps.parse_all
 
 
 _COMPLETED = '{"status": "completed", '

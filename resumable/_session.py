@@ -128,8 +128,9 @@ def _error_fields(exc: BaseException) -> dict[str, str]:
 _VERIFIED_MAX_FILE = 64 * 1024
 _VERIFIED_MAX_TOTAL = 16 * 1024 * 1024
 # each entry also holds its parsed header (about 1.5 KB): a run skipping 100,000 small slots
-# once each would otherwise keep 36,000 of them (75 MB) for skips that never come
-_VERIFIED_MAX_FILES = 4096
+# once each would otherwise keep 36,000 of them (75 MB) for skips that never come; the
+# hot slots of a run (skipped again and again) are far fewer
+_VERIFIED_MAX_FILES = 1024
 
 
 def _changed_phrase(found: Found) -> str:
