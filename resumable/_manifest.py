@@ -15,7 +15,7 @@ import math
 import operator
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
+from collections.abc import Callable, ItemsView, Iterable, Iterator, Mapping, MutableMapping
 from typing import Any, Literal, get_args
 
 import attrs
@@ -178,9 +178,9 @@ class Steps(MutableMapping[str, StepRecord]):
         """The records already parsed (every record not kept as text)."""
         return ((s, r) for s, r in self._items.items() if type(r) is not str)  # type: ignore[misc]
 
-    def texts(self) -> dict[str, StepRecord | str]:
-        """Every record, those never parsed as the text they were read as (for writing)."""
-        return dict(self._items)
+    def texts(self) -> ItemsView[str, StepRecord | str]:
+        """Every record, those never parsed as the text they were read as (for writing; a view, no copy)."""
+        return self._items.items()
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Mapping):
@@ -232,7 +232,7 @@ class Manifest:
         if texts:
             steps = {
                 slot: rec if type(rec) is str else _record_dict(rec)  # type: ignore[arg-type]
-                for slot, rec in self.steps.texts().items()
+                for slot, rec in self.steps.texts()
             }
         else:
             steps = {slot: _record_dict(rec) for slot, rec in self.steps.items()}
