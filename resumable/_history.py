@@ -123,8 +123,8 @@ class _Point:
     those to restore; see :func:`_each_versions` for the others)."""
     changes: dict[str, str | None] | None = None
     """The versions changed since the checkpoint asked for before this one (None: gone)."""
-    base: tuple[int, Manifest] | None = None
-    """The log offset after this checkpoint and the whole manifest then (for a history base)."""
+    base: tuple[int, dict[str, Any]] | None = None
+    """The log offset after this checkpoint and the whole manifest then, as data (for a history base)."""
 
 
 _EMPTY = Checkpoint(0, None, None, None, [])
@@ -137,21 +137,37 @@ def events(store: Store, secret: bytes | None) -> Iterator[dict[str, Any]]:
 
 
 def _events_from(store: Store, secret: bytes | None, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
-    """``(offset after it, event)`` for each valid event of the log from byte *start* on."""
-    try:
-        log = bytes(store.read_range(EVENTS, start)) if start else bytes(store.read(EVENTS))
-    except FileNotFoundError:
-        return
-    # only complete lines: a last line without its newline is being written, or was cut short
-    end = start
-    for line in log[: log.rfind(b"\n") + 1].split(b"\n")[:-1]:
-        end += len(line) + 1
+    """
+    ``(offset after it, event)`` for each valid event of the log from byte *start* on, read a
+    megabyte at a time (a replay that stops early reads no more, and the log is never held whole).
+    """
+    end = start  # after the last complete line
+    offset = start  # where the next piece is read
+    pending = bytearray()
+    while True:
         try:
-            event = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(event, dict) and _authentic(event, secret) and valid_event(event):
-            yield end, event
+            piece = store.read_range(EVENTS, offset, offset + _LOG_PIECE)
+        except FileNotFoundError:
+            return
+        offset += len(piece)
+        pending += piece
+        # only complete lines: a last line without its newline is being written, or was cut short
+        cut = pending.rfind(b"\n") + 1
+        lines = bytes(pending[:cut])
+        del pending[:cut]
+        for line in lines.split(b"\n")[:-1]:
+            end += len(line) + 1
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict) and _authentic(event, secret) and valid_event(event):
+                yield end, event
+        if len(piece) < _LOG_PIECE:
+            return
+
+
+_LOG_PIECE = 1 << 20
 
 
 # History older than the retained checkpoints is folded into a base (the state at one
@@ -200,11 +216,11 @@ def _base_id(store: Store, secret: bytes | None) -> int:
 
 
 def _write_base(
-    store: Store, secret: bytes | None, offset: int, manifest: Manifest, point: Checkpoint
+    store: Store, secret: bytes | None, offset: int, manifest: dict[str, Any], point: Checkpoint
 ) -> None:
     record = {
         "offset": offset,
-        "manifest": manifest.to_dict(),
+        "manifest": manifest,
         "checkpoint": {
             "id": point.id,
             "created_at": point.created_at,
@@ -229,13 +245,16 @@ def replay(
     base_at: int | None = None,
 ) -> list[_Point]:
     """
-    Every checkpoint in the history, in order (from the history base, if there is one);
-    with the output versions of those in *want* (what listing and pruning need), and the
+    Every checkpoint in the history, in order (from the history base, if there is one, up to
+    the last one asked for, if any); with the output versions of those in *want* (what
+    listing and pruning need), and the
     whole state of those in *full* (what a rollback needs). With *base_at*, the point of
     that checkpoint also holds a copy of the whole manifest and the log offset after it
     (what a new history base needs).
     """
     wanted, whole = set(want), set(full)
+    ids = wanted | whole | ({base_at} if base_at is not None else set())
+    last = max(ids) if ids else None  # some asked for: the log after the last of them is not read
     points: list[_Point] = []
     start, fold, first = _replay_start(store, secret)
     if first is not None:
@@ -262,9 +281,11 @@ def replay(
         if asked:
             point.versions, point.changes = versions.at(m, whole=number in whole)
         if number == base_at:
-            point.base = (offset, Manifest.from_dict(m.to_dict()))
+            point.base = (offset, m.to_dict())  # a deep copy, as the base will hold it
         points.append(point)
         rolled_back_to = None
+        if last is not None and number >= last:
+            break  # what follows (skips, mostly) makes no checkpoint asked for
     return points
 
 

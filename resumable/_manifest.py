@@ -826,8 +826,10 @@ class Fold:
             self._done_running(slot)
 
     def _steps_skipped(self, event: Mapping[str, Any]) -> None:
+        steps = self.manifest.steps
         for row in event["skips"]:
-            self._step_skipped(skip_fields(row))
+            if not steps.is_completed(row[0]):  # the common case changes nothing: checked cheaply
+                self._step_skipped(skip_fields(row))
 
     def _step_ended(self, event: Mapping[str, Any]) -> None:
         slot = event["slot"]
