@@ -402,7 +402,7 @@ def _kept(store: Store) -> set[str]:
 
 def current_versions(manifest: Manifest) -> dict[str, str]:
     """The version of each completed slot's output file now."""
-    return {s: r.file for s, r in manifest.steps.items() if r.status == "completed" and r.file is not None}
+    return manifest.steps.completed_files()
 
 
 def _restorable(versions: dict[str, str], available: set[str]) -> bool:
@@ -523,6 +523,7 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
         if not numbered:
             points = replay(store, run.secret, full=[number])
         point = next(p for p in points if p.checkpoint.id == number)
+    run.journal.manifest.steps.parse_all()  # a rollback compares every record: parsed once, in bulk
     current = current_versions(run.journal.manifest)
     wanted = _versions(point)
     missing = sorted(set(wanted.values()) - _kept(store) - set(current.values()))

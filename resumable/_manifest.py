@@ -153,14 +153,44 @@ class Steps(MutableMapping[str, StepRecord]):
             for start in range(0, len(slots), _PARSE_BATCH):  # a batch at a time: bounded memory
                 self._parse_batch(slots[start : start + _PARSE_BATCH])
 
-    def _parse_batch(self, slots: list[str]) -> None:
-        texts: list[str] = [self._items[slot] for slot in slots]  # type: ignore[misc]
-        try:  # one parse of them all, C speed; the count says each text was one value
+    def completed_files(self) -> dict[str, str]:
+        """
+        The output version (``file``) of every completed slot, records kept as text read for
+        it without being parsed into records (so they are still written back as they were).
+        """
+        files: dict[str, str] = {}
+        texts: list[str] = []
+        for slot, value in list(self._items.items()):
+            if isinstance(value, str):
+                texts.append(slot)
+            elif value.status == "completed" and value.file is not None:
+                files[slot] = value.file
+        for start in range(0, len(texts), _PARSE_BATCH):
+            batch = texts[start : start + _PARSE_BATCH]
+            values = self._bulk([self._items[slot] for slot in batch])  # type: ignore[misc]
+            for slot, data in zip(batch, values, strict=True):
+                if _STEP_RECORD(data):
+                    if data["status"] == "completed" and data.get("file") is not None:
+                        files[slot] = data["file"]
+                    continue
+                rec = self.get(slot)  # on its own: a damaged one is rebuilt or dropped
+                if rec is not None and rec.status == "completed" and rec.file is not None:
+                    files[slot] = rec.file
+        return files
+
+    @staticmethod
+    def _bulk(texts: list[str]) -> list[Any]:
+        """The values of *texts* in one json call, C speed (Nones where the count does not match)."""
+        try:
             values = json.loads("[" + ",".join(texts) + "]")
         except ValueError:
             values = None
-        if type(values) is not list or len(values) != len(slots):
-            values = [None] * len(slots)  # parsed one by one below: the damage is found there
+        if type(values) is not list or len(values) != len(texts):
+            return [None] * len(texts)  # checked one by one: the damage is found there
+        return values
+
+    def _parse_batch(self, slots: list[str]) -> None:
+        values = self._bulk([self._items[slot] for slot in slots])  # type: ignore[misc]
         for slot, data in zip(slots, values, strict=True):
             if _STEP_RECORD(data):
                 self._items[slot] = StepRecord(**data)

@@ -154,3 +154,20 @@ def test_steps_is_a_mapping_of_records():
     assert StepRecord(status="completed") == lazy["x"]
     assert lazy.get("y") is None
     assert ["x"] == list(lazy)
+
+
+def test_the_versions_of_completed_slots_are_read_without_parsing_records():
+    """completed_files reads `file` from records kept as text and leaves them text; damage goes to `damaged`."""
+    steps = Steps.of_text(
+        {
+            "a": '{"status": "completed", "file": "fa"}',
+            "b": '{"status": "completed", "file": "fb", "attempts": true}',
+            "c": '{"status": "completed"}',
+        }
+    )
+    steps["d"] = StepRecord(status="completed", file="fd")
+    steps["e"] = StepRecord(status="running", file="fe")
+    steps.damaged = lambda slot: StepRecord(status="completed", file=f"rebuilt-{slot}")
+    assert {"a": "fa", "b": "rebuilt-b", "d": "fd"} == steps.completed_files()
+    assert isinstance(dict(steps.texts())["a"], str)  # still the text it was read as
+    assert isinstance(dict(steps.texts())["b"], StepRecord)  # the damaged one was rebuilt
