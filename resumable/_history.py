@@ -139,14 +139,17 @@ def events(store: Store, secret: bytes | None) -> Iterator[dict[str, Any]]:
 def _events_from(store: Store, secret: bytes | None, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
     """
     ``(offset after it, event)`` for each valid event of the log from byte *start* on, read a
-    megabyte at a time (a replay that stops early reads no more, and the log is never held whole).
+    megabyte at a time on a local disk (a replay that stops early reads no more, and the log
+    is never held whole).
     """
     end = start  # after the last complete line
     offset = start  # where the next piece is read
     pending = bytearray()
+    # where a read is a round trip (object stores: a segment listing and requests), all at once
+    size = None if store.slow_appends else _LOG_PIECE
     while True:
         try:
-            piece = store.read_range(EVENTS, offset, offset + _LOG_PIECE)
+            piece = store.read_range(EVENTS, offset, None if size is None else offset + size)
         except FileNotFoundError:
             return
         offset += len(piece)
@@ -163,7 +166,7 @@ def _events_from(store: Store, secret: bytes | None, start: int) -> Iterator[tup
                 continue
             if isinstance(event, dict) and _authentic(event, secret) and valid_event(event):
                 yield end, event
-        if len(piece) < _LOG_PIECE:
+        if size is None or len(piece) < size:
             return
 
 
@@ -460,10 +463,9 @@ def prune(store: Store, secret: bytes | None, keep: int, manifest: Manifest, *, 
     unneeded = _unneeded(kept, manifest, points) if kept else []
     for key in unneeded:
         store.delete(key, durable=durable)
-    point = next((p for p in points if p.checkpoint.id == at and p.base is not None), None)
-    if point is not None and point.base is not None:
-        offset, state = point.base
-        _write_base(store, secret, offset, state, point.checkpoint)
+    for point in points:
+        if point.checkpoint.id == at and point.base is not None:
+            _write_base(store, secret, *point.base, point.checkpoint)
     return len(unneeded)
 
 
@@ -516,6 +518,8 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
     numbered = isinstance(target, int) or (isinstance(target, str) and target.isdigit())
     # a checkpoint id: one replay both finds it and copies its state; a name needs two
     points = replay(store, run.secret, full=[int(target)] if numbered else [])
+    if numbered and not any(p.checkpoint.id == int(target) for p in points):
+        points = replay(store, run.secret)  # no such checkpoint: the whole history, for the error
     number = find(points, target)
     if number == 0:
         point = _Point(_EMPTY, {}, {})

@@ -180,7 +180,11 @@ class Steps(MutableMapping[str, StepRecord]):
 
     @staticmethod
     def _bulk(texts: list[str]) -> list[Any]:
-        """The values of *texts* in one json call, C speed (Nones where the count does not match)."""
+        """
+        The values of *texts* in one json call, C speed (Nones where the count does not match).
+        Each value is then checked as a record; texts crafted to shift values between slots
+        would give nothing their writer could not have written as plain records.
+        """
         try:
             values = json.loads("[" + ",".join(texts) + "]")
         except ValueError:

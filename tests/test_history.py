@@ -330,7 +330,9 @@ def test_old_history_folds_into_a_base_and_nothing_retained_changes(
     assert [22, 23, 24] == [c.id for c in pipe.checkpoints()]  # 8 runs x 3 steps: the newest three
     points = _history.replay(LocalStore(state_dir), None)
     assert points[0].checkpoint.id > 1  # the replay starts at the base, not at the first checkpoint
-    with pytest.raises(ResumableError, match="checkpoint 2 does not exist or is no longer kept"):
+    with pytest.raises(
+        ResumableError, match=r"checkpoint 2 does not exist or is no longer kept \(the latest is 24\)"
+    ):
         pipe.rollback(2)
     before_rollback = pipe.rollback("answer")  # the state just before answer last completed
     assert 22 == before_rollback.id
