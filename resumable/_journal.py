@@ -249,7 +249,12 @@ class Journal:
         if manifest is not None:
             manifest.steps.lock = self.lock
             manifest.steps.damaged = self._damaged_record
+            manifest.steps.invalid = self._invalid_record
         return manifest
+
+    def _invalid_record(self, key: str) -> None:
+        where = f"{self.store.location}/{MANIFEST}"
+        warn(f"{where}: dropped a record under {key[:200]!r}, which is not a step or slot name.")
 
     def _damaged_record(self, slot: str) -> StepRecord | None:
         """A record of manifest.json found damaged when first used: rebuilt from its output file."""

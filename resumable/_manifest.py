@@ -77,14 +77,23 @@ class Steps(MutableMapping[str, StepRecord]):
     walk), and writing the manifest again copies the text of every record nothing touched.
     A record is checked when it is parsed; one that is not valid goes to :attr:`damaged`,
     which may give a record rebuilt from elsewhere, and is dropped otherwise.
+
+    Until a record is first used, the records stay the one block of text they were read as
+    (:meth:`of_block`): opening such a state costs no work per slot, a run that only skips
+    writes the block back as it is, and :meth:`is_completed` answers from the completed slots
+    the manifest lists. The first other use splits the block into records kept as text.
     """
 
-    __slots__ = ("_items", "_texts", "damaged", "lock")
+    __slots__ = ("_block", "_done", "_items", "_texts", "damaged", "invalid", "lock")
 
     def __init__(self, records: Mapping[str, StepRecord] | None = None) -> None:
         self._items: dict[str, StepRecord | str] = dict(records or {})
         self._texts = 0  # how many records are still text: none, iterating costs nothing more
+        self._block: tuple[bytes | bytearray, int, int] | None = None  # raw[start:end], not split yet
+        self._done: frozenset[str] = frozenset()  # while there is a block: its completed slots
         self.damaged: Callable[[str], StepRecord | None] = lambda _slot: None
+        # told of each record dropped from a block because its key is not a slot
+        self.invalid: Callable[[str], None] = lambda _key: None
         # held while a record is parsed (the journal's lock, for one order of locks)
         self.lock: threading.RLock | contextlib.nullcontext[None] = contextlib.nullcontext()
 
@@ -95,12 +104,66 @@ class Steps(MutableMapping[str, StepRecord]):
         steps._texts = len(texts)
         return steps
 
+    @classmethod
+    def of_block(cls, raw: bytes | bytearray, start: int, end: int, completed: Iterable[str]) -> Steps:
+        """
+        The records ``raw[start:end]`` (``"slot": record`` lines, as :func:`dumps` writes them),
+        none of them running, of which the slots *completed* are the completed ones.
+        """
+        steps = cls()
+        steps._done = frozenset(completed)
+        steps._block = (raw, start, end)
+        return steps
+
+    def block(self) -> memoryview | None:
+        """The records as the block of text they were read as, if it was never split."""
+        block = self._block
+        return None if block is None else memoryview(block[0])[block[1] : block[2]]
+
+    def _split(self) -> None:
+        """Split the block into records kept as text; those not completed are parsed at once."""
+        with self.lock:
+            if self._block is None:
+                return  # split meanwhile
+            raw, start, end = self._block
+            try:
+                texts = _record_texts(raw, start, end)
+            except ValueError:
+                texts = None
+            if texts is None:
+                texts, invalid = _salvage_texts(bytes(raw[start:end]))
+                for key in invalid:
+                    self.invalid(key)
+            items: dict[str, StepRecord | str] = dict(texts)
+            for slot in self._done - items.keys():  # a completed slot whose line was damaged
+                record = self.damaged(slot)
+                if record is not None:
+                    items[slot] = record
+            waiting = [
+                slot for slot, text in items.items() if type(text) is str and not text.startswith(_COMPLETED)
+            ]
+            for slot in waiting:
+                record = _checked(items[slot]) or self.damaged(slot)
+                if record is None:
+                    del items[slot]
+                else:
+                    items[slot] = record
+            # published whole, the block last: is_completed reads without the lock
+            self._items = items
+            self._texts = sum(type(text) is str for text in items.values())
+            self._block = None
+            self._done = frozenset()
+
     def __getitem__(self, slot: str) -> StepRecord:
+        if self._block is not None:
+            self._split()
         value = self._items[slot]
         return self._parse(slot, value) if isinstance(value, str) else value
 
     def get(self, slot: str, default: StepRecord | None = None) -> StepRecord | None:  # type: ignore[override]
         # the hot path: no exception raised
+        if self._block is not None:
+            self._split()
         value = self._items.get(slot)
         if isinstance(value, str):
             try:
@@ -111,6 +174,8 @@ class Steps(MutableMapping[str, StepRecord]):
 
     def is_completed(self, slot: str) -> bool:
         """True if *slot*'s record says completed (a record kept as text is: see loads)."""
+        if self._block is not None:
+            return slot in self._done
         value = self._items.get(slot)
         return isinstance(value, str) or (value is not None and value.status == "completed")
 
@@ -119,11 +184,7 @@ class Steps(MutableMapping[str, StepRecord]):
             value = self._items.get(slot, text)
             if not isinstance(value, str):
                 return value  # parsed meanwhile
-            try:
-                data = json.loads(text)
-            except ValueError:
-                data = None
-            record = StepRecord(**data) if _STEP_RECORD(data) else self.damaged(slot)
+            record = _checked(text) or self.damaged(slot)
             self._texts -= 1
             if record is None:
                 self._items.pop(slot, None)
@@ -132,11 +193,15 @@ class Steps(MutableMapping[str, StepRecord]):
             return record
 
     def __setitem__(self, slot: str, record: StepRecord) -> None:
+        if self._block is not None:
+            self._split()
         if isinstance(self._items.get(slot), str):
             self._texts -= 1
         self._items[slot] = record
 
     def __delitem__(self, slot: str) -> None:
+        if self._block is not None:
+            self._split()
         if isinstance(self._items.pop(slot), str):
             self._texts -= 1
 
@@ -146,6 +211,8 @@ class Steps(MutableMapping[str, StepRecord]):
 
     def parse_all(self) -> None:
         """Parse (and check) every record still kept as text."""
+        if self._block is not None:
+            self._split()
         if not self._texts:
             return
         with self.lock:
@@ -158,6 +225,8 @@ class Steps(MutableMapping[str, StepRecord]):
         The output version (``file``) of every completed slot, records kept as text read for
         it without being parsed into records (so they are still written back as they were).
         """
+        if self._block is not None:
+            self._split()
         files: dict[str, str] = {}
         texts: list[str] = []
         for slot, value in list(self._items.items()):
@@ -203,17 +272,23 @@ class Steps(MutableMapping[str, StepRecord]):
                 self.get(slot)  # on its own: a damaged one is rebuilt or dropped
 
     def __len__(self) -> int:
+        if self._block is not None:
+            self._split()
         return len(self._items)
 
     def __contains__(self, slot: object) -> bool:
+        if self._block is not None:
+            self._split()
         return slot in self._items
 
     def parsed(self) -> Iterator[tuple[str, StepRecord]]:
-        """The records already parsed (every record not kept as text)."""
+        """The records already parsed (every record not kept as text; none while in a block)."""
         return ((s, r) for s, r in self._items.items() if type(r) is not str)  # type: ignore[misc]
 
     def texts(self) -> ItemsView[str, StepRecord | str]:
         """Every record, those never parsed as the text they were read as (for writing; a view, no copy)."""
+        if self._block is not None:
+            self._split()
         return self._items.items()
 
     def __eq__(self, other: object) -> bool:
@@ -263,7 +338,10 @@ class Manifest:
         """
         # Written out by hand: attrs.asdict is ten times slower, and this runs for every
         # manifest write, over every slot.
-        if texts:
+        block = self.steps.block() if texts else None
+        if block is not None:
+            steps: Any = _Verbatim(block)
+        elif texts:
             steps = {
                 slot: rec if type(rec) is str else _record_dict(rec)  # type: ignore[arg-type]
                 for slot, rec in self.steps.texts()
@@ -328,15 +406,39 @@ class Manifest:
         """
         # JSON strings hold no raw newline: these only occur where dumps put them. The bytes
         # are decoded a piece at a time: 30 MB of text is never held beside the records.
-        start, end = raw.find(_STEPS_OPEN), raw.find(_STEPS_CLOSE)
-        if start < 0 or end < start or raw.find(_STEPS_OPEN, start + 1) >= 0:
+        # The steps are most of the text: what follows them (dumps writes the error next) is
+        # found from the end, and whether "steps" also occurs elsewhere shows in the data.
+        start, end = raw.find(_STEPS_OPEN), raw.rfind(_STEPS_CLOSE + _ERROR_NEXT)
+        if start < 0 or end < start:
             return None
+        first = start + len(_STEPS_OPEN)
+        last = end
+        while last > first and raw[last - 1] == _NEWLINE:  # blank lines an older version left
+            last -= 1
         try:
             data = json.loads(raw[:start] + b'\n  "steps": {}' + raw[end + len(_STEPS_CLOSE) :])
-            texts = _record_texts(raw, start + len(_STEPS_OPEN), end + 1)
         except ValueError:  # UnicodeDecodeError too
             return None
-        if texts is None or type(data) is not dict or type(data.get("steps")) is not dict:
+        if type(data) is not dict or data.get("steps") != {}:
+            return None  # not JSON, or a second "steps" (the last one would count)
+        if data.get("status") != "running":
+            # No record is running (a run that ends marks them interrupted), and no record is
+            # needed at open (the fold needs the running ones): the records stay one block.
+            manifest = cls.from_dict(data)
+            manifest.steps = Steps.of_block(raw, first, last, manifest.completed_steps)
+            return manifest
+        return cls._with_texts(data, raw, first, last)
+
+    @classmethod
+    def _with_texts(
+        cls, data: dict[str, Any], raw: bytes | bytearray, first: int, last: int
+    ) -> Manifest | None:
+        """:meth:`loads` where some record is running: completed records as text, the rest parsed."""
+        try:
+            texts = _record_texts(raw, first, last)
+        except ValueError:
+            return None
+        if texts is None:
             return None
         # only completed records wait: one that is not is needed at once (a running one by Fold)
         eager = [slot for slot, record in texts.items() if not record.startswith(_COMPLETED)]
@@ -350,6 +452,17 @@ class Manifest:
             steps[slot] = manifest.steps[slot]  # in its place: the order of the file is kept
         manifest.steps = steps
         return manifest
+
+
+def _checked(text: str | StepRecord) -> StepRecord | None:
+    """The record *text* holds, if it is a valid one."""
+    if type(text) is not str:
+        return text  # type: ignore[return-value]
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return StepRecord(**data) if _STEP_RECORD(data) else None
 
 
 def _record_texts(raw: bytes | bytearray, start: int, end: int) -> dict[str, str] | None:
@@ -378,10 +491,36 @@ _PARSE_BATCH = 4096  # records parsed in one json call by Steps.parse_all
 
 
 _COMPLETED = '{"status": "completed", '
+_NEWLINE = ord("\n")
+
+
+def _salvage_texts(block: bytes) -> tuple[dict[str, str], list[str]]:
+    """
+    The records of a block not quite in the layout dumps writes (escaped keys, or damage):
+    every line whose key is a slot, record as text (checked when parsed), by slot; and the
+    keys that are not slots. A line without a key is left out (its slot, if completed, is
+    rebuilt from its output file).
+    """
+    texts: dict[str, str] = {}
+    invalid: list[str] = []
+    decoder = json.JSONDecoder()
+    for line in block.decode(errors="replace").split(",\n"):
+        try:
+            key, at = decoder.raw_decode(line, 4)
+        except ValueError:
+            continue
+        if line[:4] != "    " or line[at : at + 2] != ": " or type(key) is not str:
+            continue
+        if _slot(key):
+            texts[key] = line[at + 2 :]
+        else:
+            invalid.append(key)
+    return texts, invalid
 
 
 _STEPS_OPEN = b'\n  "steps": {\n'
 _STEPS_CLOSE = b"\n  }"
+_ERROR_NEXT = b',\n  "error": '
 _RECORD_FIELDS = tuple(a.name for a in attrs.fields(StepRecord))
 
 
@@ -401,7 +540,9 @@ _OPT_NUM: _Check = frozenset({int, float, _NONE})
 _BOOL: _Check = frozenset({bool})
 # a slot: a step name, or a step name and an encoded key; never a path that leaves the directory
 _SLOT = re.compile(r"[^./\\\x00-\x1f][^/\\\x00-\x1f]*(?:/[^./\\\x00-\x1f][^/\\\x00-\x1f]*)?")
-_SLOT_LINES = re.compile(f"(?:{_SLOT.pattern}\n)*")
+_NOT_IN_SLOTS = ("\n.", "/.", "\n\n", "\n/", "/\n", "//")  # a part empty or starting with a dot
+_BAD_SLOT_CHAR = re.compile(r"[\\\x00-\x09\x0b-\x1f]")
+_TWO_SLASHES = re.compile(r"/[^/\n]*/")
 _MAX_COMBOS = 1024  # allowed type combinations of a record precomputed at most
 
 
@@ -459,19 +600,22 @@ def _slot(value: object) -> bool:
 
 
 def _all_slots(values: Iterable[Any]) -> bool:
-    # one regex pass over them all, a line each (no slot holds a newline): far cheaper than
-    # a match per slot in a manifest of thousands
-    # a few thousand at a time: the regex engine keeps state for every repetition it matched
-    # (40 MB for one pass over 100,000 slots)
-    values = list(values)
-    if not all(type(v) is str for v in values):
+    """
+    True if every one of *values* is a slot: the same as ``_slot`` for each, a few C-speed
+    scans of them all joined a line each instead of a match per slot (a manifest holds
+    100,000). What makes one not a slot shows in the joined text as a character no slot
+    holds, an empty part, a part starting with a dot, or a line with two slashes.
+    """
+    values = values if isinstance(values, list) else list(values)
+    if not values:
+        return True
+    try:
+        lines = "\n" + "\n".join(values) + "\n"  # TypeError: not all str
+    except TypeError:
         return False
-    for start in range(0, len(values), _PARSE_BATCH):
-        batch = values[start : start + _PARSE_BATCH]
-        lines = "".join(v + "\n" for v in batch)
-        if lines.count("\n") != len(batch) or _SLOT_LINES.fullmatch(lines) is None:
-            return False
-    return True
+    if lines.count("\n") != len(values) + 1 or any(bad in lines for bad in _NOT_IN_SLOTS):
+        return False
+    return _BAD_SLOT_CHAR.search(lines) is None and _TWO_SLASHES.search(lines) is None
 
 
 def _slots(value: object) -> bool:
@@ -665,17 +809,33 @@ def valid_event(event: object) -> bool:
     return all(key not in event or _fits(check, event[key]) for key, check in optional.items())
 
 
+@attrs.frozen
+class _Verbatim:
+    """Records to write back as the block of text they were read as (:meth:`Steps.block`)."""
+
+    text: memoryview
+
+
 def dumps(data: dict[str, Any]) -> str:
     """Manifest data as JSON: one line per key, and one line per slot, batch and step."""
-    return "".join(_fragments(data))
+    return "".join(f if isinstance(f, str) else bytes(f).decode() for f in _fragments(data))
 
 
-def dump_chunks(data: dict[str, Any]) -> list[bytes]:
-    """:func:`dumps` encoded, in pieces of about a megabyte (a large manifest is never one string)."""
-    chunks: list[bytes] = []
+def dump_chunks(data: dict[str, Any]) -> list[bytes | memoryview]:
+    """
+    :func:`dumps` encoded, in pieces of about a megabyte (a large manifest is never one
+    string); records written back as read are views of the text read, not copies.
+    """
+    chunks: list[bytes | memoryview] = []
     pending: list[str] = []
     size = 0
     for fragment in _fragments(data):
+        if not isinstance(fragment, str):
+            chunks.append("".join(pending).encode())
+            pending.clear()
+            size = 0
+            chunks.extend(fragment[at : at + _PIECE] for at in range(0, len(fragment), _PIECE))
+            continue
         pending.append(fragment)
         size += len(fragment)
         if size >= _PIECE:
@@ -683,15 +843,19 @@ def dump_chunks(data: dict[str, Any]) -> list[bytes]:
             pending.clear()
             size = 0
     chunks.append("".join(pending).encode())
-    return chunks
+    return [chunk for chunk in chunks if chunk]
 
 
-def _fragments(data: dict[str, Any]) -> Iterator[str]:
+def _fragments(data: dict[str, Any]) -> Iterator[str | memoryview]:
     last = len(data) - 1
     yield "{"
     for i, (key, value) in enumerate(data.items()):
         comma = "," if i < last else ""
-        if key in {"steps", "batches", "code", "defined"} and isinstance(value, dict) and value:
+        if type(value) is _Verbatim:
+            yield f"\n  {_json(key)}: {{\n"
+            yield value.text
+            yield f"\n  }}{comma}"
+        elif key in {"steps", "batches", "code", "defined"} and isinstance(value, dict) and value:
             yield f"\n  {_json(key)}: {{\n"
             # the text of a record never parsed is written as it was read (Steps)
             encode = _raw_or_json if key == "steps" else _json_value
