@@ -18,15 +18,14 @@ import contextlib
 import errno
 import json
 import logging
-import operator
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import attrs
 
 from ._codec import DamagedFileError, encode, frame, parse_header, read_verified, utcnow, verify
 from ._journal import _authentic, header_authentic, read_header
-from ._manifest import FORMAT, Fold, Manifest, StepRecord, valid_event
+from ._manifest import EVENT_KINDS, FORMAT, Fold, Manifest, StepRecord, Steps, valid_event
 from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
 from ._stores import Store
 from .exceptions import DamagedStateError, ResumableError, StateFormatError
@@ -113,7 +112,7 @@ def file_version(store: Store, slot: str) -> str | None:
 @attrs.define
 class _Point:
     checkpoint: Checkpoint
-    steps: dict[str, StepRecord] | None
+    steps: Mapping[str, StepRecord] | None
     """The slots' records at this checkpoint (only for a checkpoint to restore: they are big)."""
     code: dict[str, dict[str, str]]
     after_rollback: int | None = None
@@ -125,6 +124,9 @@ class _Point:
     """The versions changed since the checkpoint asked for before this one (None: gone)."""
     base: tuple[int, dict[str, Any]] | None = None
     """The log offset after this checkpoint and the whole manifest then, as data (for a history base)."""
+    touched: set[str] | None = None
+    """For a checkpoint to restore: the slots whose records events after it may have changed
+    (None: any of them may have)."""
 
 
 _EMPTY = Checkpoint(0, None, None, None, [])
@@ -244,52 +246,115 @@ def replay(
     store: Store,
     secret: bytes | None,
     want: Iterable[int] = (),
-    full: Iterable[int] = (),
+    restore: int | None = None,
     base_at: int | None = None,
 ) -> list[_Point]:
     """
     Every checkpoint in the history, in order (from the history base, if there is one, up to
     the last one asked for, if any); with the output versions of those in *want* (what
-    listing and pruning need), and the
-    whole state of those in *full* (what a rollback needs). With *base_at*, the point of
-    that checkpoint also holds a copy of the whole manifest and the log offset after it
-    (what a new history base needs).
+    listing and pruning need). The point of checkpoint *restore* (asked alone: what a
+    rollback needs) holds the records then, and which slots the events after it touch. With
+    *base_at*, the point of that checkpoint also holds a copy of the whole manifest and the
+    log offset after it (what a new history base needs).
     """
-    wanted, whole = set(want), set(full)
-    ids = wanted | whole | ({base_at} if base_at is not None else set())
+    wanted = set(want)
+    ids = wanted | {i for i in (restore, base_at) if i is not None}
     last = max(ids) if ids else None  # some asked for: the log after the last of them is not read
     points: list[_Point] = []
     start, fold, first = _replay_start(store, secret)
+    stream = _events_from(store, secret, start)
     if first is not None:
-        asked = first.id in wanted or first.id in whole
-        points.append(_point(first, fold.manifest, asked, first.id in whole, None))
-        if asked:
-            points[-1].versions = current_versions(fold.manifest)
+        points.append(_base_point(first, fold, wanted, restore, stream))
+        if first.id == restore:
+            return points
     rolled_back_to: int | None = None
     versions = _Versions()
-    for offset, event in _events_from(store, secret, start):
+    for offset, event in stream:
         fold.apply(event)
         versions.touch(event)
-        if event.get("event") == "rollback":
-            rolled_back_to = event.get("to", 0)
-        if event.get("event") not in {"step_completed", "snapshot"}:
+        kind = event.get("event")
+        if kind not in {"step_completed", "snapshot"}:
+            if kind == "rollback":
+                rolled_back_to = event.get("to", 0)
             continue
         m = fold.manifest
         number = m.checkpoints
         # Only the checkpoints asked for get a copy of the state: copying it at every
         # checkpoint would make a replay quadratic in the number of slots.
         checkpoint = Checkpoint(number, event.get("t"), event.get("slot"), event.get("label"), _NOT_COPIED)
-        asked = number in wanted or number in whole
-        point = _point(checkpoint, m, asked, number in whole, rolled_back_to)
+        asked = number in wanted
+        point = _point(checkpoint, m, asked or number == restore, rolled_back_to)
         if asked:
-            point.versions, point.changes = versions.at(m, whole=number in whole)
+            point.versions, point.changes = versions.at(m)
         if number == base_at:
             point.base = (offset, m.to_dict())  # a deep copy, as the base will hold it
         points.append(point)
         rolled_back_to = None
+        if number == restore:
+            _restoring(point, fold, stream)  # the last asked for: asked alone
         if last is not None and number >= last:
             break  # what follows (skips, mostly) makes no checkpoint asked for
     return points
+
+
+def _base_point(
+    first: Checkpoint,
+    fold: Fold,
+    wanted: set[int],
+    restore: int | None,
+    rest: Iterable[tuple[int, dict[str, Any]]],
+) -> _Point:
+    """The point of the history base's checkpoint (see :func:`replay`)."""
+    point = _point(first, fold.manifest, first.id in wanted or first.id == restore, None)
+    if first.id in wanted:
+        point.versions = current_versions(fold.manifest)
+    if first.id == restore:
+        _restoring(point, fold, rest)
+    return point
+
+
+def _restoring(point: _Point, fold: Fold, rest: Iterable[tuple[int, dict[str, Any]]]) -> None:
+    """
+    Make *point* the one to restore: the fold's records, not a copy (the fold stops here),
+    and the slots the events after it (*rest*) touch: a rollback compares those, not every slot.
+    """
+    m = fold.manifest
+    point.steps = m.steps
+    point.code = {k: dict(v) for k, v in m.code.items()}
+    point.touched = set(fold.running)  # a run that ends after it marks these interrupted
+    for _, event in rest:
+        if not _touch(point, event, m.steps):
+            return
+
+
+_SLOTLESS = frozenset({"run_started", "run_finished", "snapshot", "batch", "batch_done"})
+
+
+def _touch(point: _Point, event: Mapping[str, Any], then: Steps) -> bool:
+    """
+    Add to ``point.touched`` the slots whose records *event* may change (*then*: the records
+    at *point*); False, with ``touched`` None, if it may change any.
+    """
+    touched = point.touched
+    assert touched is not None  # noqa: S101 - only called while it is a set
+    kind = event.get("event")
+    slot = event.get("slot")
+    if isinstance(slot, str):
+        touched.add(slot)
+    elif kind == "steps_skipped":
+        # a skip changes a record only where the manifest had lagged: a slot not completed then
+        touched.update(row[0] for row in event["skips"] if not then.is_completed(row[0]))
+    elif kind in {"steps_reset", "steps_removed"}:
+        touched.update(event["slots"])
+    elif kind == "rollback" and isinstance(event.get("changes"), Mapping):
+        changes = event["changes"]
+        touched.update(changes["steps"])
+        touched.update(changes["drop"])
+        touched.update(slot for _, slot in changes["insert"])
+    elif kind not in _SLOTLESS and kind in EVENT_KINDS:
+        point.touched = None  # a rollback written whole, or an event of a slot without one
+        return False
+    return True
 
 
 class _Versions:
@@ -316,10 +381,10 @@ class _Versions:
         elif event.get("event") == "rollback" or event.get("steps"):
             self._now = None  # the whole state changed (or every slot of some steps): start over
 
-    def at(self, m: Manifest, *, whole: bool) -> tuple[dict[str, str] | None, dict[str, str | None] | None]:
+    def at(self, m: Manifest) -> tuple[dict[str, str] | None, dict[str, str | None] | None]:
         """
-        For the manifest *m* the events were folded into: the versions now (a copy, if this is
-        the first time or *whole*), and what changed since the last call (None the first time).
+        For the manifest *m* the events were folded into: the versions now (a copy, the first
+        time), and what changed since the last call (None the first time).
         """
         changes: dict[str, str | None] | None = None
         if self._now is None:
@@ -335,7 +400,7 @@ class _Versions:
                 else:
                     self._now[slot] = version
         self._touched.clear()
-        return (dict(self._now) if changes is None or whole else None), changes
+        return (dict(self._now) if changes is None else None), changes
 
 
 def _replay_start(store: Store, secret: bytes | None) -> tuple[int, Fold, Checkpoint | None]:
@@ -351,24 +416,11 @@ def _replay_start(store: Store, secret: bytes | None) -> tuple[int, Fold, Checkp
     return 0, Fold(Manifest(workflow_id="", pipeline="")), None
 
 
-def _point(
-    checkpoint: Checkpoint, m: Manifest, asked: bool, whole: bool, rolled_back_to: int | None
-) -> _Point:
+def _point(checkpoint: Checkpoint, m: Manifest, asked: bool, rolled_back_to: int | None) -> _Point:
     point = _Point(checkpoint, None, {}, rolled_back_to)
     if asked:
         point.checkpoint = attrs.evolve(checkpoint, completed_steps=list(m.completed_steps))
-    if whole:
-        point.steps = {s: _copy(r) for s, r in m.steps.items()}
-        point.code = {k: dict(v) for k, v in m.code.items()}
     return point
-
-
-_record_fields = operator.attrgetter(*(a.name for a in attrs.fields(StepRecord)))
-
-
-def _copy(r: StepRecord) -> StepRecord:
-    # its fields read at once: attrs.evolve is several times slower, and a rollback copies every record
-    return StepRecord(*_record_fields(r))
 
 
 def _versions(point: _Point) -> dict[str, str]:
@@ -516,8 +568,8 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
     store, durable = run.store, run.durable
     run.journal.write_pending(durable=False)  # the log must hold every event replayed
     numbered = isinstance(target, int) or (isinstance(target, str) and target.isdigit())
-    # a checkpoint id: one replay both finds it and copies its state; a name needs two
-    points = replay(store, run.secret, full=[int(target)] if numbered else [])
+    # a checkpoint id: one replay both finds it and gives its state; a name needs two
+    points = replay(store, run.secret, restore=int(target) if numbered else None)
     if numbered and not any(p.checkpoint.id == int(target) for p in points):
         points = replay(store, run.secret)  # no such checkpoint: the whole history, for the error
     number = find(points, target)
@@ -525,53 +577,71 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
         point = _Point(_EMPTY, {}, {})
     else:
         if not numbered:
-            points = replay(store, run.secret, full=[number])
+            points = replay(store, run.secret, restore=number)
         point = next(p for p in points if p.checkpoint.id == number)
-    run.journal.manifest.steps.parse_all()  # a rollback compares every record: parsed once, in bulk
-    current = current_versions(run.journal.manifest)
-    wanted = _versions(point)
+    now = run.journal.manifest.steps
+    then = point.steps or {}
+    if point.touched is None:  # any slot may differ: every record is compared (parsed once, in bulk)
+        now.parse_all()
+        slots: set[str] = set(now) | set(then)
+    else:
+        slots = point.touched
+    current, wanted = _completed_versions(now, slots), _completed_versions(then, slots)
     missing = sorted(set(wanted.values()) - _kept(store) - set(current.values()))
     if missing:
-        slots = ", ".join(sorted(s for s, v in wanted.items() if v in missing))
-        if number in _newest(run.journal.manifest, run.keep_checkpoints):
-            # a retained checkpoint's versions are never pruned: a damaged file is not kept
-            why = (
-                f"the output of {slots} it needs was damaged, so no copy of it was kept when it "
-                "was recomputed"
-            )
-        else:
-            why = (
-                f"the output of {slots} it needs is no longer kept (pruned: only the newest "
-                f"{run.keep_checkpoints} checkpoints are kept, see Pipeline(keep_checkpoints=...)), "
-                "or it was damaged"
-            )
-        msg = (
-            f"checkpoint {number} can no longer be restored: {why}. Nothing was changed. Roll back to "
-            "one of the checkpoints `resumable history` (pipe.checkpoints()) lists: those can be restored."
-        )
-        raise ResumableError(msg)
+        _cannot_restore(run, number, sorted(s for s, v in wanted.items() if v in missing))
     for slot in sorted(set(current) | set(wanted)):
-        now, then = current.get(slot), wanted.get(slot)
-        if now == then:
+        if current.get(slot) == wanted.get(slot):
             continue
-        keep_version(store, slot, now, durable=durable)
-        if then is not None:
-            copy_object(store, object_key(then), slot_file(slot), durable=durable)
+        keep_version(store, slot, current.get(slot), durable=durable)
+        if slot in wanted:
+            copy_object(store, object_key(wanted[slot]), slot_file(slot), durable=durable)
         else:
             store.delete(slot_file(slot), durable=durable)
-    run.journal.record("rollback", to=number, changes=_changes(run.journal.manifest, point))
+    run.journal.record("rollback", to=number, changes=_changes(run.journal.manifest, point, slots))
     return point.checkpoint
 
 
-def _changes(now: Manifest, then: _Point) -> dict[str, Any]:
+def _completed_versions(steps: Mapping[str, StepRecord], slots: Iterable[str]) -> dict[str, str]:
+    """The output version of each of *slots* completed in *steps*."""
+    versions = {}
+    for slot in slots:
+        rec = steps.get(slot)
+        if rec is not None and rec.status == "completed" and rec.file is not None:
+            versions[slot] = rec.file
+    return versions
+
+
+def _cannot_restore(run: Keeper, number: int, slots: list[str]) -> NoReturn:
+    names = ", ".join(slots)
+    if number in _newest(run.journal.manifest, run.keep_checkpoints):
+        # a retained checkpoint's versions are never pruned: a damaged file is not kept
+        why = f"the output of {names} it needs was damaged, so no copy of it was kept when it was recomputed"
+    else:
+        why = (
+            f"the output of {names} it needs is no longer kept (pruned: only the newest "
+            f"{run.keep_checkpoints} checkpoints are kept, see Pipeline(keep_checkpoints=...)), "
+            "or it was damaged"
+        )
+    msg = (
+        f"checkpoint {number} can no longer be restored: {why}. Nothing was changed. Roll back to "
+        "one of the checkpoints `resumable history` (pipe.checkpoints()) lists: those can be restored."
+    )
+    raise ResumableError(msg)
+
+
+def _changes(now: Manifest, then: _Point, slots: Iterable[str]) -> dict[str, Any]:
     """
     What a rollback from the state *now* to the state of *then* changes, as a rollback event
-    carries it: rolling back 10 checkpoints in a state of 100,000 slots logs about 10 records,
-    not 100,000 (and every later replay of the log reads that much less).
+    carries it (*slots*: those that may differ): rolling back 10 checkpoints in a state of
+    100,000 slots logs about 10 records, not 100,000 (and every later replay reads that much less).
     """
     target = then.steps or {}
-    steps: dict[str, Any] = {s: attrs.asdict(r) for s, r in target.items() if now.steps.get(s) != r}
-    steps.update({s: None for s in now.steps if s not in target})
+    steps: dict[str, Any] = {}
+    for slot in sorted(slots):
+        old, new = now.steps.get(slot), target.get(slot)
+        if old != new:
+            steps[slot] = None if new is None else attrs.asdict(new)
     drop, insert = _reorder(now.completed_steps, then.checkpoint.completed_steps)
     return {"steps": steps, "drop": drop, "insert": insert, "code": then.code}
 

@@ -917,6 +917,11 @@ class Fold:
         # mirrors completed_steps so that completing a slot costs O(1), not O(slots)
         self._completed: set[str] = set(manifest.completed_steps)
 
+    @property
+    def running(self) -> list[str]:
+        """The slots running at this point of the log."""
+        return list(self._running)
+
     def _record(self, slot: str) -> StepRecord:
         rec = self.manifest.steps.get(slot)
         if rec is None:
@@ -1123,3 +1128,5 @@ _HANDLERS: dict[str, Callable[[Fold, Mapping[str, Any]], None]] = {
     "batch": Fold._batch,  # noqa: SLF001
     "batch_done": Fold._batch_done,  # noqa: SLF001
 }
+EVENT_KINDS = frozenset(_HANDLERS)
+"""The events the fold applies (others are ignored: written by a newer version)."""
