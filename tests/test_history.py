@@ -460,7 +460,7 @@ def _random_history(state_dir: Path, seed: int) -> Pipeline:
     """A state with a random history: stores, reruns, resets, failures, snapshots and rollbacks."""
     import random
 
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # noqa: S311 - a reproducible history, not a secret
     pipe = Pipeline("mixed", state_dir=state_dir)
 
     @pipe.step(key="{i}")
@@ -520,6 +520,6 @@ def test_a_rollback_comparing_only_the_slots_touched_since_gives_what_comparing_
         shutil.copytree(tmp_path / "state", full)
         Pipeline("mixed", state_dir=fast).rollback(target)
         with monkeypatch.context() as m:
-            m.setattr(_history, "_touch", lambda point, event, then: setattr(point, "touched", None))  # noqa: ARG005
+            m.setattr(_history, "_touch", lambda point, event, then: setattr(point, "touched", None))
             Pipeline("mixed", state_dir=full).rollback(target)
         assert _state_of(full) == _state_of(fast), f"rollback to {target}"
