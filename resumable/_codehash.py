@@ -32,7 +32,7 @@ import textwrap
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import msgpack
 
@@ -215,8 +215,7 @@ def _function_node(fn: types.FunctionType) -> ast.AST | None:
     return matches[0]
 
 
-def _source_digest(fn: types.FunctionType) -> str | None:
-    node = _function_node(fn)
+def _source_digest(node: ast.AST | None) -> str | None:
     if node is None:
         return None
     out: list[str] = []
@@ -240,11 +239,11 @@ def _bytecode_digest(code: types.CodeType, doc: str | None, extra: bytes) -> str
     return h.hexdigest()
 
 
-def function_digest(fn: types.FunctionType) -> str:
-    """Digest of one function's own logic (not of what it calls)."""
+def function_digest(fn: types.FunctionType, node: ast.AST | Literal[False] | None = False) -> str:
+    """Digest of one function's own logic (not of what it calls); *node*: its syntax tree, if known."""
     digest = _cache.get(fn)
     if digest is None:
-        digest = _source_digest(fn)
+        digest = _source_digest(_function_node(fn) if node is False else node)
         if digest is None:
             defaults = repr((fn.__defaults__, fn.__kwdefaults__)).encode()
             digest = "bytecode:" + _bytecode_digest(fn.__code__, fn.__doc__, defaults)
@@ -277,13 +276,21 @@ class CodeShape:
     read again at every call (a global reassigned or changed in place between calls counts).
     """
 
-    __slots__ = ("left_out", "reads", "sources", "static")
+    __slots__ = ("_sources", "left_out", "nodes", "reads", "static")
 
     def __init__(self) -> None:
         self.static: dict[str, str] = {}
-        self.sources: dict[str, str] = {}  # component label -> normalized source, for `why`
+        self.nodes: dict[str, ast.AST] = {}  # component label -> syntax tree
         self.reads: list[tuple[str, Callable[[], object]]] = []  # ("const NAME", getter)
         self.left_out: dict[str, str] = {}  # names whose values cannot be fingerprinted -> type
+        self._sources: dict[str, str] | None = None
+
+    def sources(self) -> dict[str, str]:
+        """Component label -> normalized source, for `why`: made when first asked (a skip never asks)."""
+        if self._sources is None:
+            found = {label: normalized_source(node) for label, node in self.nodes.items()}
+            self._sources = {label: source for label, source in found.items() if source is not None}
+        return self._sources
 
 
 def _global(namespace: dict[str, Any], name: str) -> Callable[[], object]:
@@ -512,13 +519,11 @@ def code_shape(fn: types.FunctionType, step_identity: Callable[[object], str | N
         if func.__code__ in seen:
             return
         seen.add(func.__code__)
-        shape.static[label] = function_digest(func)[:16]
         node = _function_node(func)
+        shape.static[label] = function_digest(func, node)[:16]
         if node is not None:
             changed.update(changed_names(node))
-            source = normalized_source(node)
-            if source is not None:
-                shape.sources[label] = source
+            shape.nodes[label] = node
         for name, value, getter in _references(func):
             identity = step_identity(value)
             if identity is not None:

@@ -25,23 +25,29 @@ class StepView(Protocol):
 class Identity:
     """What a step's outputs are tied to: its version, or else its code (as of one call)."""
 
-    __slots__ = ("_reads", "code", "components", "identity", "left_out", "sources")
+    __slots__ = ("_reads", "_sources", "code", "components", "identity", "left_out")
 
     def __init__(  # noqa: PLR0913, PLR0917 - plain data
         self,
         identity: str,
         code: str,
         components: dict[str, str],
-        sources: dict[str, str] | None = None,
+        sources: dict[str, str] | Callable[[], dict[str, str]] | None = None,
         left_out: dict[str, str] | None = None,
         reads: list[tuple[str, Callable[[], object]]] | None = None,
     ) -> None:
         self.identity = identity
         self.code = code
         self.components = components
-        self.sources = sources or {}  # component -> normalized source, for `resumable why`
+        self._sources = sources or {}
         self.left_out = left_out or {}  # names the code reads that cannot be fingerprinted
         self._reads = reads or []
+
+    @property
+    def sources(self) -> dict[str, str]:
+        """Component -> normalized source, for `resumable why` (made when first asked for)."""
+        sources = self._sources
+        return sources() if callable(sources) else sources
 
     def values(self) -> dict[str, object]:
         """The values this identity's ``const`` components stand for, as they are now."""

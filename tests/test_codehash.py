@@ -819,3 +819,26 @@ def test_a_value_changed_in_place_gets_a_new_digest_the_same_object_unchanged_th
     assert changed == _codehash.value_digest({"k": 1, "rows": [1, 2, 3, 4]})  # by value, not by object
     table["rows"].pop()
     assert first == _codehash.value_digest(table)
+
+
+def test_the_sources_why_shows_are_made_only_when_asked(monkeypatch: pytest.MonkeyPatch):
+    """Unparsing a step's code is for `resumable why`: a skip, which only needs the digests, never does it."""
+
+    def helper(x: int) -> int:
+        """Doubles."""
+        return 2 * x
+
+    def fn(x: int) -> int:
+        return helper(x) + 1
+
+    made: list[ast.AST] = []
+    real = _codehash.normalized_source
+    monkeypatch.setattr(_codehash, "normalized_source", lambda node: made.append(node) or real(node))
+    shape = _codehash.code_shape(fn, _identity_of)
+    assert [] == made
+    sources = shape.sources()
+    assert {"code", "fn helper"} == set(sources)
+    assert "return 2 * x" in sources["fn helper"]
+    assert "Doubles" not in sources["fn helper"]
+    assert 2 == len(made)
+    assert sources is shape.sources()  # made once
