@@ -77,8 +77,24 @@ def _check_manifest(store: Store, secret: bytes | None, problems: list[tuple[str
             f"events_offset {manifest.events_offset} is not the end of a line of {EVENTS} "
             "(the next run rebuilds the manifest from the log)"
         )
+    where = f"{store.location}/{MANIFEST}"
     if problem is not None:
-        problems.append((f"{store.location}/{MANIFEST}", problem))
+        problems.append((where, problem))
+    elif manifest is not None:
+        # the records of a large manifest are checked when used (a run rebuilds or drops a
+        # damaged one then): here, all of them, now
+        def damaged(slot: str) -> None:
+            problems.append(
+                (where, f"the record of {slot} is damaged (a run rebuilds it from its output file)")
+            )
+
+        def invalid(key: str) -> None:
+            problems.append(
+                (where, f"a record under {key[:200]!r}, which is not a slot name (a run drops it)")
+            )
+
+        manifest.steps.damaged, manifest.steps.invalid = damaged, invalid
+        manifest.steps.parse_all()
     return 1
 
 

@@ -280,3 +280,23 @@ def test_records_not_completed_in_the_block_are_parsed_when_it_is_split(
     run_all()
     assert [2, 7, 8, 9] == calls
     assert all(r.status == "completed" for r in pipe.status().steps.values())
+
+
+def test_verify_checks_every_record_of_a_large_manifest(
+    state_dir: Path, lazy: None, capsys: pytest.CaptureFixture[str]
+):
+    """A run checks a large manifest's records when it uses them; `resumable verify` checks them all."""
+    from resumable._cli import main
+
+    raw = _build(state_dir)
+    assert 0 == main(["--state-dir", str(state_dir), "verify"])
+    capsys.readouterr()
+    damaged = raw.replace(
+        b'"item/4": {"status": "completed", "fingerprint": "', b'"item/4": {"status": 7, "x": "'
+    )
+    (state_dir / "manifest.json").write_bytes(damaged.replace(b'"item/9": {', b'"../9": {'))
+    assert 1 == main(["--state-dir", str(state_dir), "verify"])
+    out = capsys.readouterr().out
+    assert "the record of item/4 is damaged" in out
+    assert "a record under '../9', which is not a slot name" in out
+    assert "the record of item/9 is damaged" in out  # completed, and its line is gone
