@@ -25,10 +25,9 @@ from ._batch_exec import (
 )
 from ._batch_input import Source
 from ._batch_ledger import DamagedChunksError, Ledger, RowFailure, Where, ledger_for
-from ._context import current_pipeline
+from ._context import current_pipeline, disabled
 from ._session import current_execution
 from ._slots import batch_dir, check_name
-from ._step import _disabled
 from .exceptions import ResumableError, StepDefinitionError, UsageError
 
 if TYPE_CHECKING:
@@ -267,7 +266,7 @@ def _again(source: Source, ledger: Ledger, attempt: int) -> Source:
 
 def _locate(name: str | None, api: str, items: object) -> Where | None:
     """Where the batch lives: the running step's slot, or the current pipeline under *name*."""
-    if _disabled():
+    if disabled():
         return None  # RESUMABLE_DISABLE=1: nothing is read or written
     execution = current_execution.get()
     if name is not None:

@@ -221,7 +221,7 @@ class Pipeline:
 
     def __enter__(self) -> Self:
         with self._lock:
-            if self._run is None and not _disabled():  # RESUMABLE_DISABLE=1: no state at all
+            if self._run is None and not _context.disabled():  # RESUMABLE_DISABLE=1: no state at all
                 self._run = self._new_run(maintenance=False)
             self._depth += 1
         self._tokens.append(_context.enter(self))
@@ -283,7 +283,7 @@ class Pipeline:
         if unused:
             msg = f"{self!r}.run(): no step has a parameter named {', '.join(map(repr, unused))}"
             raise StepDefinitionError(msg)
-        if _disabled():  # RESUMABLE_DISABLE=1: no run, no state directory
+        if _context.disabled():  # RESUMABLE_DISABLE=1: no run, no state directory
             return run_without_state(repr(self), specs, inputs)
         if self._run is not None:
             return run_steps(repr(self), self._session_for(), specs, inputs)
@@ -486,10 +486,6 @@ class Pipeline:
         except (FileNotFoundError, DamagedFileError):
             return False
         return True
-
-
-def _disabled() -> bool:
-    return os.environ.get("RESUMABLE_DISABLE", "") not in {"", "0"}
 
 
 def _unusable(store: Store, exc: OSError) -> StateDirectoryError:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
-import os
 import re
 import string
 import threading
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol
 
 import attrs
 
-from ._context import Host, current_pipeline, register
+from ._context import Host, current_pipeline, disabled, register
 from ._fingerprint import digest_parameters
 from ._plan import Identity, Plan
 from ._slots import check_name, slot_id
@@ -145,10 +144,6 @@ def _codehash_module() -> Any:
 
 
 _codehash_ref: Any = None
-
-
-def _disabled() -> bool:
-    return os.environ.get("RESUMABLE_DISABLE", "") not in {"", "0"}
 
 
 class StepSpec(Generic[P, R]):
@@ -345,7 +340,7 @@ class StepSpec(Generic[P, R]):
         return self.pipeline if self.pipeline is not None else current_pipeline()
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _disabled():
+        if disabled():
             return self.fn(*args, **kwargs)
         run = self.host()._session_for(self)  # noqa: SLF001 - the Host protocol
         plan = self.plan(args, kwargs)
@@ -361,7 +356,7 @@ class StepSpec(Generic[P, R]):
         return run.execute(self, plan, found, functools.partial(self.fn, *args, **kwargs))
 
     async def call_async(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if _disabled():
+        if disabled():
             return await self.fn(*args, **kwargs)  # type: ignore[misc]
         run = self.host()._session_for(self)  # noqa: SLF001 - the Host protocol
         plan = self.plan(args, kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import asyncio
 import inspect
 import logging
@@ -702,3 +703,21 @@ def test_the_single_slot_hint_works_for_frames_too(pipe: Pipeline):
     with pipe, _warnings.catch_warnings():
         _warnings.simplefilter("error")
         assert (6, 7) == (total_keyed([[1, 2], [3]]), total_keyed([[1, 3], [3]]))
+
+
+@pytest.mark.parametrize(
+    ("value", "off"), [(None, False), ("", False), ("0", False), ("1", True), ("yes", True)]
+)
+def test_resumable_disable_is_read_at_every_call(
+    monkeypatch: pytest.MonkeyPatch, value: str | None, off: bool
+):
+    """The check reads the environment as it is now (a fast path, the same answer as os.environ)."""
+    from resumable._context import disabled
+
+    if value is None:
+        monkeypatch.delenv("RESUMABLE_DISABLE", raising=False)
+    else:
+        monkeypatch.setenv("RESUMABLE_DISABLE", value)
+    assert off is disabled()
+    monkeypatch.setattr(os, "environ", dict(os.environ))  # replaced whole: read through it
+    assert off is disabled()
