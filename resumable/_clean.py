@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from . import _history
-from ._slots import batch_dir, is_output_file, slot_file, step_of
+from ._slots import STEP_BATCHES, batch_dir, is_output_file, slot_file, step_of
 from ._stores import Store
 
 if TYPE_CHECKING:
@@ -45,20 +45,18 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
     with pipe._maintenance() as run:  # noqa: SLF001 - the CLI's own pipeline
         run.journal.write_pending(durable=False)  # the log must hold every event replayed
         manifest = run.journal.manifest
-        current = _history.current_versions(manifest)
         for key in _history.unneeded_versions(store, run.secret, pipe.keep_checkpoints, manifest, cutoff):
             _remove(store, key, "old version", report, dry_run=dry_run)
         # gone: not defined by the latest runs, and not defined since the cutoff either
         latest = max(manifest.defined.values(), default="")
         gone = sorted(name for name, when in manifest.defined.items() if when < min(latest, cutoff))
         slots = sorted(
-            {k[: -len(".msgpack")] for k in store.list() if is_output_file(k)} | set(manifest.steps),
+            {k[: -len(".msgpack")] for k in store.list() if is_output_file(k)} | manifest.steps.slots(),
         )
         dead = [s for s in slots if step_of(s) in gone]
-        for slot in sorted(current):
-            # a step whose process died between writing its output and deleting its chunks
-            for key in store.list(batch_dir(slot)):
-                _remove(store, key, f"row chunk of completed step {slot!r}", report, dry_run=dry_run)
+        # a step whose process died between writing its output and deleting its chunks
+        for slot, key in _chunks_of(store, set(manifest.completed_steps)):
+            _remove(store, key, f"row chunk of completed step {slot!r}", report, dry_run=dry_run)
         for slot in dead:
             what = f"of removed step {step_of(slot)!r}"
             _remove(store, slot_file(slot), f"output {what}", report, dry_run=dry_run)
@@ -70,6 +68,21 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
         if not dry_run and (dead or gone):
             run.journal.record("steps_removed", slots=dead, steps=gone)
     return report
+
+
+def _chunks_of(store: Store, slots: set[str]) -> list[tuple[str, str]]:
+    """
+    The row chunks of the batches of *slots* (step slots), as (slot, key), by slot: one
+    listing of every step batch, not one per slot (a state holds 100,000 slots).
+    """
+    found = []
+    for key in store.list(STEP_BATCHES):
+        parts = key[len(STEP_BATCHES) :].split("/")
+        # a slot is a step name, or a step name and a key: its directory is one or two deep
+        owners = sorted(slot for slot in ("/".join(parts[:1]), "/".join(parts[:2])) if slot in slots)
+        if owners and len(parts) > len(owners[0].split("/")):
+            found.append((owners[0], key))
+    return sorted(found)
 
 
 def _remove(store: Store, key: str, what: str, report: CleanReport, *, dry_run: bool) -> None:

@@ -281,6 +281,12 @@ class Steps(MutableMapping[str, StepRecord]):
             self._split()
         return slot in self._items
 
+    def slots(self) -> set[str]:
+        """The slots that have a record (those kept as text not parsed: they may yet prove damaged)."""
+        if self._block is not None:
+            self._split()
+        return set(self._items)
+
     def parsed(self) -> Iterator[tuple[str, StepRecord]]:
         """The records already parsed (every record not kept as text; none while in a block)."""
         return ((s, r) for s, r in self._items.items() if type(r) is not str)  # type: ignore[misc]

@@ -85,13 +85,14 @@ def step_of(slot: str) -> str:
 
 
 BATCHES = f"{INTERNAL_DIR}/batches"
+STEP_BATCHES = f"{BATCHES}/steps/"  # then a step slot's batches: batch_dir
 OBJECTS = f"{INTERNAL_DIR}/objects"
 
 
 def batch_dir(slot: str | None, name: str | None = None) -> str:
     """Where the row chunks of a batch live: per step slot, or per name outside steps."""
     if slot is not None:
-        return f"{BATCHES}/steps/{slot}/"
+        return f"{STEP_BATCHES}{slot}/"
     return f"{BATCHES}/named/{name}/"
 
 

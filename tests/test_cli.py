@@ -371,6 +371,32 @@ def test_clean_removes_row_chunks_left_by_a_completed_step(tmp_path: Path):
     assert [2, 3, 4] == load(state / "enrich.msgpack")
 
 
+def test_clean_removes_row_chunks_left_by_completed_keyed_slots_only(tmp_path: Path):
+    """Keyed slots too: the chunks of a completed slot go, those of a slot not completed stay."""
+    state = tmp_path / "state"
+    pipe = Pipeline("p", state_dir=state)
+
+    @pipe.step(key="{n}")
+    def part(n: int) -> int:
+        return n
+
+    with pipe:
+        part(1)
+    steps = state / ".resumable" / "batches" / "steps"
+    done_chunk = steps / "part" / "1" / "chunks.log"
+    open_chunk = steps / "part" / "2" / "chunks.log"
+    for chunk in (done_chunk, open_chunk):
+        chunk.parent.mkdir(parents=True)
+        chunk.write_bytes(b"left by a killed process")
+    dry = _cli(state, "clean", "--dry-run")
+    assert "row chunk of completed step 'part/1'" in dry.stdout
+    assert "part/2" not in dry.stdout
+    assert 1 == dry.stdout.count("chunks.log")
+    _cli(state, "clean")
+    assert not done_chunk.exists()
+    assert open_chunk.exists()
+
+
 def test_verify_checks_kept_versions(agent: tuple[Path, Path]):
     """verify also checks the output versions history keeps, naming a damaged one."""
     _, state = agent
