@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 import asyncio
 import inspect
 import logging
+import os
 import threading
 import time
 from pathlib import Path
