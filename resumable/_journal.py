@@ -19,9 +19,9 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from ._codec import DamagedFileError, parse_header, utcnow
 from ._codec import _sign as sign_header
@@ -576,11 +576,33 @@ def _rewrite_interval(size: int) -> float:
     return min(_MAX_INTERVAL, FLUSH_INTERVAL * max(1.0, size / 65536))
 
 
-def read_state(store: Store, *, pipeline: str = "", secret: bytes | None = None) -> Manifest:
-    """The current manifest of a store, without locking it or writing anything."""
+def read_state(
+    store: Store, *, pipeline: str = "", secret: bytes | None = None, records: bool = True
+) -> Manifest:
+    """
+    The current manifest of a store, without locking it or writing anything. Without
+    *records*, those of a large manifest are parsed when used, not now (what only lists
+    history needs none of them); either way, damage is handled quietly.
+    """
     journal = Journal(store, pipeline=pipeline, secret=secret, readonly=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResumableWarning)
         manifest = journal.load()
-        manifest.steps.parse_all()  # what is damaged is found now, quietly, as the rest of the load
-        return manifest
+        if records:
+            manifest.steps.parse_all()  # what is damaged is found now, quietly, as the rest of the load
+            return manifest
+    steps = manifest.steps
+    steps.damaged, steps.invalid = _quietly(steps.damaged), _quietly(steps.invalid)
+    return manifest
+
+
+T = TypeVar("T")
+
+
+def _quietly(report: Callable[[str], T]) -> Callable[[str], T]:
+    def quiet(slot: str) -> T:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResumableWarning)
+            return report(slot)
+
+    return quiet

@@ -528,7 +528,7 @@ def read_checkpoints(store: Store, *, secret: bytes | None, newest: int) -> list
     """
     from . import _history  # noqa: PLC0415 - imported when history is first used
 
-    manifest = read_state(store, secret=secret)
+    manifest = read_state(store, secret=secret, records=False)  # only output versions are read
     return _history.checkpoints(store, secret, newest, manifest)
 
 

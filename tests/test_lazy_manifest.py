@@ -300,3 +300,22 @@ def test_verify_checks_every_record_of_a_large_manifest(
     assert "the record of item/4 is damaged" in out
     assert "a record under '../9', which is not a slot name" in out
     assert "the record of item/9 is damaged" in out  # completed, and its line is gone
+
+
+def test_history_of_a_large_manifest_reads_records_quietly_and_writes_nothing(state_dir: Path, lazy: None):
+    """Listing history (without the lock) uses only the output versions; a damaged record is no warning."""
+    from resumable._pipeline import read_checkpoints
+    from resumable._stores import open_store
+
+    raw = _build(state_dir)
+    damaged = raw.replace(
+        b'"item/4": {"status": "completed", "fingerprint": "', b'"item/4": {"status": 7, "x": "'
+    )
+    (state_dir / "manifest.json").write_bytes(damaged)
+    before = {p: p.read_bytes() for p in state_dir.rglob("*") if p.is_file() and p.name != "lock"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        points = read_checkpoints(open_store(str(state_dir)), secret=None, newest=5)
+    assert [26, 27, 28, 29, 30] == [c.id for c in points]
+    assert "item/4" in points[-1].completed_steps  # rebuilt from its output file
+    assert before == {p: p.read_bytes() for p in state_dir.rglob("*") if p.is_file() and p.name != "lock"}
