@@ -174,8 +174,9 @@ class Steps(MutableMapping[str, StepRecord]):
 
     def is_completed(self, slot: str) -> bool:
         """True if *slot*'s record says completed (a record kept as text is: see loads)."""
+        done = self._done  # read first: _split clears it only after the block is gone
         if self._block is not None:
-            return slot in self._done
+            return slot in done
         value = self._items.get(slot)
         return isinstance(value, str) or (value is not None and value.status == "completed")
 

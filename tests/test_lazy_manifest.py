@@ -319,3 +319,37 @@ def test_history_of_a_large_manifest_reads_records_quietly_and_writes_nothing(st
     assert [26, 27, 28, 29, 30] == [c.id for c in points]
     assert "item/4" in points[-1].completed_steps  # rebuilt from its output file
     assert before == {p: p.read_bytes() for p in state_dir.rglob("*") if p.is_file() and p.name != "lock"}
+
+
+def test_skips_from_threads_while_the_block_is_split(state_dir: Path, lazy: None):
+    """Skips (which ask is_completed without the lock) and a first use of the records, at once."""
+    import threading
+
+    _build(state_dir, 200)
+    calls: list[int] = []
+    pipe, item = _keyed(state_dir, calls)
+    errors: list[BaseException] = []
+    with pipe:
+        steps = pipe._session_for().journal.manifest.steps
+        assert steps.block() is not None
+        start = threading.Barrier(5)
+
+        def skip_all() -> None:
+            try:
+                start.wait()
+                for i in range(200):
+                    assert {"i": i} == item(i)  # type: ignore[operator]
+                    assert steps.is_completed(f"item/{i}")
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=skip_all) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        start.wait()
+        assert "completed" == steps["item/150"].status  # splits the block meanwhile
+        for thread in threads:
+            thread.join()
+    assert [] == errors
+    assert [] == calls
+    assert steps.block() is None
