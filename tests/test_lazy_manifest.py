@@ -353,3 +353,28 @@ def test_skips_from_threads_while_the_block_is_split(state_dir: Path, lazy: None
     assert [] == errors
     assert [] == calls
     assert steps.block() is None
+
+
+def test_a_signed_manifest_and_one_left_running_are_not_kept_as_a_block(state_dir: Path, lazy: None):
+    """A signature covers the whole text (parsed whole); a manifest a kill left `running` has records the fold needs."""
+    pipe = Pipeline(state_dir=state_dir, secret=b"k" * 32)
+
+    @pipe.step(key="{i}")
+    def item(i: int) -> int:
+        return i
+
+    with pipe:
+        for i in range(5):
+            item(i)
+    with pipe:
+        steps = pipe._session_for().journal.manifest.steps
+        assert steps.block() is None
+        assert 5 == item(5)
+        assert 4 == item(4)
+    other = state_dir.parent / "running"
+    _build(other)
+    path = other / "manifest.json"
+    path.write_bytes(path.read_bytes().replace(b'"status": "completed",\n', b'"status": "running",\n', 1))
+    manifest = Manifest.loads(path.read_bytes())
+    assert manifest is not None
+    assert manifest.steps.block() is None
