@@ -581,11 +581,13 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
         point = next(p for p in points if p.checkpoint.id == number)
     now = run.journal.manifest.steps
     then = point.steps or {}
-    if point.touched is None:  # any slot may differ: every record is compared (parsed once, in bulk)
+    if point.touched is None or run.journal.repaired:
+        # any slot may differ (a record repaired is not in the log): every record is
+        # compared, parsed once, in bulk
         now.parse_all()
         slots: set[str] = set(now) | set(then)
     else:
-        slots = point.touched
+        slots = point.touched or set()
     current, wanted = _completed_versions(now, slots), _completed_versions(then, slots)
     missing = sorted(set(wanted.values()) - _kept(store) - set(current.values()))
     if missing:

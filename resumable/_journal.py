@@ -165,6 +165,9 @@ class Journal:
         self._log_entry_durable = True
         self._writer: threading.Thread | None = None
         self.rebuilt = False  # load found no usable manifest.json and rebuilt it
+        # a record found damaged when used was rebuilt or dropped: the manifest is no longer
+        # just the fold of the log (a rollback then compares every slot)
+        self.repaired = False
         self.large = False  # the manifest read was over LARGE_MANIFEST bytes
         self.unsaved = False  # the manifest holds something manifest.json does not
 
@@ -258,6 +261,7 @@ class Journal:
 
     def _damaged_record(self, slot: str) -> StepRecord | None:
         """A record of manifest.json found damaged when first used: rebuilt from its output file."""
+        self.repaired = True
         event = self._recovered(slot, slot + OUTPUT_SUFFIX)
         where = f"{self.store.location}/{MANIFEST}"
         if event is None:

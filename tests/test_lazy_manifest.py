@@ -10,6 +10,7 @@ import os
 import warnings
 from pathlib import Path
 
+import attrs
 import pytest
 
 import resumable._journal as journal_module
@@ -378,3 +379,26 @@ def test_a_signed_manifest_and_one_left_running_are_not_kept_as_a_block(state_di
     manifest = Manifest.loads(path.read_bytes())
     assert manifest is not None
     assert manifest.steps.block() is None
+
+
+def test_a_rollback_after_a_record_was_repaired_compares_every_slot(state_dir: Path, lazy: None):
+    """A record rebuilt from its file is not in the log: a rollback then restores every record it differs in."""
+    raw = _build(state_dir)
+    original = json.loads(raw)["steps"]["item/4"]
+    pipe, item = _keyed(state_dir)
+    with pipe:
+        for i in range(30, 33):
+            item(i)  # type: ignore[operator] - three checkpoints to undo
+    target = pipe.checkpoints()[-4]
+    path = state_dir / "manifest.json"
+    path.write_bytes(
+        path.read_bytes().replace(
+            b'"item/4": {"status": "completed", "fingerprint": "', b'"item/4": {"status": 7, "x": "'
+        )
+    )
+    with pipe:
+        with pytest.warns(ResumableWarning, match="the record of item/4 was damaged; rebuilt it"):
+            assert pipe.status().steps["item/4"].reason is None  # rebuilt from the file: no reason
+        pipe.rollback(target.id)
+        assert original == attrs.asdict(pipe.status().steps["item/4"])  # the record at the checkpoint
+        assert target.completed_steps == pipe.status().completed_steps
