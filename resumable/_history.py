@@ -490,15 +490,42 @@ def unneeded_versions(
     ids = _newest(manifest, keep)
     if since is not None:
         ids |= {p.checkpoint.id for p in replay(store, secret) if (p.checkpoint.created_at or "") >= since}
-    return _unneeded(kept, manifest, replay(store, secret, ids))
+    return _unneeded(store, kept, manifest, replay(store, secret, ids))
 
 
-def _unneeded(kept: set[str], manifest: Manifest, points: Iterable[_Point]) -> list[str]:
+def _unneeded(store: Store, kept: set[str], manifest: Manifest, points: Iterable[_Point]) -> list[str]:
     """The keys of the *kept* versions that the current state and the *points* asked for do not need."""
-    needed = set(current_versions(manifest).values())
+    needed = _in_use(store, kept, manifest)
     for _, versions in _each_versions(points):
         needed.update(versions.values())
     return [object_key(v) for v in sorted(kept - needed)]
+
+
+_FEW_KEPT = 256  # kept versions whose slots are read from their headers, not found among all records
+
+
+def _in_use(store: Store, kept: set[str], manifest: Manifest) -> set[str]:
+    """
+    The *kept* versions that are some slot's output now (a rollback put them back). A few
+    are looked up by the slot their header names (a state of 100,000 slots need not parse
+    every record for 50 kept versions); many, or a header that cannot be read, by every record.
+    """
+    if len(kept) <= _FEW_KEPT:
+        found = set()
+        for version in kept:
+            try:
+                header, _ = read_header(store, object_key(version))
+            except (FileNotFoundError, DamagedFileError, StateFormatError):
+                break
+            slot = header.get("slot")
+            if not isinstance(slot, str) or header.get("hsum") != version:
+                break
+            rec = manifest.steps.get(slot)  # a lookup: no path is made of it
+            if rec is not None and rec.status == "completed" and rec.file == version:
+                found.add(version)
+        else:
+            return found
+    return set(current_versions(manifest).values()) & kept
 
 
 def prune(store: Store, secret: bytes | None, keep: int, manifest: Manifest, *, durable: bool) -> int:
@@ -512,7 +539,7 @@ def prune(store: Store, secret: bytes | None, keep: int, manifest: Manifest, *, 
     if not kept and at is None:
         return 0
     points = replay(store, secret, _newest(manifest, keep) if kept else (), base_at=at)
-    unneeded = _unneeded(kept, manifest, points) if kept else []
+    unneeded = _unneeded(store, kept, manifest, points) if kept else []
     for key in unneeded:
         store.delete(key, durable=durable)
     for point in points:
