@@ -25,7 +25,7 @@ import attrs
 
 from ._codec import DamagedFileError, encode, frame, parse_header, read_verified, utcnow, verify
 from ._journal import _authentic, header_authentic, read_header
-from ._manifest import EVENT_KINDS, FORMAT, Fold, Manifest, StepRecord, Steps, valid_event
+from ._manifest import EVENT_KINDS, FORMAT, Fold, Manifest, StepRecord, Steps, json_values, valid_event
 from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
 from ._stores import Store
 from .exceptions import DamagedStateError, ResumableError, StateFormatError
@@ -163,7 +163,7 @@ def _events_from(store: Store, secret: bytes | None, start: int) -> Iterator[tup
         split = lines.split(b"\n")[:-1]
         for first in range(0, len(split), _EVENT_BATCH):
             batch = split[first : first + _EVENT_BATCH]
-            for line, event in zip(batch, _parsed(batch), strict=True):
+            for line, event in zip(batch, json_values(batch), strict=True):
                 end += len(line) + 1
                 if isinstance(event, dict) and _authentic(event, secret) and valid_event(event):
                     yield end, event
@@ -172,28 +172,6 @@ def _events_from(store: Store, secret: bytes | None, start: int) -> Iterator[tup
 
 
 _EVENT_BATCH = 4096  # lines parsed in one json call (about a megabyte)
-
-
-def _parsed(lines: list[bytes]) -> list[Any]:
-    """
-    The JSON value of each line (None where it is not JSON), in one json call for them all;
-    line by line only where that fails or the count is off (a damaged line). Each value is
-    then checked as an event: lines crafted to shift values between them give nothing that
-    whoever can write the log could not write as plain lines.
-    """
-    try:
-        values = json.loads(b"[" + b",".join(lines) + b"]")
-    except ValueError:
-        values = None
-    if type(values) is list and len(values) == len(lines):
-        return values
-    parsed: list[Any] = []
-    for line in lines:
-        try:
-            parsed.append(json.loads(line))
-        except ValueError:
-            parsed.append(None)
-    return parsed
 
 
 _LOG_PIECE = 1 << 20
@@ -416,8 +394,7 @@ class _Versions:
         else:
             changes = {}
             for slot in self._touched:
-                rec = m.steps.get(slot)
-                version = rec.file if rec is not None and rec.status == "completed" else None
+                version = _version_of(m.steps.get(slot))
                 changes[slot] = version
                 if version is None:
                     self._now.pop(slot, None)
@@ -445,10 +422,6 @@ def _point(checkpoint: Checkpoint, m: Manifest, asked: bool, rolled_back_to: int
     if asked:
         point.checkpoint = attrs.evolve(checkpoint, completed_steps=list(m.completed_steps))
     return point
-
-
-def _versions(point: _Point) -> dict[str, str]:
-    return point.versions or {}
 
 
 def _each_versions(points: Iterable[_Point]) -> Iterator[tuple[_Point, dict[str, str]]]:
@@ -544,8 +517,7 @@ def _in_use(store: Store, kept: set[str], manifest: Manifest) -> set[str]:
             slot = header.get("slot")
             if not isinstance(slot, str) or header.get("hsum") != version:
                 break
-            rec = manifest.steps.get(slot)  # a lookup: no path is made of it
-            if rec is not None and rec.status == "completed" and rec.file == version:
+            if _version_of(manifest.steps.get(slot)) == version:  # a lookup: no path is made of it
                 found.add(version)
         else:
             return found
@@ -659,10 +631,15 @@ def _completed_versions(steps: Mapping[str, StepRecord], slots: Iterable[str]) -
     """The output version of each of *slots* completed in *steps*."""
     versions = {}
     for slot in slots:
-        rec = steps.get(slot)
-        if rec is not None and rec.status == "completed" and rec.file is not None:
-            versions[slot] = rec.file
+        version = _version_of(steps.get(slot))
+        if version is not None:
+            versions[slot] = version
     return versions
+
+
+def _version_of(rec: StepRecord | None) -> str | None:
+    """The output version a slot's record says it holds (None: it holds none, not completed)."""
+    return rec.file if rec is not None and rec.status == "completed" else None
 
 
 def _cannot_restore(run: Keeper, number: int, slots: list[str]) -> NoReturn:

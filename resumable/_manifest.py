@@ -107,7 +107,7 @@ class Steps(MutableMapping[str, StepRecord]):
     @classmethod
     def of_block(cls, raw: bytes | bytearray, start: int, end: int, completed: Iterable[str]) -> Steps:
         """
-        The records ``raw[start:end]`` (``"slot": record`` lines, as :func:`dumps` writes them),
+        The records ``raw[start:end]`` (``"slot": record`` lines, as :func:`dump_chunks` writes them),
         none of them running, of which the slots *completed* are the completed ones.
         """
         steps = cls()
@@ -237,7 +237,7 @@ class Steps(MutableMapping[str, StepRecord]):
                 files[slot] = value.file
         for start in range(0, len(texts), _PARSE_BATCH):
             batch = texts[start : start + _PARSE_BATCH]
-            values = self._bulk([self._items[slot] for slot in batch])  # type: ignore[misc]
+            values = json_values([self._items[slot] for slot in batch])  # type: ignore[arg-type]
             for slot, data in zip(batch, values, strict=True):
                 if _STEP_RECORD(data):
                     if data["status"] == "completed" and data.get("file") is not None:
@@ -248,23 +248,8 @@ class Steps(MutableMapping[str, StepRecord]):
                     files[slot] = rec.file
         return files
 
-    @staticmethod
-    def _bulk(texts: list[str]) -> list[Any]:
-        """
-        The values of *texts* in one json call, C speed (Nones where the count does not match).
-        Each value is then checked as a record; texts crafted to shift values between slots
-        would give nothing their writer could not have written as plain records.
-        """
-        try:
-            values = json.loads("[" + ",".join(texts) + "]")
-        except ValueError:
-            values = None
-        if type(values) is not list or len(values) != len(texts):
-            return [None] * len(texts)  # checked one by one: the damage is found there
-        return values
-
     def _parse_batch(self, slots: list[str]) -> None:
-        values = self._bulk([self._items[slot] for slot in slots])  # type: ignore[misc]
+        values = json_values([self._items[slot] for slot in slots])  # type: ignore[arg-type]
         for slot, data in zip(slots, values, strict=True):
             if _STEP_RECORD(data):
                 self._items[slot] = StepRecord(**data)
@@ -341,7 +326,7 @@ class Manifest:
     def to_dict(self, *, texts: bool = False) -> dict[str, Any]:
         """
         Plain JSON-ready data (a deep copy), keys in the documented order. With *texts*,
-        records never parsed stay the text they were read as (what :func:`dumps` writes as it is).
+        records never parsed stay the text they were read as (what :func:`dump_chunks` writes as it is).
         """
         # Written out by hand: attrs.asdict is ten times slower, and this runs for every
         # manifest write, over every slot.
@@ -404,16 +389,16 @@ class Manifest:
     @classmethod
     def loads(cls, raw: bytes | bytearray) -> Manifest | None:
         """
-        A manifest from the text of a ``manifest.json`` in the layout :func:`dumps` writes,
+        A manifest from the text of a ``manifest.json`` in the layout :func:`dump_chunks` writes,
         leaving the records of completed slots as text until used (see :class:`Steps`); None
         if the text is not in that layout (then parse it whole with :meth:`from_dict`).
 
         Raises:
             StateFormatError, ValueError: as :meth:`from_dict`.
         """
-        # JSON strings hold no raw newline: these only occur where dumps put them. The bytes
+        # JSON strings hold no raw newline: these only occur where dump_chunks put them. The bytes
         # are decoded a piece at a time: 30 MB of text is never held beside the records.
-        # The steps are most of the text: what follows them (dumps writes the error next) is
+        # The steps are most of the text: what follows them (dump_chunks writes the error next) is
         # found from the end, and whether "steps" also occurs elsewhere shows in the data.
         start, end = raw.find(_STEPS_OPEN), raw.rfind(_STEPS_CLOSE + _ERROR_NEXT)
         if start < 0 or end < start:
@@ -461,6 +446,33 @@ class Manifest:
         return manifest
 
 
+def json_values(texts: list[str] | list[bytes]) -> list[Any]:
+    """
+    The JSON value of each of *texts* (None where one is not JSON), in one json call for them
+    all (C speed); one by one only where that fails or the count is off (a damaged text).
+    Each value is then checked (as a record, an event): texts crafted to shift values
+    between them give nothing that whoever can write them could not write plainly.
+    """
+    joined: str | bytes = (
+        b"[" + b",".join(texts) + b"]"
+        if texts and isinstance(texts[0], bytes)
+        else "[" + ",".join(texts) + "]"  # type: ignore[arg-type]
+    )
+    try:
+        values = json.loads(joined)
+    except ValueError:
+        values = None
+    if type(values) is list and len(values) == len(texts):
+        return values
+    parsed: list[Any] = []
+    for text in texts:
+        try:
+            parsed.append(json.loads(text))
+        except ValueError:
+            parsed.append(None)
+    return parsed
+
+
 def _checked(text: str | StepRecord) -> StepRecord | None:
     """The record *text* holds, if it is a valid one."""
     if type(text) is not str:
@@ -475,7 +487,7 @@ def _checked(text: str | StepRecord) -> StepRecord | None:
 def _record_texts(raw: bytes | bytearray, start: int, end: int) -> dict[str, str] | None:
     """
     The ``"slot": {record}`` lines of *raw* between *start* and *end* (the steps of a
-    manifest.json) as text, by slot; None if they are not in the layout dumps writes.
+    manifest.json) as text, by slot; None if they are not in the layout dump_chunks writes.
 
     Raises:
         UnicodeDecodeError: they are not UTF-8.
@@ -503,7 +515,7 @@ _NEWLINE = ord("\n")
 
 def _salvage_texts(block: bytes) -> tuple[dict[str, str], list[str]]:
     """
-    The records of a block not quite in the layout dumps writes (escaped keys, or damage):
+    The records of a block not quite in the layout dump_chunks writes (escaped keys, or damage):
     every line whose key is a slot, record as text (checked when parsed), by slot; and the
     keys that are not slots. A line without a key is left out (its slot, if completed, is
     rebuilt from its output file).
@@ -835,15 +847,11 @@ class _Verbatim:
     text: memoryview
 
 
-def dumps(data: dict[str, Any]) -> str:
-    """Manifest data as JSON: one line per key, and one line per slot, batch and step."""
-    return "".join(f if isinstance(f, str) else bytes(f).decode() for f in _fragments(data))
-
-
 def dump_chunks(data: dict[str, Any]) -> list[bytes | memoryview]:
     """
-    :func:`dumps` encoded, in pieces of about a megabyte (a large manifest is never one
-    string); records written back as read are views of the text read, not copies.
+    Manifest data as JSON, one line per key and one line per slot, batch and step, encoded
+    in pieces of about a megabyte (a large manifest is never one string); records written
+    back as read are views of the text read, not copies.
     """
     chunks: list[bytes | memoryview] = []
     pending: list[str] = []

@@ -569,7 +569,7 @@ def test_pruning_finds_the_kept_versions_in_use_by_their_headers_as_by_every_rec
 )
 def test_the_lines_of_a_replay_parse_in_one_call_as_one_by_one(lines: list[bytes]):
     """One json call for many lines gives each line's value, or None, as parsing each alone does."""
-    from resumable._history import _parsed
+    from resumable._manifest import json_values
 
     lines = [line.replace(b"\n", b" ") for line in lines]
     one_by_one = []
@@ -578,7 +578,7 @@ def test_the_lines_of_a_replay_parse_in_one_call_as_one_by_one(lines: list[bytes
             one_by_one.append(json.loads(line))
         except ValueError:
             one_by_one.append(None)
-    parsed = _parsed(lines)
+    parsed = json_values(lines)
     assert len(lines) == len(parsed)
     # where every line is a value of its own, both agree; shifting values needs lines that
     # are not valid alone (and each value is still checked as an event)
