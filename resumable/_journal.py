@@ -78,11 +78,13 @@ def _mac(secret: bytes, payload: bytes) -> str:
     return hmac.new(secret, payload, hashlib.sha256).hexdigest()
 
 
-def _dumps(data: Mapping[str, Any]) -> str:
-    return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+# one encoder for every line: json.dumps with options builds a new one per call
+_dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
-def _signed(data: Mapping[str, Any], secret: bytes | None) -> dict[str, Any]:
+def _signed(data: Mapping[str, Any], secret: bytes | None) -> Mapping[str, Any]:
+    if secret is None and "mac" not in data:
+        return data  # nothing to add or take out: no copy (every event goes through here)
     out = dict(data)
     out.pop("mac", None)
     if secret is not None:

@@ -847,7 +847,7 @@ class _Verbatim:
     text: memoryview
 
 
-def dump_chunks(data: dict[str, Any]) -> list[bytes | memoryview]:
+def dump_chunks(data: Mapping[str, Any]) -> list[bytes | memoryview]:
     """
     Manifest data as JSON, one line per key and one line per slot, batch and step, encoded
     in pieces of about a megabyte (a large manifest is never one string); records written
@@ -873,7 +873,7 @@ def dump_chunks(data: dict[str, Any]) -> list[bytes | memoryview]:
     return [chunk for chunk in chunks if chunk]
 
 
-def _fragments(data: dict[str, Any]) -> Iterator[str | memoryview]:
+def _fragments(data: Mapping[str, Any]) -> Iterator[str | memoryview]:
     last = len(data) - 1
     yield "{"
     for i, (key, value) in enumerate(data.items()):

@@ -87,16 +87,20 @@ class Loops:
     __slots__ = ("_open",)
 
     def __init__(self) -> None:
-        self._open: weakref.WeakSet[Any] = weakref.WeakSet()
+        # made by the first loop: most step calls open none, and a WeakSet is not free
+        self._open: weakref.WeakSet[Any] | None = None
 
     def add(self, loop: Any) -> None:
+        if self._open is None:
+            self._open = weakref.WeakSet()
         self._open.add(loop)
 
     def discard(self, loop: Any) -> None:
-        self._open.discard(loop)
+        if self._open is not None:
+            self._open.discard(loop)
 
     def close(self) -> None:
-        for loop in list(self._open):
+        for loop in list(self._open or ()):
             loop.close()
 
 
@@ -631,9 +635,10 @@ class Session:
             **fields,
         )
         self.last_outcome = "ok"
-        log.debug(
-            "step %r completed in %.3fs, %s", plan.slot, time.perf_counter() - started, human_size(size)
-        )
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "step %r completed in %.3fs, %s", plan.slot, time.perf_counter() - started, human_size(size)
+            )
 
     def forget_batches(self, slot: str | None, name: str | None = None) -> int:
         """Delete the row chunks of a step slot's batches (or of a named batch)."""

@@ -21,6 +21,7 @@ _RESERVED_SUFFIXES = (".msgpack", ".json", ".jsonl", ".tmp")
 # case-insensitive file system (macOS, Windows).
 _KEY_SAFE = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-.")
 _MAX_KEY_FILE = 150
+_PLAIN_KEY = re.compile(r"[a-z0-9_-][a-z0-9_.-]*")  # encoded as it is (see encode_key)
 
 
 def check_name(name: object) -> str:
@@ -52,6 +53,8 @@ def check_name(name: object) -> str:
 
 def encode_key(key: str) -> str:
     """Encode a slot key into one safe, unique file name component (without suffix)."""
+    if len(key) <= _MAX_KEY_FILE and _PLAIN_KEY.fullmatch(key):
+        return key  # the usual key needs no escape: no loop over its characters
     out = []
     for i, ch in enumerate(key):
         if ch in _KEY_SAFE and not (i == 0 and ch == "."):

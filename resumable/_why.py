@@ -38,6 +38,8 @@ _recorded_lock = threading.Lock()
 def record_code(store: Store, step: str, identity: Identity) -> None:
     """Keep the components of the code a step is about to run (once per code digest)."""
     mark = (store.location, identity.code)
+    if mark in _recorded:  # the usual case, at every step that runs: no lock needed to see it
+        return
     with _recorded_lock:
         if mark in _recorded:
             return

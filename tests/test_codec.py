@@ -28,6 +28,7 @@ import warnings
 from decimal import Decimal
 from pathlib import Path, PosixPath, PurePosixPath
 from typing import Any
+from unittest import mock
 from zoneinfo import ZoneInfo
 
 import attrs
@@ -35,7 +36,8 @@ import msgpack
 import numpy as np
 import pandas as pd
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from strategies import (
     Color,
     Coord,
@@ -1181,3 +1183,15 @@ def test_large_values_get_a_parallel_tree_checksum(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(resumable.SerializationError, match="checksum mismatch"):
         resumable.load(path)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=4_102_444_800 * 10**9), min_size=1, max_size=6))
+def test_timestamps_are_the_utc_time_to_the_millisecond(moments: list[int]) -> None:
+    """utcnow, which formats each second once, gives what datetime gives, in any order of calls."""
+    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    for ns in moments + [ns + 999_999 for ns in moments]:
+        with mock.patch.object(_codec.time, "time_ns", return_value=ns):
+            got = _codec.utcnow()
+        moment = epoch + dt.timedelta(microseconds=ns // 1000)
+        assert moment.isoformat(timespec="milliseconds").replace("+00:00", "Z") == got

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import inspect
 import logging
 import os
@@ -11,6 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import resumable._session
 from resumable import (
@@ -613,6 +616,34 @@ def test_key_file_names_are_readable_and_escaped(pipe: Pipeline, state_dir: Path
         named("Page A/b")
     files = {p.name for p in (state_dir / "named").glob("*.msgpack")}
     assert {"user_17-2026.json.msgpack", "%50age%20%41%2Fb.msgpack"} == files
+
+
+def _escaped_char_by_char(key: str) -> str:
+    """The slot file name of *key* as defined: every character looked at, one at a time."""
+    out = []
+    for i, ch in enumerate(key):
+        if ch in "abcdefghijklmnopqrstuvwxyz0123456789_-." and not (i == 0 and ch == "."):
+            out.append(ch)
+        else:
+            out.extend(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
+    encoded = "".join(out) or "%"
+    if len(encoded) > 150:
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+        encoded = f"{encoded[:100]}~{digest}"
+    return encoded
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.text(alphabet="ab.-_9Z/%\n\u00e9", max_size=8)
+    | st.text(alphabet="abc.-_", min_size=140, max_size=160)
+    | st.text(max_size=20)
+)
+def test_a_key_that_needs_no_escape_is_its_own_file_name(key: str) -> None:
+    """The fast path for plain keys names exactly the file the character-by-character escape names."""
+    from resumable._slots import encode_key
+
+    assert _escaped_char_by_char(key) == encode_key(key)
 
 
 def test_concurrent_calls_of_one_non_idempotent_slot_run_it_once(pipe: Pipeline):
