@@ -239,6 +239,8 @@ def _valid_text(value: Any) -> Any:
     by any msgpack reader, and strict UTF-8 cannot hold a surrogate.
     """
     if isinstance(value, str):
+        if value.isascii():  # the usual case: valid, and quick to tell
+            return value
         try:
             value.encode()
         except UnicodeEncodeError:

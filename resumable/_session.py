@@ -222,6 +222,7 @@ class Session:
         # code components as they were when the run opened, to explain every rerun the same way
         self._code_before: dict[str, dict[str, str]] = {}
         self._skipped: set[str] = set()
+        self._code_recorded: set[str] = set()  # code digests whose record is in the store (_why)
         # slot -> (stamp, bytes, header, header length) of files verified in this run
         self._verified: OrderedDict[str, tuple[Stamp, Verified]] = OrderedDict()
         self._verified_bytes = 0
@@ -529,9 +530,11 @@ class Session:
             raise StepInterruptedError(plan.slot, rec.started_at, step=spec.name)
         detail = f" ({found.detail})" if found.detail else ""
         log.info("step %r running: %s%s", plan.slot, found.reason, detail)
-        from . import _why  # noqa: PLC0415 - kept out of `import resumable`
+        if plan.identity.code not in self._code_recorded:  # once per code: most steps that run again
+            from . import _why  # noqa: PLC0415 - kept out of `import resumable`
 
-        _why.record_code(self.store, spec.name, plan.identity)
+            if _why.record_code(self.store, spec.name, plan.identity):
+                self._code_recorded.add(plan.identity.code)
         self.journal.record(
             "step_started",
             # a non-idempotent step's start must be on disk before its side effects begin

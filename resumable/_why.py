@@ -35,14 +35,12 @@ _recorded: set[tuple[str, str]] = set()  # (store location, code digest) written
 _recorded_lock = threading.Lock()
 
 
-def record_code(store: Store, step: str, identity: Identity) -> None:
-    """Keep the components of the code a step is about to run (once per code digest)."""
+def record_code(store: Store, step: str, identity: Identity) -> bool:
+    """Keep the components of the code a step is about to run (once per code digest); False if not written."""
     mark = (store.location, identity.code)
-    if mark in _recorded:  # the usual case, at every step that runs: no lock needed to see it
-        return
     with _recorded_lock:
         if mark in _recorded:
-            return
+            return True
         _recorded.add(mark)
     from ._codehash import short_repr  # noqa: PLC0415 - loaded with the step already
 
@@ -60,6 +58,8 @@ def record_code(store: Store, step: str, identity: Identity) -> None:
         log.debug("code record of step %r not written: %s", step, exc)
         with _recorded_lock:
             _recorded.discard(mark)
+        return False
+    return True
 
 
 def read_code(store: Store, code: object) -> dict[str, Any] | None:
