@@ -317,6 +317,31 @@ def test_str_with_lone_surrogate_round_trips(pipe, state_dir):
     assert [name] == loaded
 
 
+class _SurrogatesAlways(_codec_types.Encoder):
+    """The encoder as it was: every str through msgpack's error handler."""
+
+    def pack(self, obj: object) -> bytes:
+        packer = msgpack.Packer(
+            default=self.default, strict_types=True, use_bin_type=True, unicode_errors="surrogatepass"
+        )
+        return bytes(packer.pack(obj))
+
+
+@settings(max_examples=150, deadline=None)
+@given(value=storable, name=st.text(max_size=5))
+def test_packing_strict_utf8_first_gives_the_bytes_of_the_error_handler(value: Any, name: str) -> None:
+    """A lone surrogate anywhere (after arrays, inside ext types) packs again from a clean state: same bytes, same buffers."""
+    surrogate = f"{name}\udcff"
+    big = np.arange(_codec_types.OOB_MIN)  # out of band: a buffer the first attempt has already taken
+    for candidate in (value, [big, value, surrogate], {surrogate: value}, (big, (surrogate,))):
+        fast, slow = _codec_types.Encoder(allow_pickle=True), _SurrogatesAlways(allow_pickle=True)
+        assert (slow.pack(candidate), [bytes(b) for b in slow.buffers], slow.pickled) == (
+            fast.pack(candidate),
+            [bytes(b) for b in fast.buffers],
+            fast.pickled,
+        )
+
+
 # --------------------------------------------------------------------------------------
 # pandas and pydantic
 
