@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -752,3 +753,32 @@ def test_why_picks_slots_and_prints_json(tmp_path: Path):
     done = _cli(state, "why", "nope")
     assert (2, "") == (done.returncode, done.stdout)
     assert "no run has called 'nope'" in done.stderr
+
+
+def test_a_code_record_that_could_not_be_written_is_written_when_the_code_runs_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The record `why` diffs against is not worth failing a step for, and is not given up either."""
+    from resumable._stores._local import LocalStore
+
+    pipe = Pipeline("codes", state_dir=tmp_path / "state")
+
+    @pipe.step(key="{n}")
+    def page(n: int) -> int:
+        return n
+
+    real_write = LocalStore.write
+    refused: list[str] = []
+
+    def full_once(self: LocalStore, key: str, chunks: Any, *, durable: bool) -> None:
+        if key.startswith(".resumable/code/") and not refused:
+            refused.append(key)
+            raise OSError(28, "No space left on device")
+        real_write(self, key, chunks, durable=durable)
+
+    monkeypatch.setattr(LocalStore, "write", full_once)
+    with pipe:
+        page(1)
+        assert [] == list((tmp_path / "state").glob(".resumable/code/*.json"))
+        page(2)
+    assert [Path(refused[0]).name] == [p.name for p in (tmp_path / "state").glob(".resumable/code/*.json")]
