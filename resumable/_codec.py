@@ -286,7 +286,10 @@ def parse_header(data: Buffer) -> tuple[dict[str, Any], int]:
         StateFormatError: it was written by a newer version.
     """
     view = memoryview(data)
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=_HEAD_MAX)
+    # read_size: its first buffer; the default (1 MiB) is a fresh allocation at every header read
+    unpacker = msgpack.Unpacker(
+        raw=False, strict_map_key=False, max_buffer_size=_HEAD_MAX, read_size=_HEAD_GUESS
+    )
     # Feed the head only: the value may be large, and the Unpacker would copy it all.
     fed = min(len(view), _HEAD_GUESS)
     unpacker.feed(view[:fed])
