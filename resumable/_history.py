@@ -244,12 +244,14 @@ def _write_base(
 _NOT_COPIED: list[str] = []  # the completed slots of a checkpoint not asked for (never read)
 
 
-def replay(
+def replay(  # noqa: C901, PLR0913 - one pass over the log answers every kind of history question
     store: Store,
     secret: bytes | None,
     want: Iterable[int] = (),
     restore: int | None = None,
     base_at: int | None = None,
+    *,
+    only_asked: bool = False,
 ) -> list[_Point]:
     """
     Every checkpoint in the history, in order (from the history base, if there is one, up to
@@ -257,7 +259,9 @@ def replay(
     listing and pruning need). The point of checkpoint *restore* (asked alone: what a
     rollback needs) holds the records then, and which slots the events after it touch. With
     *base_at*, the point of that checkpoint also holds a copy of the whole manifest and the
-    log offset after it (what a new history base needs).
+    log offset after it (what a new history base needs). With *only_asked*, the checkpoints
+    not asked for (in *want*, *restore* or *base_at*) are left out: the first close after a
+    million stored slots need not make a million points to use twenty.
     """
     wanted = set(want)
     ids = wanted | {i for i in (restore, base_at) if i is not None}
@@ -281,6 +285,11 @@ def replay(
             continue
         m = fold.manifest
         number = m.checkpoints
+        if only_asked and number not in ids:
+            rolled_back_to = None
+            if last is not None and number >= last:
+                break
+            continue
         # Only the checkpoints asked for get a copy of the state: copying it at every
         # checkpoint would make a replay quadratic in the number of slots.
         checkpoint = Checkpoint(number, event.get("t"), event.get("slot"), event.get("label"), _NOT_COPIED)
@@ -470,7 +479,7 @@ def _newest(manifest: Manifest, count: int) -> set[int]:
 def checkpoints(store: Store, secret: bytes | None, newest: int, manifest: Manifest) -> list[Checkpoint]:
     """The checkpoints among the *newest* that can still be restored, oldest first."""
     available = _kept(store) | set(current_versions(manifest).values())
-    points = _each_versions(replay(store, secret, _newest(manifest, newest)))
+    points = _each_versions(replay(store, secret, _newest(manifest, newest), only_asked=True))
     return [p.checkpoint for p, versions in points if _restorable(versions, available)]
 
 
@@ -487,7 +496,7 @@ def unneeded_versions(
     ids = _newest(manifest, keep)
     if since is not None:
         ids |= {p.checkpoint.id for p in replay(store, secret) if (p.checkpoint.created_at or "") >= since}
-    return _unneeded(store, kept, manifest, replay(store, secret, ids))
+    return _unneeded(store, kept, manifest, replay(store, secret, ids, only_asked=True))
 
 
 def _unneeded(store: Store, kept: set[str], manifest: Manifest, points: Iterable[_Point]) -> list[str]:
@@ -534,7 +543,7 @@ def prune(store: Store, secret: bytes | None, keep: int, manifest: Manifest, *, 
     at = _rebase_at(store, secret, keep, manifest)
     if not kept and at is None:
         return 0
-    points = replay(store, secret, _newest(manifest, keep) if kept else (), base_at=at)
+    points = replay(store, secret, _newest(manifest, keep) if kept else (), base_at=at, only_asked=True)
     unneeded = _unneeded(store, kept, manifest, points) if kept else []
     for key in unneeded:
         store.delete(key, durable=durable)

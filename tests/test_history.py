@@ -556,6 +556,35 @@ def test_pruning_finds_the_kept_versions_in_use_by_their_headers_as_by_every_rec
     assert by_headers == _history.unneeded_versions(store, None, 1, manifest)
 
 
+def test_a_replay_of_the_checkpoints_asked_for_alone_gives_what_the_whole_replay_gives_for_them(
+    tmp_path: Path,
+):
+    """Listing, pruning and a new history base replay without a point per checkpoint: same points, same versions."""
+    import random
+
+    from resumable import _history
+
+    def seen(points: list[Any]) -> list[tuple[Any, ...]]:
+        versions = {id(p): dict(v) for p, v in _history._each_versions(points)}
+        return [(p.checkpoint, p.after_rollback, versions.get(id(p)), p.base) for p in points]
+
+    for seed in range(10):
+        state = tmp_path / f"s{seed}"
+        _random_history(state, seed)
+        store = LocalStore(str(state))
+        every = [p.checkpoint.id for p in _history.replay(store, None)]
+        rng = random.Random(seed)  # noqa: S311 - which checkpoints to ask for, reproducibly
+        for _ in range(4):
+            want = set(rng.sample(every, min(len(every), rng.randint(1, 5))))
+            base_at = rng.choice([None, *every])
+            asked = want | ({base_at} if base_at is not None else set())
+            whole = [
+                p for p in _history.replay(store, None, want, base_at=base_at) if p.checkpoint.id in asked
+            ]
+            alone = _history.replay(store, None, want, base_at=base_at, only_asked=True)
+            assert seen(whole) == seen(alone), (seed, sorted(want), base_at)
+
+
 @given(
     st.lists(
         st.one_of(
