@@ -71,24 +71,36 @@ def _source(fn: types.FunctionType) -> str | None:
     return "".join(inspect.getblock(lines[start:]))
 
 
+# per node class, the fields that count (in order), with a "=" to write after each
+_FIELDS: dict[type, tuple[tuple[str, str], ...]] = {}
+
+
+def _fields_of(kind: type) -> tuple[tuple[str, str], ...]:
+    fields = _FIELDS.get(kind)
+    if fields is None:
+        skip = _SKIP_FIELDS | ({"annotation"} if issubclass(kind, ast.arg) else set())
+        fields = _FIELDS[kind] = tuple((f, f"{f}=") for f in kind._fields if f not in skip)  # type: ignore[attr-defined]
+    return fields
+
+
 def _canon(node: ast.AST, out: list[str], *, top: bool = False) -> None:
-    out.append(type(node).__name__)
+    """The canonical text of *node* (appended to *out*): what the code digest hashes."""
+    kind = type(node)
+    out.append(kind.__name__)
     out.append("(")
-    for field in node._fields:
-        if field in _SKIP_FIELDS or (top and field in _TOP_SKIP):
-            continue
-        if field == "annotation" and isinstance(node, ast.arg):
+    fields = _FIELDS.get(kind)
+    for field, label in fields if fields is not None else _fields_of(kind):
+        if top and field in _TOP_SKIP:
             continue
         value = getattr(node, field, None)
         if top and field == "body" and isinstance(value, list):
             value = _without_docstring(value)
-        if value is None or (isinstance(value, list) and not value):
+        if value is None or (type(value) is list and not value):
             continue
-        out.append(field)
-        out.append("=")
+        out.append(label)
         if isinstance(value, ast.AST):
             _canon(value, out)
-        elif isinstance(value, list):
+        elif type(value) is list:
             out.append("[")
             for item in value:
                 if isinstance(item, ast.AST):
@@ -400,31 +412,52 @@ def _root_name(node: ast.AST) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
+_CHANGING = (ast.Global, ast.Nonlocal, ast.Call, ast.Assign, ast.Delete, ast.AugAssign, ast.AnnAssign)
+# per node class, the fields that may hold code: all but ``ctx`` (Load, Store or Del, no code)
+_CHILDREN: dict[type, tuple[str, ...]] = {}
+
+
+def _children_of(kind: type) -> tuple[str, ...]:
+    fields = _CHILDREN[kind] = tuple(f for f in kind._fields if f != "ctx")  # type: ignore[attr-defined]
+    return fields
+
+
 def changed_names(node: ast.AST) -> set[str]:
     """
     Names whose values the code changes (``global``/``nonlocal`` assignments, ``X[k] = v``,
     ``X.a += 1``, ``X.append(...)``): state the step writes, not an input it reads.
     """
     names: set[str] = set()
-    for sub in ast.walk(node):
-        if isinstance(sub, (ast.Global, ast.Nonlocal)):
-            names.update(sub.names)
-        elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr in _MUTATORS:
+    stack = [node]
+    while stack:  # every node below (as ast.walk, without its generators: a step's first call pays this)
+        sub = stack.pop()
+        fields = _CHILDREN.get(type(sub))
+        for field in fields if fields is not None else _children_of(type(sub)):
+            value = getattr(sub, field, None)
+            if isinstance(value, ast.AST):
+                stack.append(value)
+            elif type(value) is list:
+                stack.extend(item for item in value if isinstance(item, ast.AST))
+        if isinstance(sub, _CHANGING):
+            _note_change(sub, names)
+    return names
+
+
+def _note_change(sub: ast.AST, names: set[str]) -> None:
+    if isinstance(sub, (ast.Global, ast.Nonlocal)):
+        names.update(sub.names)
+    elif isinstance(sub, ast.Call):
+        if isinstance(sub.func, ast.Attribute) and sub.func.attr in _MUTATORS:
             root = _root_name(sub.func.value)
             if root is not None:
                 names.add(root)
-        else:
-            targets: list[ast.AST] = []
-            if isinstance(sub, (ast.Assign, ast.Delete)):
-                targets = list(sub.targets)
-            elif isinstance(sub, (ast.AugAssign, ast.AnnAssign)):
-                targets = [sub.target]
-            for target in targets:
-                if isinstance(target, (ast.Subscript, ast.Attribute)):
-                    root = _root_name(target)
-                    if root is not None:
-                        names.add(root)
-    return names
+    else:
+        targets = list(sub.targets) if isinstance(sub, (ast.Assign, ast.Delete)) else [sub.target]  # type: ignore[attr-defined]
+        for target in targets:
+            if isinstance(target, (ast.Subscript, ast.Attribute)):
+                root = _root_name(target)
+                if root is not None:
+                    names.add(root)
 
 
 def normalized_source(node: ast.AST) -> str | None:
