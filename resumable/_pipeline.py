@@ -296,8 +296,9 @@ class Pipeline:
         """The manifest: where the pipeline stands (a copy; reading it takes no lock)."""
         run = self._run
         if run is not None:
-            with run.journal.lock:
-                return Manifest.from_dict(run.journal.manifest.to_dict())
+            with run.journal.lock:  # held for the copy only: steps wait while it is taken
+                data = run.journal.manifest.to_dict()
+            return Manifest.from_dict(data)
         return read_state(self.store, pipeline=self.name, secret=self._secret)
 
     def reset(self, *steps: str, downstream: bool = True) -> list[str]:
