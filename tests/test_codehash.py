@@ -844,39 +844,33 @@ def test_the_sources_why_shows_are_made_only_when_asked(monkeypatch: pytest.Monk
     assert sources is shape.sources()  # made once
 
 
-def _canon_by_definition(node: ast.AST, out: list[str], *, top: bool = False) -> None:
-    """The canonical text as first written (every field looked at, for every node)."""
-    out.append(type(node).__name__)
-    out.append("(")
-    for field in node._fields:
-        if field in {"ctx", "type_comment", "kind"} or (
-            top and field in {"name", "decorator_list", "returns", "type_params"}
+_NEVER = {"ctx", "type_comment", "kind"}
+_NOT_AT_TOP = {"name", "decorator_list", "returns", "type_params"}
+
+
+def _canon_by_definition(node: ast.AST, *, top: bool = False) -> str:
+    """The canonical text as the digest defines it: ``Kind(field=value;...)``, built as a string."""
+    parts = []
+    for field, value in ast.iter_fields(node):
+        if (
+            field in _NEVER
+            or (top and field in _NOT_AT_TOP)
+            or (field == "annotation" and isinstance(node, ast.arg))
         ):
             continue
-        if field == "annotation" and isinstance(node, ast.arg):
-            continue
-        value = getattr(node, field, None)
         if top and field == "body" and isinstance(value, list):
             value = _codehash._without_docstring(value)
         if value is None or (isinstance(value, list) and not value):
             continue
-        out.append(field)
-        out.append("=")
         if isinstance(value, ast.AST):
-            _canon_by_definition(value, out)
+            text = _canon_by_definition(value)
         elif isinstance(value, list):
-            out.append("[")
-            for item in value:
-                if isinstance(item, ast.AST):
-                    _canon_by_definition(item, out)
-                else:
-                    out.append(repr(item))
-                out.append(",")
-            out.append("]")
+            items = (_canon_by_definition(v) if isinstance(v, ast.AST) else repr(v) for v in value)
+            text = "[" + "".join(f"{item}," for item in items) + "]"
         else:
-            out.append(repr(value))
-        out.append(";")
-    out.append(")")
+            text = repr(value)
+        parts.append(f"{field}={text};")
+    return f"{type(node).__name__}({''.join(parts)})"
 
 
 def _changed_by_definition(node: ast.AST) -> set[str]:
@@ -926,10 +920,8 @@ def test_the_canonical_text_and_the_names_a_function_changes_are_what_their_defi
     assert len(functions) > 200
     for node in functions:
         fast: list[str] = []
-        plain: list[str] = []
         _codehash._canon(node, fast, top=True)
-        _canon_by_definition(node, plain, top=True)
-        assert ("".join(plain), _changed_by_definition(node)) == (
+        assert (_canon_by_definition(node, top=True), _changed_by_definition(node)) == (
             "".join(fast),
             _codehash.changed_names(node),
         )
