@@ -325,8 +325,9 @@ class Manifest:
 
     def to_dict(self, *, texts: bool = False) -> dict[str, Any]:
         """
-        Plain JSON-ready data (a deep copy), keys in the documented order. With *texts*,
-        records never parsed stay the text they were read as (what :func:`dump_chunks` writes as it is).
+        Plain JSON-ready data (a deep copy), keys in the documented order. With *texts* (for
+        :func:`dump_chunks` only), records never parsed stay the text they were read as, which it
+        writes as it is, and the others are tuples of their fields.
         """
         # Written out by hand: attrs.asdict is ten times slower, and this runs for every
         # manifest write, over every slot.
@@ -334,8 +335,10 @@ class Manifest:
         if block is not None:
             steps: Any = _Verbatim(block)
         elif texts:
+            # a record's fields as a tuple, in one C call: the background writer copies every
+            # record under the journal's lock, while steps wait (see _raw_or_json)
             steps = {
-                slot: rec if type(rec) is str else _record_dict(rec)  # type: ignore[arg-type]
+                slot: rec if type(rec) is str else _record_values(rec)  # type: ignore[arg-type]
                 for slot, rec in self.steps.texts()
             }
         else:
@@ -545,6 +548,9 @@ _RECORD_FIELDS = tuple(a.name for a in attrs.fields(StepRecord))
 
 def _record_dict(rec: StepRecord) -> dict[str, Any]:
     return {name: getattr(rec, name) for name in _RECORD_FIELDS}
+
+
+_record_values: Callable[[StepRecord], tuple[Any, ...]] = operator.attrgetter(*_RECORD_FIELDS)
 
 
 # Validation of data read from disk. A check is a set of exact types (``type(v) in check``:
@@ -920,7 +926,10 @@ _json_value = _c_encoder()
 
 
 def _raw_or_json(value: Any) -> str:
-    return value if type(value) is str else _json_value(value)
+    """A record as written: its text, or its fields (a tuple, see Manifest.to_dict) as JSON."""
+    if type(value) is str:
+        return value
+    return _json_value(dict(zip(_RECORD_FIELDS, value, strict=True)) if type(value) is tuple else value)
 
 
 # format -> function upgrading data of that format to the next one

@@ -355,3 +355,28 @@ def test_looking_at_the_state_does_not_rewrite_the_manifest(state_dir: Path):
     assert before == (manifest.stat().st_ino, manifest.stat().st_mtime_ns, manifest.read_bytes())
     pipe.reset("c")  # a change is written
     assert "reset" == json.loads(manifest.read_text())["steps"]["c/0"]["status"]
+
+
+_texts = st.none() | st.text(max_size=12)
+
+
+@given(
+    st.builds(
+        manifest_module.StepRecord,
+        status=st.sampled_from(["new", "running", "completed", "failed", "interrupted", "reset"]),
+        fingerprint=_texts,
+        reason=_texts,
+        started_at=_texts,
+        finished_at=_texts,
+        duration_s=st.none() | st.floats(allow_nan=False, allow_infinity=False),
+        attempts=st.integers(0, 10**6),
+        bytes=st.none() | st.integers(0, 2**50),
+        file=_texts,
+    )
+)
+def test_a_record_copied_as_a_tuple_is_written_as_its_fields_would_be(
+    record: manifest_module.StepRecord,
+) -> None:
+    """The background writer copies records as tuples under the lock: the manifest's text is the same."""
+    m = Manifest(workflow_id="w", pipeline="p", steps={"a": record})
+    assert manifest_module.dump_chunks(m.to_dict()) == manifest_module.dump_chunks(m.to_dict(texts=True))
