@@ -71,15 +71,17 @@ def _source(fn: types.FunctionType) -> str | None:
     return "".join(inspect.getblock(lines[start:]))
 
 
-# per node class, the fields that count (in order), with a "=" to write after each
-_FIELDS: dict[type, tuple[tuple[str, str], ...]] = {}
+# per node class: the fields that may hold code (all but _SKIP_FIELDS, which never do), and
+# those the canonical text writes (an argument's annotation left out), each with its "field="
+_FIELDS: dict[type, tuple[tuple[str, ...], tuple[tuple[str, str], ...]]] = {}
 
 
-def _fields_of(kind: type) -> tuple[tuple[str, str], ...]:
+def _fields_of(kind: type) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
     fields = _FIELDS.get(kind)
     if fields is None:
-        skip = _SKIP_FIELDS | ({"annotation"} if issubclass(kind, ast.arg) else set())
-        fields = _FIELDS[kind] = tuple((f, f"{f}=") for f in kind._fields if f not in skip)  # type: ignore[attr-defined]
+        code = tuple(f for f in kind._fields if f not in _SKIP_FIELDS)  # type: ignore[attr-defined]
+        written = tuple((f, f"{f}=") for f in code if not (f == "annotation" and issubclass(kind, ast.arg)))
+        fields = _FIELDS[kind] = (code, written)
     return fields
 
 
@@ -88,8 +90,7 @@ def _canon(node: ast.AST, out: list[str], *, top: bool = False) -> None:
     kind = type(node)
     out.append(kind.__name__)
     out.append("(")
-    fields = _FIELDS.get(kind)
-    for field, label in fields if fields is not None else _fields_of(kind):
+    for field, label in _fields_of(kind)[1]:
         if top and field in _TOP_SKIP:
             continue
         value = getattr(node, field, None)
@@ -413,13 +414,6 @@ def _root_name(node: ast.AST) -> str | None:
 
 
 _CHANGING = (ast.Global, ast.Nonlocal, ast.Call, ast.Assign, ast.Delete, ast.AugAssign, ast.AnnAssign)
-# per node class, the fields that may hold code: all but ``ctx`` (Load, Store or Del, no code)
-_CHILDREN: dict[type, tuple[str, ...]] = {}
-
-
-def _children_of(kind: type) -> tuple[str, ...]:
-    fields = _CHILDREN[kind] = tuple(f for f in kind._fields if f != "ctx")  # type: ignore[attr-defined]
-    return fields
 
 
 def changed_names(node: ast.AST) -> set[str]:
@@ -431,8 +425,7 @@ def changed_names(node: ast.AST) -> set[str]:
     stack = [node]
     while stack:  # every node below (as ast.walk, without its generators: a step's first call pays this)
         sub = stack.pop()
-        fields = _CHILDREN.get(type(sub))
-        for field in fields if fields is not None else _children_of(type(sub)):
+        for field in _fields_of(type(sub))[0]:
             value = getattr(sub, field, None)
             if isinstance(value, ast.AST):
                 stack.append(value)

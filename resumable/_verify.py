@@ -82,16 +82,14 @@ def _check_manifest(store: Store, secret: bytes | None, problems: list[tuple[str
         problems.append((where, problem))
     elif manifest is not None:
         # the records of a large manifest are checked when used (a run rebuilds or drops a
-        # damaged one then): here, all of them, now
+        # damaged one then; a run that only skips writes them back as they were): here, all of them
+        mend = f"delete {MANIFEST}, and the next run rebuilds every record from {EVENTS}"
+
         def damaged(slot: str) -> None:
-            problems.append(
-                (where, f"the record of {slot} is damaged (a run rebuilds it from its output file)")
-            )
+            problems.append((where, f"the record of {slot} is damaged; {mend}"))
 
         def invalid(key: str) -> None:
-            problems.append(
-                (where, f"a record under {key[:200]!r}, which is not a slot name (a run drops it)")
-            )
+            problems.append((where, f"a record under {key[:200]!r} is not a slot name; {mend}"))
 
         manifest.steps.damaged, manifest.steps.invalid = damaged, invalid
         manifest.steps.parse_all()
