@@ -306,10 +306,12 @@ class Session:
         )
 
     def _release(self) -> None:
-        self.store.close_appends()
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release()
+        try:
+            self.store.close_appends()  # the output log's files are written before the lock goes
+        finally:
+            lock, self._lock = self._lock, None
+            if lock is not None:
+                lock.release()
 
     # lookup ------------------------------------------------------------------------------
 

@@ -94,15 +94,25 @@ def test_local_permissions(tmp_path: Path):
 
 
 def test_local_fsyncs_only_when_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """durable=True fsyncs the file and its directory; durable=False does not fsync."""
+    """
+    durable=True fsyncs the file and its directory (for a small output: its record in the
+    output log, then the file and its directory before the log is emptied); durable=False
+    does not fsync.
+    """
     store = LocalStore(tmp_path)
     synced: list[int] = []
     real = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
     store.write("a.msgpack", [b"x"], durable=False)
+    store.write("manifest.json", [b"x"], durable=False)
+    store.close_appends()
     assert [] == synced
-    store.write("a.msgpack", [b"x"], durable=True)
+    store.write("manifest.json", [b"x"], durable=True)
     assert 2 == len(synced)
+    store.write("a.msgpack", [b"x"], durable=True)  # creates the log: the log and its directory
+    store.write("a.msgpack", [b"x"], durable=True)
+    store.close_appends()
+    assert 2 + 2 + 1 + 2 * 2 + 1 <= len(synced)  # + the log's; each file and the directory; the emptied log
 
 
 def test_local_failed_write_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -120,7 +130,7 @@ def test_local_failed_write_keeps_previous_file(tmp_path: Path, monkeypatch: pyt
     assert errno.ENOSPC == info.value.errno
     assert str(tmp_path / "a.msgpack") == info.value.filename
     assert b"old" == (tmp_path / "a.msgpack").read_bytes()
-    assert ["a.msgpack"] == os.listdir(tmp_path)
+    assert ["a.msgpack"] == sorted(set(os.listdir(tmp_path)) - {".resumable"})  # no temporary file
 
 
 def test_permission_denied_names_the_path(pipe: Pipeline, state_dir: Path, monkeypatch: pytest.MonkeyPatch):
@@ -220,7 +230,8 @@ def test_local_copy_other_link_errors_propagate(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(os, "link", full)
     with pytest.raises(OSError, match="No space left") as info:
         store.copy("a.msgpack", "b.msgpack", durable=True)
-    assert (errno.ENOSPC, ["a.msgpack"]) == (info.value.errno, sorted(os.listdir(tmp_path)))
+    listed = sorted(set(os.listdir(tmp_path)) - {".resumable"})
+    assert (errno.ENOSPC, ["a.msgpack"]) == (info.value.errno, listed)
 
 
 def test_history_across_file_systems(state_dir: Path, monkeypatch: pytest.MonkeyPatch):

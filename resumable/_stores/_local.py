@@ -23,13 +23,14 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from .._slots import INTERNAL_DIR
+from .._slots import INTERNAL_DIR, is_output_file
 from ..exceptions import StateDirectoryError, StateLockedError
 from ._base import Buffer, Stamp, Store, check_key, read_file_stamped, stamp_of
+from ._fileio import fsync_dir, pwrite_all, with_path, write_all
+from ._outlog import LOG_KEY, LOG_MAX, OutputLog, recover
 
 T = TypeVar("T")
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
-_WRITE_MAX = 1 << 30  # bytes per write() call; Linux caps a single write just below 2 GiB
 _counter = itertools.count()
 _MAX_APPEND_FDS = 64  # descriptors kept open between appends (the event log, batch chunk logs)
 # link() failing with these means "no hard links here" (another file system, one that has
@@ -37,50 +38,12 @@ _MAX_APPEND_FDS = 64  # descriptors kept open between appends (the event log, ba
 _NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
 
 
-def _fsync_dir(path: str) -> None:
-    # fsync the directory too, or the rename can be lost on power failure.
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        raise _with_path(exc, path) from exc
-    finally:
-        os.close(fd)
-
-
-def _with_path(exc: OSError, path: str) -> OSError:
-    """The same kind of error, naming *path* (os.write errors carry no file name)."""
-    if exc.filename is not None:
-        return exc
-    return type(exc)(exc.errno, exc.strerror, path)
-
-
-def _write_all(fd: int, chunks: Sequence[Buffer]) -> None:
-    """Write every byte of *chunks*, going on after short writes; complete or raise."""
-    for chunk in chunks:
-        view = memoryview(chunk).cast("B")
-        while view:
-            written = os.write(fd, view[:_WRITE_MAX])
-            if written <= 0:  # no progress: the disk is full (a regular file never returns 0 else)
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            view = view[written:]
-
-
-def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        written = os.pwrite(fd, view, offset)
-        if written <= 0:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        view, offset = view[written:], offset + written
-
-
 def _copy_with_reads(fd_in: int, fd_out: int) -> None:
     os.lseek(fd_in, 0, os.SEEK_SET)
     os.lseek(fd_out, 0, os.SEEK_SET)
     os.ftruncate(fd_out, 0)
     while data := os.read(fd_in, 1 << 20):
-        _write_all(fd_out, [data])
+        write_all(fd_out, [data])
 
 
 def read_file_with(
@@ -145,6 +108,7 @@ class LocalStore(Store):
         self.location = self.local_root = self.root
         self._append_fds: dict[str, int] = {}
         self._fd_lock = threading.Lock()
+        self._log: OutputLog | None = None  # made at the first durable write of an output
 
     def __repr__(self) -> str:
         return f"LocalStore({self.root!r})"
@@ -153,7 +117,8 @@ class LocalStore(Store):
         """The file path of *key* (keys use "/", as does every POSIX system)."""
         return f"{self.root}/{check_key(key, self.root)}"
 
-    def _linked(self, path: str, what: str = "a symbolic link") -> StateDirectoryError:
+    def linked(self, path: str, what: str = "a symbolic link") -> StateDirectoryError:
+        """The error for a state file at *path* that is *what* (and is not followed)."""
         problem = (
             f"{path} is {what}, which resumable does not follow inside a state directory "
             "(it could make it read or write files elsewhere); remove it"
@@ -177,7 +142,7 @@ class LocalStore(Store):
         """Refuse to change anything under *key* if one of its directories is a symbolic link."""
         linked = self._linked_dir(key)
         if linked is not None:
-            raise self._linked(linked)
+            raise self.linked(linked)
 
     def _open_own(self, path: str, flags: int) -> int:
         """
@@ -189,13 +154,13 @@ class LocalStore(Store):
             fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise self._linked(path) from None
+                raise self.linked(path) from None
             raise
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
             os.close(fd)
             what = "not a plain file" if not stat.S_ISREG(st.st_mode) else "a hard link to another file"
-            raise self._linked(path, what)
+            raise self.linked(path, what)
         return fd
 
     def _makedirs(self, directory: str, *, durable: bool) -> None:
@@ -209,7 +174,7 @@ class LocalStore(Store):
             except FileExistsError:
                 continue
             if durable:
-                _fsync_dir(os.path.dirname(d))
+                fsync_dir(os.path.dirname(d))
 
     def read(self, key: str) -> bytearray:
         return self.read_stamped(key)[0]
@@ -221,7 +186,7 @@ class LocalStore(Store):
             return read_file_stamped(path, nofollow=True)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise self._linked(path) from None
+                raise self.linked(path) from None
             raise
 
     def read_with(self, key: str, read: Callable[[int, int], T]) -> tuple[T, Stamp]:
@@ -235,7 +200,7 @@ class LocalStore(Store):
             return read_file_with(path, read, nofollow=True)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise self._linked(path) from None
+                raise self.linked(path) from None
             raise
 
     def changed_since(self, key: str, ns: int) -> bool:
@@ -256,15 +221,31 @@ class LocalStore(Store):
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise self._linked(path) from None
+                raise self.linked(path) from None
             raise
         with open(fd, "rb") as f:
             f.seek(start)
             return f.read(-1 if end is None else max(0, end - start))
 
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
+        """
+        Replace *key* atomically. A durable write of a small output file goes through the
+        output log (one fsync; the file is fsynced and renamed into place in the background,
+        see :mod:`._outlog`); anything else is written in place.
+        """
+        if durable and is_output_file(key) and sum(memoryview(c).nbytes for c in chunks) <= LOG_MAX:
+            log = self._log
+            if log is None:
+                log = self._log = OutputLog(self)
+            if log.usable:
+                log.write(key, b"".join(chunks))
+                return
+        self.write_in_place(key, chunks, durable=durable)
+
+    def write_in_place(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
+        """Write a temp file, fsync it (if *durable*), rename it over *key*, fsync the directory."""
         self._forget_append_fd(key)  # an appender must not go on writing the replaced file
-        self._replace(key, lambda fd: _write_all(fd, chunks), durable=durable)
+        self._replace(key, lambda fd: write_all(fd, chunks), durable=durable)
 
     def copy(self, src: str, dst: str, *, durable: bool) -> None:
         """
@@ -274,6 +255,9 @@ class LocalStore(Store):
         target = self.path(dst)
         self._check_dirs(src)
         self._check_dirs(dst)
+        if self._log is not None:
+            self._log.settle(src)  # a link to a file whose fsync is still to come: wait for it
+            self._log.before_change(dst)
         directory, name = os.path.split(target)
         tmp = os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")
         try:
@@ -295,7 +279,7 @@ class LocalStore(Store):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if durable:
-            _fsync_dir(directory)
+            fsync_dir(directory)
 
     def _copy_bytes(self, src: str, dst: str, *, durable: bool) -> None:
         """Copy *src* to *dst* through a temp file, fsync and rename (for when a link cannot be made)."""
@@ -304,7 +288,7 @@ class LocalStore(Store):
             fd_in = _open_nofollow(source, os.O_RDONLY)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
-                raise self._linked(source) from None
+                raise self.linked(source) from None
             raise
 
         def fill(fd: int) -> None:
@@ -347,19 +331,47 @@ class LocalStore(Store):
 
         def fill(fd: int) -> None:
             os.lseek(fd, head_len, os.SEEK_SET)
-            _write_all(fd, value_chunks)
+            write_all(fd, value_chunks)
             if durable:
                 os.fdatasync(fd)  # flush the bulk now, while the checksum may still be computing
             data = header()
             if len(data) != head_len:  # pragma: no cover - the codec guarantees it
                 msg = f"header of {len(data)} bytes, expected {head_len}"
                 raise ValueError(msg)
-            _pwrite_all(fd, data, 0)
+            pwrite_all(fd, data, 0)
 
         self._replace(key, fill, durable=durable)
 
     def _replace(self, key: str, fill: Callable[[int], None], *, durable: bool) -> None:
         """Write a temp file with *fill*, fsync it, rename it over *key*, fsync the directory."""
+        if self._log is not None:
+            self._log.before_change(key)
+        target, tmp, fd = self.temp_file(key, durable=durable)
+        directory = os.path.dirname(target)
+        try:
+            try:
+                fill(fd)
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, target)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise with_path(exc, target) from exc
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        if durable:
+            fsync_dir(directory)
+
+    def temp_file(self, key: str, *, durable: bool) -> tuple[str, str, int]:
+        """
+        Create the temporary file a new version of *key* is written to, beside it (and its
+        directories, fsynced if *durable*): its target path, its own path, and its descriptor.
+        """
         target = self.path(key)
         self._check_dirs(key)
         directory, name = os.path.split(target)
@@ -373,25 +385,41 @@ class LocalStore(Store):
                 self._makedirs(directory, durable=durable)
                 fd = os.open(tmp, flags, 0o600)
         except OSError as exc:
-            raise _with_path(exc, target) from exc
+            raise with_path(exc, target) from exc
+        return target, tmp, fd
+
+    def open_log(self, key: str) -> tuple[int, bool]:
+        """
+        Open the appended file *key* for the output log (a descriptor of its own, not one of
+        :meth:`append`'s); also whether it was created.
+        """
+        path = self.path(key)
+        self._check_dirs(key)
+        flags = os.O_RDWR | os.O_APPEND
         try:
-            try:
-                fill(fd)
-                if durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, target)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise _with_path(exc, target) from exc
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        if durable:
-            _fsync_dir(directory)
+            return self._open_own(path, flags), False
+        except FileNotFoundError:
+            self._makedirs(os.path.dirname(path), durable=True)
+            return self._open_own(path, flags | os.O_CREAT), True
+
+    def same_file(self, key: str, data: bytes, *, fsync: bool) -> bool:
+        """Whether *key* is a plain file holding exactly *data* (then fsynced, with *fsync*)."""
+        try:
+            fd = _open_nofollow(self.path(key), os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != len(data):
+                return False
+            with open(fd, "rb", closefd=False) as f:
+                if f.read(len(data) + 1) != data:
+                    return False
+            if fsync:
+                os.fsync(fd)
+            return True
+        finally:
+            os.close(fd)
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:
         """
@@ -399,6 +427,8 @@ class LocalStore(Store):
         *durable*, the file is fsynced, and its directory too when this append created it.
         """
         path = self.path(key)
+        if self._log is not None:
+            self._log.before_change(key)
         with self._fd_lock:
             fd = self._append_fds.get(key)
             created = False
@@ -409,16 +439,16 @@ class LocalStore(Store):
                 # a short write (disk full) goes on where it stopped, or raises
                 written = os.write(fd, data)
                 if written < len(data):
-                    _write_all(fd, [memoryview(data)[max(written, 0) :]])
+                    write_all(fd, [memoryview(data)[max(written, 0) :]])
                 if durable:
                     os.fsync(fd)
                     if created:
                         # the new name must survive a power loss too, like a renamed file's
-                        _fsync_dir(os.path.dirname(path))
+                        fsync_dir(os.path.dirname(path))
             except OSError as exc:
                 if isinstance(exc, StateDirectoryError):
                     raise
-                raise _with_path(exc, path) from exc
+                raise with_path(exc, path) from exc
 
     def _open_append(self, key: str, path: str, *, durable: bool) -> tuple[int, bool]:
         """Open *key* for appending, keeping the descriptor; also whether the file was created."""
@@ -444,6 +474,8 @@ class LocalStore(Store):
     def truncate(self, key: str, size: int, *, durable: bool) -> None:
         """Cut *key* to its first *size* bytes in place (a log's torn tail); appends go on at the new end."""
         path = self.path(key)
+        if self._log is not None:
+            self._log.before_change(key)
         self._check_dirs(key)
         with self._fd_lock:
             try:
@@ -451,27 +483,36 @@ class LocalStore(Store):
             except OSError as exc:
                 if isinstance(exc, StateDirectoryError):
                     raise
-                raise _with_path(exc, path) from exc
+                raise with_path(exc, path) from exc
             try:
                 if os.fstat(fd).st_size > size:
                     os.ftruncate(fd, size)
                     if durable:
                         os.fsync(fd)
             except OSError as exc:
-                raise _with_path(exc, path) from exc
+                raise with_path(exc, path) from exc
             finally:
                 os.close(fd)
 
     def close_appends(self) -> None:
-        """Close the event-log descriptors kept open between appends."""
-        with self._fd_lock:
-            for fd in self._append_fds.values():
-                os.close(fd)
-            self._append_fds.clear()
+        """
+        Write the files the output log still holds and empty it, then close the descriptors
+        kept open between appends.
+        """
+        try:
+            if self._log is not None:
+                self._log.close()
+        finally:
+            with self._fd_lock:
+                for fd in self._append_fds.values():
+                    os.close(fd)
+                self._append_fds.clear()
 
     def delete(self, key: str, *, durable: bool) -> None:
         path = self.path(key)
         self._check_dirs(key)  # never deletes through a linked directory, out of the state
+        if self._log is not None:
+            self._log.before_change(key)
         self._forget_append_fd(key)
         try:
             os.unlink(path)
@@ -486,7 +527,7 @@ class LocalStore(Store):
             else:
                 directory = os.path.dirname(directory)
         if durable:
-            _fsync_dir(directory)
+            fsync_dir(directory)
 
     def temp_files(self) -> builtins.list[str]:
         """The keys of the temporary files killed writers left behind (``.<name>.<pid>-...tmp``)."""
@@ -524,7 +565,7 @@ class LocalStore(Store):
                     stack.append((entry.path, key))
                 elif (
                     key.startswith(prefix)
-                    and key != _LOCK_FILE
+                    and key not in {_LOCK_FILE, LOG_KEY}
                     and not (entry.name.startswith(".") and entry.name.endswith(".tmp"))
                 ):
                     keys.append(key)
@@ -542,16 +583,22 @@ class LocalStore(Store):
             _held_locks.discard(fd)
             os.close(fd)
             if exc.errno not in {errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES}:
-                raise _with_path(exc, path) from exc
+                raise with_path(exc, path) from exc
             raise StateLockedError(self.location, self._holder(path)) from None
         # The kernel drops a flock when its process dies, so a crash never blocks the next run.
         lock = _FileLock(fd)
         try:
             os.ftruncate(fd, 0)
-            _pwrite_all(fd, json.dumps(dict(holder)).encode(), 0)
+            pwrite_all(fd, json.dumps(dict(holder)).encode(), 0)
         except OSError as exc:
             lock.release()
-            raise _with_path(exc, path) from exc
+            raise with_path(exc, path) from exc
+        try:
+            self._log = None  # a log that failed stays failed: the one on disk is applied now
+            recover(self)  # what a killed holder had only in the output log
+        except BaseException:
+            lock.release()
+            raise
         return lock
 
     @staticmethod

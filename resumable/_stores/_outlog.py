@@ -1,0 +1,375 @@
+"""
+The local store's output log: a durable output costs one fsync before ``write`` returns.
+
+A durable write of a step's output file (a key :func:`~resumable._slots.is_output_file`
+accepts, of at most :data:`LOG_MAX` bytes) goes like this:
+
+1. The bytes are written to a temporary file beside the target, not fsynced yet.
+2. The key and the bytes are appended as one record to ``.resumable/outputs.log``, and the
+   log is fsynced: from here the output survives a power loss.
+3. The temporary file is renamed over the target, and ``write`` returns: the new file is
+   there for this process and for any other reader.
+4. A background thread fsyncs the file and then its directory (once for all the files of
+   a batch).
+5. Once every file the log holds is fsynced so, and the log has grown past
+   :data:`EMPTY_AT`, the log is emptied; closing the store empties it too.
+
+Changing a key the log holds in any other way (a delete, a non-durable write, a link over
+it) first waits for the background thread and empties the log, so that the log never holds
+a version older than the file; linking a file whose fsync is still to come waits for it.
+
+If the process dies before the log is emptied (a kill, a power loss), the next holder of
+the lock calls :func:`recover`: every output the log holds is fsynced if its file has the
+logged bytes and written again (durably, in place) if not, and the log is emptied. A record
+carries a CRC-32 of its bytes and of a salt that changes whenever the log starts again, so
+a record cut short or left over from before ends the log. The log is read as untrusted
+input: a record for a key that is not an output file is ignored with a warning, and no
+file outside the state directory is ever written (the store's own checks apply).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import struct
+import threading
+import zlib
+from collections import deque
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+from .._slots import INTERNAL_DIR, is_output_file
+from .._warn import warn
+from ._base import _valid_key, read_file
+from ._fileio import fsync_dir, with_path, write_all
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    from ..exceptions import StateDirectoryError
+    from ._base import Buffer
+
+LOG_KEY = f"{INTERNAL_DIR}/outputs.log"
+LOG_MAX = 64 * 1024
+"""Outputs up to this size go through the log; larger ones are written and fsynced in place."""
+EMPTY_AT = 4 * 1024 * 1024
+"""The log is emptied once it is this long and every file it holds has been written."""
+PENDING_MAX = 256
+"""Files waiting for the background thread; a write waits while there are this many."""
+
+_MAGIC = b"RSMLOG01"
+_START = struct.Struct("<8s8s")  # magic, salt
+_RECORD = struct.Struct("<IIH")  # crc32 of salt + sizes + key + bytes, bytes' size, key's size
+
+
+class LogHost(Protocol):
+    """What the log needs of its store (the local store, which imports this module)."""
+
+    def path(self, key: str) -> str: ...
+    def temp_file(self, key: str, *, durable: bool) -> tuple[str, str, int]: ...
+    def open_log(self, key: str) -> tuple[int, bool]: ...
+    def same_file(self, key: str, data: bytes, *, fsync: bool) -> bool: ...
+    def write_in_place(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None: ...
+    def truncate(self, key: str, size: int, *, durable: bool) -> None: ...
+    def linked(self, path: str, what: str = ...) -> StateDirectoryError: ...
+
+
+class _Pending(NamedTuple):
+    key: str
+    target: str
+    fd: int  # the new file, open until it is fsynced
+
+
+class OutputLog:
+    """The output log of one local store (see the module's docstring)."""
+
+    def __init__(self, store: LogHost) -> None:
+        self._store = store
+        self._path = store.path(LOG_KEY)
+        self._pid = os.getpid()
+        self._cond = threading.Condition()
+        self._queue: deque[_Pending] = deque()
+        self.pending: dict[str, int] = {}  # key -> its files not fsynced yet
+        self.logged: set[str] = set()  # keys with a record in the log since it was emptied
+        self._fd: int | None = None
+        self._size = 0
+        self._salt = b""
+        self._appending = 0  # records appended whose fsync has not returned
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._error: OSError | None = None
+
+    @property
+    def usable(self) -> bool:
+        """False in a forked child (its parent's thread is not there): it writes in place."""
+        return os.getpid() == self._pid
+
+    # writing -----------------------------------------------------------------------------
+
+    def write(self, key: str, data: bytes) -> None:
+        """Make *data* the durable content of output *key* (see the module's docstring)."""
+        self._raise_failure()
+        if len(self._queue) >= PENDING_MAX:
+            self._wait(lambda: len(self._queue) < PENDING_MAX)
+        target, tmp, fd = self._store.temp_file(key, durable=True)
+        try:
+            write_all(fd, [data])
+            record = self._record(key, data)
+            with self._cond:
+                log_fd = self._open()
+                sealed = self._sealed(record) if self._size else self._start() + self._sealed(record)
+                write_all(log_fd, [sealed])
+                self._size += len(sealed)
+                self._appending += 1
+        except BaseException as exc:
+            self._drop(tmp, fd)
+            if isinstance(exc, OSError):
+                raise with_path(exc, target) from None
+            raise
+        try:
+            os.fsync(log_fd)
+            # Renamed only now: a full disk or a failed fsync leaves the previous file. (A
+            # record whose fsync failed may still be applied by the next run: its bytes are a
+            # whole output all the same.)
+            os.replace(tmp, target)
+        except OSError as exc:
+            with self._cond:
+                self._appending -= 1
+            self._drop(tmp, fd)
+            raise with_path(exc, target) from None
+        with self._cond:
+            self._appending -= 1
+            self._queue.append(_Pending(key, target, fd))
+            self.pending[key] = self.pending.get(key, 0) + 1
+            self.logged.add(key)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="resumable-outputs", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+
+    @staticmethod
+    def _drop(tmp: str, fd: int) -> None:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+    def _record(self, key: str, data: bytes) -> bytes:
+        name = key.encode()
+        return _RECORD.pack(0, len(data), len(name)) + name + data
+
+    def _sealed(self, record: bytes) -> bytes:
+        """*record* with its CRC filled in (over the salt of the log it goes to)."""
+        crc = zlib.crc32(record[4:], zlib.crc32(self._salt))
+        return crc.to_bytes(4, "little") + record[4:]
+
+    def _start(self) -> bytes:
+        """The first bytes of a log that starts again: a new salt, so old records end it."""
+        self._salt = os.urandom(8)
+        return _START.pack(_MAGIC, self._salt)
+
+    def _open(self) -> int:
+        if self._fd is None:
+            fd, created = self._store.open_log(LOG_KEY)
+            if created:
+                fsync_dir(os.path.dirname(self._path))
+            elif os.fstat(fd).st_size:  # a store written without taking its lock: apply it now
+                recover(self._store)
+            self._fd, self._size = fd, 0
+        return self._fd
+
+    # the background thread ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stopping:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                batch = list(self._queue)
+            try:
+                self._settle_files(batch)
+            except OSError as exc:
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                for done in batch:
+                    self._queue.popleft()
+                    left = self.pending[done.key] - 1
+                    if left:
+                        self.pending[done.key] = left
+                    else:
+                        del self.pending[done.key]
+                emptied = self._size >= EMPTY_AT and self._empty_locked()
+                self._cond.notify_all()
+            if emptied:
+                self._sync_log()
+
+    def _settle_files(self, batch: list[_Pending]) -> None:
+        """fsync each file, then each directory once."""
+        directories: dict[str, None] = {}
+        for item in batch:
+            try:
+                os.fsync(item.fd)
+            except OSError as exc:
+                raise with_path(exc, item.target) from None
+            directories[os.path.dirname(item.target)] = None
+        for item in batch:
+            os.close(item.fd)
+        for directory in directories:
+            fsync_dir(directory)
+
+    def _empty_locked(self) -> bool:
+        """Empty the log if every file it holds is fsynced (holding the condition's lock)."""
+        if self._queue or self._appending or self._fd is None or not self._size:
+            return False
+        os.ftruncate(self._fd, 0)
+        self._size = 0
+        self.logged.clear()
+        return True
+
+    def _sync_log(self) -> None:
+        fd = self._fd
+        if fd is not None:
+            os.fsync(fd)  # the emptied log must not come back after a power loss
+
+    # waiting -----------------------------------------------------------------------------
+
+    def _raise_failure(self) -> None:
+        error = self._error
+        if error is not None:
+            msg = (
+                f"writing an output file in the background failed ({error}); the outputs are safe "
+                f"in {self._path}, and the next run (or any command that changes the state) "
+                "writes them"
+            )
+            raise type(error)(error.errno, msg, error.filename) from error
+
+    def _wait(self, done: Callable[[], bool]) -> None:
+        with self._cond:
+            while not done():
+                self._raise_failure()
+                self._cond.wait()
+
+    def settle(self, key: str | None = None) -> None:
+        """Wait until *key*'s file (every file, if ``None``) is fsynced."""
+        if not self.usable:
+            return
+        if key is None:
+            if self._queue:
+                self._wait(lambda: not self._queue)
+        elif key in self.pending:
+            self._wait(lambda: key not in self.pending)
+        self._raise_failure()
+
+    def before_change(self, key: str) -> None:
+        """Before *key* is changed other than through the log: the log must not hold it."""
+        if not self.usable:
+            return
+        if key in self.logged:
+            self.empty()
+        elif key in self.pending:
+            self.settle(key)
+
+    def empty(self) -> None:
+        """Wait for every pending file, then empty the log."""
+        self.settle()
+        with self._cond:
+            emptied = self._empty_locked()
+        if emptied:
+            self._sync_log()
+
+    def close(self) -> None:
+        """fsync every file the log holds, empty it and stop the thread (the store closes)."""
+        if not self.usable:
+            return
+        try:
+            self.empty()
+        finally:
+            with self._cond:
+                self._stopping = True
+                self._cond.notify_all()
+                thread, self._thread = self._thread, None
+            if thread is not None:
+                thread.join()
+            with self._cond:
+                self._stopping = False
+                for item in self._queue:  # left by a failure: the log on disk still holds them
+                    os.close(item.fd)
+                self._queue.clear()
+                self.pending.clear()
+                if self._fd is not None:
+                    os.close(self._fd)
+                    self._fd = None
+
+
+def parse(data: bytes | bytearray) -> tuple[dict[str, bytes], int]:
+    """
+    The outputs a log holds (the last bytes logged for each key, in the order of their last
+    record) and where its whole records end.
+    """
+    outputs: dict[str, bytes] = {}
+    if len(data) < _START.size:
+        return outputs, 0
+    magic, salt = _START.unpack_from(data)
+    if magic != _MAGIC:
+        return outputs, 0
+    view = memoryview(data)
+    end = pos = _START.size
+    seed = zlib.crc32(salt)
+    while pos + _RECORD.size <= len(data):
+        crc, size, name_size = _RECORD.unpack_from(data, pos)
+        stop = pos + _RECORD.size + name_size + size
+        if stop > len(data) or zlib.crc32(view[pos + 4 : stop], seed) != crc:
+            break
+        try:
+            key = bytes(view[pos + _RECORD.size : pos + _RECORD.size + name_size]).decode()
+        except UnicodeDecodeError:
+            break
+        outputs.pop(key, None)
+        outputs[key] = bytes(view[stop - size : stop])
+        end = pos = stop
+    return outputs, end
+
+
+def recover(store: LogHost) -> int:
+    """
+    Apply the log a dead writer left (the caller holds the lock): write each output whose
+    file is missing or differs, fsync the others, then empty the log. Returns how many
+    files were written.
+    """
+    path = store.path(LOG_KEY)
+    try:
+        data = read_file(path, nofollow=True)
+    except FileNotFoundError:
+        return 0
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise store.linked(path) from None
+        raise
+    if not data:
+        return 0
+    outputs, end = parse(data)
+    written = 0
+    directories: dict[str, None] = {}
+    for key, value in outputs.items():
+        if not (_valid_key(key) and is_output_file(key)):
+            warn(f"{path}: ignored a record for {key[:200]!r}, which is not an output file.")
+            continue
+        target = store.path(key)
+        if not store.same_file(key, value, fsync=True):
+            store.write_in_place(key, [value], durable=True)
+            written += 1
+        directories[os.path.dirname(target)] = None
+    for directory in directories:
+        fsync_dir(directory)
+    if end < len(data):
+        warn(
+            f"{path}: the last {len(data) - end} bytes are not a whole record (cut short by a power "
+            "loss, or damaged) and were dropped; an output they held is computed again if its "
+            "file is missing."
+        )
+    store.truncate(LOG_KEY, 0, durable=True)
+    return written

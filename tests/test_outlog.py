@@ -1,0 +1,342 @@
+"""
+The local store's output log: a durable output is one fsync on the caller's thread, the
+file is in place at once, and whatever a killed (or powered-off) run had only in the log is
+written by the next holder of the lock. The log is untrusted input.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import zlib
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import resumable
+from resumable import StateDirectoryError
+from resumable._stores import _outlog
+from resumable._stores._local import LocalStore
+from resumable._stores._outlog import LOG_KEY, LOG_MAX, parse
+from resumable.exceptions import ResumableWarning
+
+TIMEOUT = 60
+
+
+def _log_bytes(*records: tuple[str, bytes], salt: bytes = b"01234567") -> bytes:
+    """A log as the store writes it: a start with *salt*, then one record per (key, bytes)."""
+    out = b"RSMLOG01" + salt
+    for key, data in records:
+        name = key.encode()
+        body = struct.pack("<IH", len(data), len(name)) + name + data
+        out += struct.pack("<I", zlib.crc32(body, zlib.crc32(salt))) + body
+    return out
+
+
+def _fsynced_paths(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
+    """Record (thread name, path) of every fsync from now on."""
+    seen: list[tuple[str, str]] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        seen.append((threading.current_thread().name, os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return seen
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names descriptors through /proc")
+def test_a_durable_output_is_one_fsync_on_the_callers_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """
+    The caller fsyncs the log only; the file is in place when write returns; the file and
+    its directory are fsynced in the background, and closing empties the log.
+    """
+    store = LocalStore(tmp_path)
+    store.write("step/first.msgpack", [b"creates the log and the directory"], durable=True)
+    store.close_appends()
+    seen = _fsynced_paths(monkeypatch)
+    store.write("step/a.msgpack", [b"value ", bytearray(b"of a")], durable=True)
+    assert b"value of a" == (tmp_path / "step" / "a.msgpack").read_bytes()  # there at once
+    store.close_appends()
+    mine = [path for thread, path in seen if thread == threading.current_thread().name]
+    log = str(tmp_path / LOG_KEY)
+    assert [log] == mine[:1]  # the write's only fsync; closing fsyncs the emptied log too
+    assert {str(tmp_path / "step" / "a.msgpack"), str(tmp_path / "step")} <= {p for _, p in seen}
+    assert 0 == (tmp_path / LOG_KEY).stat().st_size
+
+
+def test_what_does_not_go_through_the_log(tmp_path: Path):
+    """Non-durable writes, files that are not outputs and outputs over LOG_MAX are written in place."""
+    store = LocalStore(tmp_path)
+    store.write("a.msgpack", [b"x"], durable=False)
+    store.write("manifest.json", [b"{}"], durable=True)
+    store.write(".resumable/history/v.msgpack", [b"v"], durable=True)
+    store.write("big.msgpack", [b"b" * (LOG_MAX + 1)], durable=True)
+    assert not (tmp_path / LOG_KEY).exists()
+    store.write("small.msgpack", [b"s"], durable=True)
+    assert (tmp_path / LOG_KEY).exists()
+    assert LOG_KEY not in store.list()  # the log is the store's own, like its lock
+
+
+def _write_and_die(root: Path, *writes: tuple[str, bytes]) -> None:
+    """Write durably, then leave as a killed process would: the log never emptied."""
+    store = LocalStore(root)
+    for key, data in writes:
+        store.write(key, [data], durable=True)
+    log = store._log
+    assert log is not None
+    log.settle()
+
+
+def test_the_next_lock_holder_applies_the_log(tmp_path: Path):
+    """Files a power loss took (missing, torn, an older version) are written from the log."""
+    _write_and_die(tmp_path, ("a.msgpack", b"old a"), ("a.msgpack", b"new a"), ("k/1.msgpack", b"one"))
+    assert 0 < (tmp_path / LOG_KEY).stat().st_size
+    (tmp_path / "a.msgpack").write_bytes(b"")  # torn by the power loss
+    (tmp_path / "k" / "1.msgpack").unlink()  # its rename lost
+    lock = LocalStore(tmp_path).lock({"pid": 1})
+    lock.release()
+    assert b"new a" == (tmp_path / "a.msgpack").read_bytes()
+    assert b"one" == (tmp_path / "k" / "1.msgpack").read_bytes()
+    assert 0 == (tmp_path / LOG_KEY).stat().st_size
+
+
+def test_a_file_that_made_it_is_only_fsynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """After a kill the files are all there: recovery rewrites none of them."""
+    _write_and_die(tmp_path, ("a.msgpack", b"a"))
+    inode = (tmp_path / "a.msgpack").stat().st_ino
+    replaced: list[object] = []
+    real = os.replace
+    monkeypatch.setattr(os, "replace", lambda *a, **k: (replaced.append(a), real(*a, **k)))
+    LocalStore(tmp_path).lock({"pid": 1}).release()
+    assert ([], inode) == (replaced, (tmp_path / "a.msgpack").stat().st_ino)
+
+
+def test_a_changed_key_leaves_the_log_first(tmp_path: Path):
+    """A delete or an in-place write after a logged one: the log cannot bring the old bytes back."""
+    store = LocalStore(tmp_path)
+    store.write("gone.msgpack", [b"logged"], durable=True)
+    store.write("lazy.msgpack", [b"logged"], durable=True)
+    store.write("kept.msgpack", [b"logged"], durable=True)
+    store.delete("gone.msgpack", durable=True)
+    store.write("lazy.msgpack", [b"not durable"], durable=False)
+    store.write("kept.msgpack", [b"logged again"], durable=True)
+    assert store._log is not None
+    store._log.settle()
+    LocalStore(tmp_path).lock({"pid": 1}).release()
+    assert not (tmp_path / "gone.msgpack").exists()
+    assert b"not durable" == (tmp_path / "lazy.msgpack").read_bytes()
+    assert b"logged again" == (tmp_path / "kept.msgpack").read_bytes()
+
+
+def test_parse_keeps_the_last_record_of_each_key_and_stops_at_a_bad_one():
+    """A record of another salt, cut short or with a wrong CRC ends the log."""
+    good = _log_bytes(("a.msgpack", b"1"), ("b.msgpack", b"2"), ("a.msgpack", b"3"))
+    assert ({"b.msgpack": b"2", "a.msgpack": b"3"}, len(good)) == parse(good)
+    assert ({"b.msgpack": b"2", "a.msgpack": b"3"}, len(good)) == parse(good + b"\x00" * 9)
+    stale = _log_bytes(("c.msgpack", b"4"), salt=b"another!")[16:]
+    assert ({"b.msgpack": b"2", "a.msgpack": b"3"}, len(good)) == parse(good + stale)
+    cut = _log_bytes(("a.msgpack", b"1"), ("b.msgpack", b"2"))
+    assert {"a.msgpack": b"1"} == parse(cut[:-1])[0]
+    flipped = bytearray(cut)
+    flipped[-1] ^= 1
+    assert {"a.msgpack": b"1"} == parse(flipped)[0]
+    assert ({}, 0) == parse(b"not a log at all")
+
+
+def test_a_damaged_tail_is_dropped_with_a_warning(tmp_path: Path):
+    """The whole records before it are applied; the warning names the log and says what follows."""
+    log = tmp_path / LOG_KEY
+    log.parent.mkdir(parents=True)
+    log.write_bytes(_log_bytes(("a.msgpack", b"a"), ("b.msgpack", b"b"))[:-1])
+    with pytest.warns(ResumableWarning, match=r"outputs\.log: the last \d+ bytes .* computed again"):
+        LocalStore(tmp_path).lock({"pid": 1}).release()
+    assert b"a" == (tmp_path / "a.msgpack").read_bytes()
+    assert not (tmp_path / "b.msgpack").exists()
+    assert 0 == log.stat().st_size
+
+
+def test_hostile_records_write_nothing_outside(tmp_path: Path):
+    """Records for keys that are not output files are ignored, each with a warning."""
+    state = tmp_path / "state"
+    log = state / LOG_KEY
+    log.parent.mkdir(parents=True)
+    hostile = [
+        "../outside.msgpack",
+        "/tmp/abs.msgpack",
+        ".resumable/lock",
+        "a/b/c.msgpack",
+        "x.json",
+        "a/../y.msgpack",
+    ]
+    log.write_bytes(_log_bytes(*[(k, b"evil") for k in hostile], ("fine.msgpack", b"ok")))
+    with pytest.warns(ResumableWarning, match="not an output file") as caught:
+        LocalStore(state).lock({"pid": 1}).release()
+    assert len(hostile) == len(caught)
+    assert b"ok" == (state / "fine.msgpack").read_bytes()
+    assert ["state"] == os.listdir(tmp_path)
+    assert sorted(["fine.msgpack", ".resumable"]) == sorted(os.listdir(state))
+
+
+def test_a_log_that_is_a_symlink_is_refused(tmp_path: Path):
+    """The lock is not taken through a linked log, and the link's target is left alone."""
+    state, elsewhere = tmp_path / "state", tmp_path / "elsewhere.log"
+    elsewhere.write_bytes(_log_bytes(("a.msgpack", b"a")))
+    (state / ".resumable").mkdir(parents=True)
+    (state / LOG_KEY).symlink_to(elsewhere)
+    with pytest.raises(StateDirectoryError, match=r"outputs\.log is a symbolic link"):
+        LocalStore(state).lock({"pid": 1})
+    assert not (state / "a.msgpack").exists()
+    assert _log_bytes(("a.msgpack", b"a")) == elsewhere.read_bytes()
+    LocalStore(tmp_path / "other").lock({"pid": 1}).release()  # the lock was released
+
+
+def test_a_failed_background_fsync_is_reported_and_the_log_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """
+    The next write (and the close) raises an error that says the outputs are safe in the log;
+    the next holder of the lock writes them.
+    """
+    store = LocalStore(tmp_path)
+    lock = store.lock({"pid": 1})
+    real = os.fsync
+
+    def failing(fd: int) -> None:
+        if threading.current_thread().name == "resumable-outputs":
+            raise OSError(errno.EIO, "Input/output error")
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    store.write("a.msgpack", [b"a"], durable=True)
+    with pytest.raises(OSError, match=r"safe in .*outputs\.log, and the next run") as info:
+        store.close_appends()
+    assert errno.EIO == info.value.errno
+    monkeypatch.undo()
+    lock.release()
+    assert 0 < (tmp_path / LOG_KEY).stat().st_size
+    (tmp_path / "a.msgpack").unlink()  # as if the power had gone
+    store.lock({"pid": 1}).release()
+    assert b"a" == (tmp_path / "a.msgpack").read_bytes()
+    store.write("b.msgpack", [b"b"], durable=True)  # the failed log is gone with the lock
+    store.close_appends()
+
+
+def test_threads_writing_at_once(tmp_path: Path):
+    """Many threads, some on the same keys: each file ends as one of its writes, the log empty."""
+    store = LocalStore(tmp_path)
+
+    def work(t: int) -> None:
+        for i in range(40):
+            store.write(f"k/{i % 10}.msgpack", [f"{t}:{i}".encode()], durable=True)
+            store.write(f"t{t}.msgpack", [str(i).encode()], durable=True)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    store.close_appends()
+    assert all(b"39" == (tmp_path / f"t{t}.msgpack").read_bytes() for t in range(6))
+    assert all(
+        (tmp_path / "k" / f"{i}.msgpack").read_bytes().endswith(b":3" + str(i).encode()) for i in range(10)
+    )
+    assert 0 == (tmp_path / LOG_KEY).stat().st_size
+    assert [] == store.temp_files()
+
+
+def test_a_forked_child_writes_in_place(tmp_path: Path):
+    """A child process does not use its parent's log (nor wait for the parent's thread)."""
+    store = LocalStore(tmp_path)
+    store.write("parent.msgpack", [b"p"], durable=True)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            store.write("child.msgpack", [b"c"], durable=True)
+            store.close_appends()
+        finally:
+            os._exit(0)
+    assert (pid, 0) == os.waitpid(pid, 0)
+    assert b"c" == (tmp_path / "child.msgpack").read_bytes()
+    store.close_appends()
+    assert 0 == (tmp_path / LOG_KEY).stat().st_size
+
+
+def test_backpressure_when_the_thread_falls_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """With PENDING_MAX files not yet fsynced, a write waits for the thread; nothing is lost."""
+    monkeypatch.setattr(_outlog, "PENDING_MAX", 2)
+    store = LocalStore(tmp_path)
+    for i in range(20):
+        store.write(f"{i}.msgpack", [str(i).encode()], durable=True)
+    store.close_appends()
+    assert [str(i).encode() for i in range(20)] == [
+        (tmp_path / f"{i}.msgpack").read_bytes() for i in range(20)
+    ]
+
+
+# --- a real kill: outputs only in the log ------------------------------------------------
+
+STEPS = """
+import sys, threading
+from resumable import Pipeline
+from resumable._stores import _outlog
+
+if sys.argv[3] == "stall":  # the background thread never fsyncs: the log is never emptied
+    _outlog.OutputLog._settle_files = lambda self, batch: threading.Event().wait()
+
+pipe = Pipeline("outlog", state_dir=sys.argv[1])
+
+@pipe.step(key="{i}")
+def square(i: int) -> dict:
+    with open(sys.argv[2], "a") as f:
+        f.write(f"{i}\\n")
+    return {"i": i, "square": i * i}
+
+print("RESULT", [square(i)["square"] for i in range(5)], flush=True)
+if sys.argv[3] == "stall":
+    threading.Event().wait()
+"""
+
+
+def test_killed_with_outputs_only_in_the_log(tmp_path: Path):
+    """
+    SIGKILL while every output's fsync is still to come, then lose the files as a power loss
+    could: the rerun recomputes nothing and returns what an uninterrupted run does, and the
+    CLI's verify passes on the state that results.
+    """
+    script, state, ran = tmp_path / "steps.py", tmp_path / "state", tmp_path / "ran"
+    script.write_text(textwrap.dedent(STEPS))
+    argv = [sys.executable, str(script), str(state), str(ran)]
+    popen = subprocess.Popen([*argv, "stall"], stdout=subprocess.PIPE, text=True)
+    assert popen.stdout is not None
+    assert popen.stdout.readline().startswith("RESULT [0, 1, 4, 9, 16]")
+    popen.send_signal(signal.SIGKILL)
+    assert -signal.SIGKILL == popen.wait(TIMEOUT)
+    popen.stdout.close()
+    assert 0 < (state / LOG_KEY).stat().st_size
+    outputs = sorted((state / "square").iterdir())
+    assert 5 == len(outputs)
+    outputs[0].unlink()  # the rename lost
+    outputs[1].write_bytes(b"")  # the bytes lost
+    outputs[2].write_bytes(outputs[2].read_bytes()[:-3])  # cut short
+    rerun = subprocess.run([*argv, "go"], capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert (0, "RESULT [0, 1, 4, 9, 16]\n") == (rerun.returncode, rerun.stdout)
+    assert Counter(range(5)) == Counter(int(line) for line in ran.read_text().split())
+    assert [{"i": 0, "square": 0}] == [resumable.load(outputs[0])]
+    verify = subprocess.run(
+        [sys.executable, "-m", "resumable", "--state-dir", str(state), "verify"],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    assert 0 == verify.returncode, verify.stdout + verify.stderr
+    assert 0 == (state / LOG_KEY).stat().st_size
