@@ -718,7 +718,9 @@ def test_full_disk_errors_name_the_file(
     ] == errors
     assert (b"old", ["a.msgpack", "events.jsonl"]) == (
         (tmp_path / "a.msgpack").read_bytes(),
-        sorted(set(os.listdir(tmp_path)) - {".resumable"}),  # no temporary file left (the output log's directory)
+        sorted(
+            set(os.listdir(tmp_path)) - {".resumable"}
+        ),  # no temporary file left (the output log's directory)
     )
 
 
