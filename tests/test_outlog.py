@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import resumable
+import resumable._codec
 from resumable import StateDirectoryError
 from resumable._stores import _outlog
 from resumable._stores._local import LocalStore
@@ -56,20 +57,22 @@ def _fsynced_paths(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names descriptors through /proc")
 def test_a_durable_output_is_one_fsync_on_the_callers_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """
-    The caller fsyncs the log only; the file is in place when write returns; the file and
-    its directory are fsynced in the background, and closing empties the log.
+    The caller fsyncs the log only; the file is in place when write returns; it is made
+    durable in the background, and closing empties the log.
     """
     store = LocalStore(tmp_path)
     store.write("step/first.msgpack", [b"creates the log and the directory"], durable=True)
     store.close_appends()
     seen = _fsynced_paths(monkeypatch)
-    store.write("step/a.msgpack", [b"value ", bytearray(b"of a")], durable=True)
-    assert b"value of a" == (tmp_path / "step" / "a.msgpack").read_bytes()  # there at once
-    store.close_appends()
+    framed = resumable._codec.frame(
+        resumable._codec.encode({"a": 1}, allow_pickle=False), {"slot": "a"}, secret=None
+    )
+    store.write("step/a.msgpack", framed.chunks(), durable=True)
     mine = [path for thread, path in seen if thread == threading.current_thread().name]
-    log = str(tmp_path / LOG_KEY)
-    assert [log] == mine[:1]  # the write's only fsync; closing fsyncs the emptied log too
-    assert {str(tmp_path / "step" / "a.msgpack"), str(tmp_path / "step")} <= {p for _, p in seen}
+    assert [str(tmp_path / LOG_KEY)] == mine  # the write's only fsync
+    assert {"a": 1} == resumable.load(tmp_path / "step" / "a.msgpack")  # there at once
+    assert bytes(store.read("step/a.msgpack")) == b"".join(bytes(c) for c in framed.chunks())
+    store.close_appends()
     assert 0 == (tmp_path / LOG_KEY).stat().st_size
 
 
@@ -91,9 +94,6 @@ def _write_and_die(root: Path, *writes: tuple[str, bytes]) -> None:
     store = LocalStore(root)
     for key, data in writes:
         store.write(key, [data], durable=True)
-    log = store._log
-    assert log is not None
-    log.settle()
 
 
 def test_the_next_lock_holder_applies_the_log(tmp_path: Path):
@@ -129,8 +129,7 @@ def test_a_changed_key_leaves_the_log_first(tmp_path: Path):
     store.delete("gone.msgpack", durable=True)
     store.write("lazy.msgpack", [b"not durable"], durable=False)
     store.write("kept.msgpack", [b"logged again"], durable=True)
-    assert store._log is not None
-    store._log.settle()
+    # killed here: nothing empties the log
     LocalStore(tmp_path).lock({"pid": 1}).release()
     assert not (tmp_path / "gone.msgpack").exists()
     assert b"not durable" == (tmp_path / "lazy.msgpack").read_bytes()
@@ -199,7 +198,7 @@ def test_a_log_that_is_a_symlink_is_refused(tmp_path: Path):
     LocalStore(tmp_path / "other").lock({"pid": 1}).release()  # the lock was released
 
 
-def test_a_failed_background_fsync_is_reported_and_the_log_kept(
+def test_a_failed_background_sync_is_reported_and_the_log_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     """
@@ -208,14 +207,12 @@ def test_a_failed_background_fsync_is_reported_and_the_log_kept(
     """
     store = LocalStore(tmp_path)
     lock = store.lock({"pid": 1})
-    real = os.fsync
 
-    def failing(fd: int) -> None:
-        if threading.current_thread().name == "resumable-outputs":
-            raise OSError(errno.EIO, "Input/output error")
-        real(fd)
+    def failing(root: str) -> bool:
+        raise OSError(errno.EIO, "Input/output error", root)
 
-    monkeypatch.setattr(os, "fsync", failing)
+    monkeypatch.setattr(_outlog, "sync_filesystem", failing)
+    monkeypatch.setattr(_outlog, "_fsync_each", lambda files: failing(str(tmp_path)))
     store.write("a.msgpack", [b"a"], durable=True)
     with pytest.raises(OSError, match=r"safe in .*outputs\.log, and the next run") as info:
         store.close_appends()
@@ -270,18 +267,6 @@ def test_a_forked_child_writes_in_place(tmp_path: Path):
     assert 0 == (tmp_path / LOG_KEY).stat().st_size
 
 
-def test_backpressure_when_the_thread_falls_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """With PENDING_MAX files not yet fsynced, a write waits for the thread; nothing is lost."""
-    monkeypatch.setattr(_outlog, "PENDING_MAX", 2)
-    store = LocalStore(tmp_path)
-    for i in range(20):
-        store.write(f"{i}.msgpack", [str(i).encode()], durable=True)
-    store.close_appends()
-    assert [str(i).encode() for i in range(20)] == [
-        (tmp_path / f"{i}.msgpack").read_bytes() for i in range(20)
-    ]
-
-
 # --- a real kill: outputs only in the log ------------------------------------------------
 
 STEPS = """
@@ -289,8 +274,8 @@ import sys, threading
 from resumable import Pipeline
 from resumable._stores import _outlog
 
-if sys.argv[3] == "stall":  # the background thread never fsyncs: the log is never emptied
-    _outlog.OutputLog._settle_files = lambda self, batch: threading.Event().wait()
+if sys.argv[3] == "stall":  # the background thread never syncs: the log is never emptied
+    _outlog.OutputLog._make_durable = lambda self: threading.Event().wait()
 
 pipe = Pipeline("outlog", state_dir=sys.argv[1])
 
@@ -308,9 +293,9 @@ if sys.argv[3] == "stall":
 
 def test_killed_with_outputs_only_in_the_log(tmp_path: Path):
     """
-    SIGKILL while every output's fsync is still to come, then lose the files as a power loss
-    could: the rerun recomputes nothing and returns what an uninterrupted run does, and the
-    CLI's verify passes on the state that results.
+    SIGKILL while no output is durable but through the log, then lose the files as a power
+    loss could: the rerun recomputes nothing and returns what an uninterrupted run does, and
+    the CLI's verify passes on the state that results.
     """
     script, state, ran = tmp_path / "steps.py", tmp_path / "state", tmp_path / "ran"
     script.write_text(textwrap.dedent(STEPS))
@@ -340,3 +325,32 @@ def test_killed_with_outputs_only_in_the_log(tmp_path: Path):
     )
     assert 0 == verify.returncode, verify.stdout + verify.stderr
     assert 0 == (state / LOG_KEY).stat().st_size
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names descriptors through /proc")
+def test_without_syncfs_each_file_and_directory_is_fsynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """Where there is no syncfs, the thread fsyncs every file written, then each directory once."""
+    monkeypatch.setattr(_outlog, "sync_filesystem", lambda root: False)
+    store = LocalStore(tmp_path)
+    seen = _fsynced_paths(monkeypatch)
+    for i in range(3):
+        store.write(f"k/{i}.msgpack", [b"x"], durable=True)
+    store.close_appends()
+    synced = [path for thread, path in seen if thread == "resumable-outputs"]
+    assert sorted([*(str(tmp_path / "k" / f"{i}.msgpack") for i in range(3)), str(tmp_path / "k")]) == sorted(
+        synced
+    )
+
+
+def test_a_link_to_a_logged_file_waits_until_it_is_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A kept version (a hard link) must not point at bytes only the log holds."""
+    synced: list[str] = []
+    real = _outlog.sync_filesystem
+    monkeypatch.setattr(_outlog, "SYNC_DELAY", 60.0)  # left alone, the thread would wait a minute
+    monkeypatch.setattr(_outlog, "sync_filesystem", lambda root: (synced.append(root), real(root))[1])
+    store = LocalStore(tmp_path)
+    store.write("a.msgpack", [b"v1"], durable=True)
+    assert [] == synced
+    store.copy("a.msgpack", ".resumable/versions/a.1", durable=True)
+    assert [str(tmp_path)] == synced
+    store.close_appends()

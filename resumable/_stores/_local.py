@@ -230,8 +230,9 @@ class LocalStore(Store):
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
         """
         Replace *key* atomically. A durable write of a small output file goes through the
-        output log (one fsync; the file is fsynced and renamed into place in the background,
-        see :mod:`._outlog`); anything else is written in place.
+        output log (the file is renamed into place before this returns, its bytes are in the
+        fsynced log, and a background thread makes the file durable, see :mod:`._outlog`);
+        anything else is written in place.
         """
         if durable and is_output_file(key) and sum(memoryview(c).nbytes for c in chunks) <= LOG_MAX:
             log = self._log
@@ -256,7 +257,8 @@ class LocalStore(Store):
         self._check_dirs(src)
         self._check_dirs(dst)
         if self._log is not None:
-            self._log.settle(src)  # a link to a file whose fsync is still to come: wait for it
+            if src in self._log.logged:
+                self._log.settle_durable()  # a link to a file not yet durable: wait until it is
             self._log.before_change(dst)
         directory, name = os.path.split(target)
         tmp = os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")

@@ -1,5 +1,5 @@
 """
-The local store's output log: a durable output costs one fsync before ``write`` returns.
+The local store's output log: a durable output costs one fsync on the caller's thread.
 
 A durable write of a step's output file (a key :func:`~resumable._slots.is_output_file`
 accepts, of at most :data:`LOG_MAX` bytes) goes like this:
@@ -8,15 +8,16 @@ accepts, of at most :data:`LOG_MAX` bytes) goes like this:
 2. The key and the bytes are appended as one record to ``.resumable/outputs.log``, and the
    log is fsynced: from here the output survives a power loss.
 3. The temporary file is renamed over the target, and ``write`` returns: the new file is
-   there for this process and for any other reader.
-4. A background thread fsyncs the file and then its directory (once for all the files of
-   a batch).
-5. Once every file the log holds is fsynced so, and the log has grown past
+   there for this process and for any other reader, as with every other write.
+4. A background thread makes the files written within :data:`SYNC_DELAY` durable together:
+   one ``syncfs`` on Linux (a few µs a file, where an fsync each costs 160 µs here), else
+   an fsync of each file and then of each directory.
+5. Once every file the log holds is durable so, and the log has grown past
    :data:`EMPTY_AT`, the log is emptied; closing the store empties it too.
 
 Changing a key the log holds in any other way (a delete, a non-durable write, a link over
-it) first waits for the background thread and empties the log, so that the log never holds
-a version older than the file; linking a file whose fsync is still to come waits for it.
+it) first waits for the thread and empties the log, so that the log never holds a version
+older than the file; linking a file (a kept version) waits until it is durable.
 
 If the process dies before the log is emptied (a kill, a power loss), the next holder of
 the lock calls :func:`recover`: every output the log holds is fsynced if its file has the
@@ -31,12 +32,14 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import os
 import struct
+import sys
 import threading
+import time
 import zlib
-from collections import deque
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 from .._slots import INTERNAL_DIR, is_output_file
 from .._warn import warn
@@ -54,8 +57,8 @@ LOG_MAX = 64 * 1024
 """Outputs up to this size go through the log; larger ones are written and fsynced in place."""
 EMPTY_AT = 4 * 1024 * 1024
 """The log is emptied once it is this long and every file it holds has been written."""
-PENDING_MAX = 256
-"""Files waiting for the background thread; a write waits while there are this many."""
+SYNC_DELAY = 0.05
+"""Seconds the background thread lets written files gather before it makes them durable together."""
 
 _MAGIC = b"RSMLOG01"
 _START = struct.Struct("<8s8s")  # magic, salt
@@ -73,11 +76,8 @@ class LogHost(Protocol):
     def truncate(self, key: str, size: int, *, durable: bool) -> None: ...
     def linked(self, path: str, what: str = ...) -> StateDirectoryError: ...
 
-
-class _Pending(NamedTuple):
-    key: str
-    target: str
-    fd: int  # the new file, open until it is fsynced
+    @property
+    def local_root(self) -> str | None: ...
 
 
 class OutputLog:
@@ -88,8 +88,8 @@ class OutputLog:
         self._path = store.path(LOG_KEY)
         self._pid = os.getpid()
         self._cond = threading.Condition()
-        self._queue: deque[_Pending] = deque()
-        self.pending: dict[str, int] = {}  # key -> its files not fsynced yet
+        self._unsynced: list[str] = []  # files written, not yet durable
+        self._since = 0.0  # when the oldest of them was written
         self.logged: set[str] = set()  # keys with a record in the log since it was emptied
         self._fd: int | None = None
         self._size = 0
@@ -97,6 +97,7 @@ class OutputLog:
         self._appending = 0  # records appended whose fsync has not returned
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._hurry = False  # someone waits: make the files durable now
         self._error: OSError | None = None
 
     @property
@@ -109,49 +110,53 @@ class OutputLog:
     def write(self, key: str, data: bytes) -> None:
         """Make *data* the durable content of output *key* (see the module's docstring)."""
         self._raise_failure()
-        if len(self._queue) >= PENDING_MAX:
-            self._wait(lambda: len(self._queue) < PENDING_MAX)
         target, tmp, fd = self._store.temp_file(key, durable=True)
         try:
-            write_all(fd, [data])
+            try:
+                write_all(fd, [data])
+            finally:
+                os.close(fd)
             record = self._record(key, data)
             with self._cond:
                 log_fd = self._open()
                 sealed = self._sealed(record) if self._size else self._start() + self._sealed(record)
-                write_all(log_fd, [sealed])
+                try:
+                    write_all(log_fd, [sealed])
+                except OSError:
+                    # a record cut short would end the log for the records after it
+                    with contextlib.suppress(OSError):
+                        os.ftruncate(log_fd, self._size)
+                    raise
                 self._size += len(sealed)
                 self._appending += 1
+                self.logged.add(key)
         except BaseException as exc:
-            self._drop(tmp, fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
             if isinstance(exc, OSError):
                 raise with_path(exc, target) from None
             raise
         try:
             os.fsync(log_fd)
             # Renamed only now: a full disk or a failed fsync leaves the previous file. (A
-            # record whose fsync failed may still be applied by the next run: its bytes are a
-            # whole output all the same.)
+            # record whose fsync failed may still be applied by the next run: its bytes are
+            # a whole output all the same.)
             os.replace(tmp, target)
         except OSError as exc:
             with self._cond:
                 self._appending -= 1
-            self._drop(tmp, fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
             raise with_path(exc, target) from None
         with self._cond:
             self._appending -= 1
-            self._queue.append(_Pending(key, target, fd))
-            self.pending[key] = self.pending.get(key, 0) + 1
-            self.logged.add(key)
+            if not self._unsynced:
+                self._since = time.monotonic()
+            self._unsynced.append(target)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="resumable-outputs", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
-
-    @staticmethod
-    def _drop(tmp: str, fd: int) -> None:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
 
     def _record(self, key: str, data: bytes) -> bytes:
         name = key.encode()
@@ -159,7 +164,7 @@ class OutputLog:
 
     def _sealed(self, record: bytes) -> bytes:
         """*record* with its CRC filled in (over the salt of the log it goes to)."""
-        crc = zlib.crc32(record[4:], zlib.crc32(self._salt))
+        crc = zlib.crc32(memoryview(record)[4:], zlib.crc32(self._salt))
         return crc.to_bytes(4, "little") + record[4:]
 
     def _start(self) -> bytes:
@@ -182,48 +187,48 @@ class OutputLog:
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._queue and not self._stopping:
+                while not (self._unsynced or self._stopping):
                     self._cond.wait()
-                if not self._queue:
+                if not self._unsynced:
                     return
-                batch = list(self._queue)
+                # let files gather, so that one sync makes many durable
+                while not (self._hurry or self._stopping):
+                    left = self._since + SYNC_DELAY - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._cond.wait(left)
             try:
-                self._settle_files(batch)
+                self._make_durable()
             except OSError as exc:
                 with self._cond:
                     self._error = exc
                     self._cond.notify_all()
                 return
-            with self._cond:
-                for done in batch:
-                    self._queue.popleft()
-                    left = self.pending[done.key] - 1
-                    if left:
-                        self.pending[done.key] = left
-                    else:
-                        del self.pending[done.key]
-                emptied = self._size >= EMPTY_AT and self._empty_locked()
-                self._cond.notify_all()
-            if emptied:
-                self._sync_log()
 
-    def _settle_files(self, batch: list[_Pending]) -> None:
-        """fsync each file, then each directory once."""
-        directories: dict[str, None] = {}
-        for item in batch:
-            try:
-                os.fsync(item.fd)
-            except OSError as exc:
-                raise with_path(exc, item.target) from None
-            directories[os.path.dirname(item.target)] = None
-        for item in batch:
-            os.close(item.fd)
-        for directory in directories:
-            fsync_dir(directory)
+    def _make_durable(self) -> None:
+        """
+        Make the files written and their names durable: on Linux one ``syncfs`` of the
+        state's file system (about 20 µs a file, where an fsync each costs 160 µs here),
+        elsewhere an fsync of each file and then of each directory. Then empty the log if
+        it is long and holds nothing else.
+        """
+        with self._cond:
+            files = list(self._unsynced)
+        root = self._store.local_root
+        if root is None or not sync_filesystem(root):
+            _fsync_each(files)
+        with self._cond:
+            del self._unsynced[: len(files)]
+            if not self._unsynced:
+                self._hurry = False
+            emptied = self._size >= EMPTY_AT and self._empty_locked()
+            self._cond.notify_all()
+        if emptied:
+            self._sync_log()
 
     def _empty_locked(self) -> bool:
-        """Empty the log if every file it holds is fsynced (holding the condition's lock)."""
-        if self._queue or self._appending or self._fd is None or not self._size:
+        """Empty the log if every file it holds is durable (holding the condition's lock)."""
+        if self._unsynced or self._appending or self._fd is None or not self._size:
             return False
         os.ftruncate(self._fd, 0)
         self._size = 0
@@ -247,42 +252,36 @@ class OutputLog:
             )
             raise type(error)(error.errno, msg, error.filename) from error
 
-    def _wait(self, done: Callable[[], bool]) -> None:
+    def _wait(self, done: Callable[[], bool], *, hurry: bool = False) -> None:
         with self._cond:
+            if hurry:
+                self._hurry = True
+                self._cond.notify_all()
             while not done():
                 self._raise_failure()
                 self._cond.wait()
 
-    def settle(self, key: str | None = None) -> None:
-        """Wait until *key*'s file (every file, if ``None``) is fsynced."""
-        if not self.usable:
-            return
-        if key is None:
-            if self._queue:
-                self._wait(lambda: not self._queue)
-        elif key in self.pending:
-            self._wait(lambda: key not in self.pending)
+    def settle_durable(self) -> None:
+        """Wait until every file is written and durable."""
+        if self.usable and self._unsynced:
+            self._wait(lambda: not self._unsynced, hurry=True)
         self._raise_failure()
 
     def before_change(self, key: str) -> None:
         """Before *key* is changed other than through the log: the log must not hold it."""
-        if not self.usable:
-            return
-        if key in self.logged:
+        if self.usable and key in self.logged:
             self.empty()
-        elif key in self.pending:
-            self.settle(key)
 
     def empty(self) -> None:
-        """Wait for every pending file, then empty the log."""
-        self.settle()
+        """Wait until every file is written and durable, then empty the log."""
+        self.settle_durable()
         with self._cond:
             emptied = self._empty_locked()
         if emptied:
             self._sync_log()
 
     def close(self) -> None:
-        """fsync every file the log holds, empty it and stop the thread (the store closes)."""
+        """Write every file the log holds, make them durable, empty it, stop the thread."""
         if not self.usable:
             return
         try:
@@ -296,13 +295,69 @@ class OutputLog:
                 thread.join()
             with self._cond:
                 self._stopping = False
-                for item in self._queue:  # left by a failure: the log on disk still holds them
-                    os.close(item.fd)
-                self._queue.clear()
-                self.pending.clear()
+                self._unsynced.clear()  # left by a failure: the log on disk still holds them
                 if self._fd is not None:
                     os.close(self._fd)
                     self._fd = None
+
+
+def _fsync_each(files: list[str]) -> None:
+    """fsync each file (a missing one was replaced since: its successor comes later), then each directory."""
+    directories: dict[str, None] = {}
+    for path in files:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise with_path(exc, path) from None
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            raise with_path(exc, path) from None
+        finally:
+            os.close(fd)
+        directories[os.path.dirname(path)] = None
+    for directory in directories:
+        fsync_dir(directory)
+
+
+def sync_filesystem(path: str) -> bool:
+    """
+    ``syncfs`` the file system holding *path* (Linux): every file written on it, and every
+    name, is then durable. False where there is no ``syncfs``.
+
+    Raises:
+        OSError: the file system reported a write error.
+    """
+    syncfs = _syncfs()
+    if syncfs is None:
+        return False
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if syncfs(fd) != 0:
+            import ctypes  # noqa: PLC0415 - only where syncfs is
+
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code), path)
+    finally:
+        os.close(fd)
+    return True
+
+
+@functools.cache
+def _syncfs() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes  # noqa: PLC0415 - a few milliseconds, paid by the background thread
+
+    try:
+        function = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int]
+    function.restype = ctypes.c_int
+    return cast("Callable[[int], int]", function)
 
 
 def parse(data: bytes | bytearray) -> tuple[dict[str, bytes], int]:
