@@ -4,9 +4,10 @@ The local store's output log: a durable output costs one fsync on the caller's t
 A durable write of a step's output file (a key :func:`~resumable._slots.is_output_file`
 accepts, of at most :data:`LOG_MAX` bytes) goes like this:
 
-1. The bytes are written to a temporary file beside the target, not fsynced yet.
-2. The key and the bytes are appended as one record to ``.resumable/outputs.log``, and the
+1. The key and the bytes are appended as one record to ``.resumable/outputs.log``, and the
    log is fsynced: from here the output survives a power loss.
+2. Meanwhile, a helper thread writes the bytes to a temporary file beside the target (not
+   fsynced), so that the caller's thread creates no file while the disk is busy.
 3. The temporary file is renamed over the target, and ``write`` returns: the new file is
    there for this process and for any other reader, as with every other write.
 4. A background thread makes the files written within :data:`SYNC_DELAY` durable together:
@@ -30,10 +31,12 @@ file outside the state directory is ever written (the store's own checks apply).
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import errno
 import functools
 import os
+import queue
 import struct
 import sys
 import threading
@@ -99,6 +102,7 @@ class OutputLog:
         self._stopping = False
         self._hurry = False  # someone waits: make the files durable now
         self._error: OSError | None = None
+        self._temps: _TempWriter | None = None
 
     @property
     def usable(self) -> bool:
@@ -110,12 +114,12 @@ class OutputLog:
     def write(self, key: str, data: bytes) -> None:
         """Make *data* the durable content of output *key* (see the module's docstring)."""
         self._raise_failure()
-        target, tmp, fd = self._store.temp_file(key, durable=True)
+        if self._temps is None:
+            self._temps = _TempWriter(self._store)
+        job = self._temps.submit(key, data)  # written meanwhile, while the log is fsynced
+        target = self._store.path(key)
+        tmp = None
         try:
-            try:
-                write_all(fd, [data])
-            finally:
-                os.close(fd)
             record = self._record(key, data)
             with self._cond:
                 log_fd = self._open()
@@ -132,12 +136,15 @@ class OutputLog:
                 self.logged.add(key)
         except BaseException as exc:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(job.result())
             if isinstance(exc, OSError):
                 raise with_path(exc, target) from None
             raise
         try:
-            os.fsync(log_fd)
+            try:
+                os.fsync(log_fd)
+            finally:
+                tmp = job.result()
             # Renamed only now: a full disk or a failed fsync leaves the previous file. (A
             # record whose fsync failed may still be applied by the next run: its bytes are
             # a whole output all the same.)
@@ -145,8 +152,9 @@ class OutputLog:
         except OSError as exc:
             with self._cond:
                 self._appending -= 1
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            if tmp is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             raise with_path(exc, target) from None
         with self._cond:
             self._appending -= 1
@@ -293,6 +301,9 @@ class OutputLog:
                 thread, self._thread = self._thread, None
             if thread is not None:
                 thread.join()
+            temps, self._temps = self._temps, None
+            if temps is not None:
+                temps.close()
             with self._cond:
                 self._stopping = False
                 self._unsynced.clear()  # left by a failure: the log on disk still holds them
@@ -320,6 +331,63 @@ def _fsync_each(files: list[str]) -> None:
         directories[os.path.dirname(path)] = None
     for directory in directories:
         fsync_dir(directory)
+
+
+class _Job:
+    """A temporary file to write: its key and bytes, then its path or the error."""
+
+    __slots__ = ("data", "done", "key", "outcome")
+
+    def __init__(self, key: str, data: bytes) -> None:
+        self.key, self.data = key, data
+        self.done = _thread.allocate_lock()
+        self.done.acquire()
+        self.outcome: str | BaseException = ""
+
+    def result(self) -> str:
+        """The temporary file's path, once written; raises what writing it raised."""
+        with self.done:
+            pass
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+
+class _TempWriter:
+    """A thread that writes outputs' temporary files while their callers fsync the log."""
+
+    def __init__(self, store: LogHost) -> None:
+        self._store = store
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="resumable-temp-files", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: str, data: bytes) -> _Job:
+        job = _Job(key, data)
+        self._jobs.put(job)
+        return job
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                target, tmp, fd = self._store.temp_file(job.key, durable=True)
+                try:
+                    write_all(fd, [job.data])
+                except OSError as exc:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+                    raise with_path(exc, target) from None
+                finally:
+                    os.close(fd)
+                job.outcome = tmp
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, who raises it
+                job.outcome = exc
+            finally:
+                job.done.release()
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
 
 
 def sync_filesystem(path: str) -> bool:
