@@ -406,6 +406,8 @@ class LocalStore(Store):
 
     def same_file(self, key: str, data: bytes, *, fsync: bool) -> bool:
         """Whether *key* is a plain file holding exactly *data* (then fsynced, with *fsync*)."""
+        if self._linked_dir(key) is not None:
+            return False  # not read through a link out of the state directory
         try:
             fd = _open_nofollow(self.path(key), os.O_RDONLY)
         except OSError:

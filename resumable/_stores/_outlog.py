@@ -46,13 +46,13 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 from .._slots import INTERNAL_DIR, is_output_file
 from .._warn import warn
+from ..exceptions import StateDirectoryError
 from ._base import _valid_key, read_file
 from ._fileio import fsync_dir, with_path, write_all
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
-    from ..exceptions import StateDirectoryError
     from ._base import Buffer
 
 LOG_KEY = f"{INTERNAL_DIR}/outputs.log"
@@ -114,32 +114,17 @@ class OutputLog:
     def write(self, key: str, data: bytes) -> None:
         """Make *data* the durable content of output *key* (see the module's docstring)."""
         self._raise_failure()
-        if self._temps is None:
-            self._temps = _TempWriter(self._store)
-        job = self._temps.submit(key, data)  # written meanwhile, while the log is fsynced
+        job = self._helper().submit(key, data)  # written meanwhile, while the log is fsynced
         target = self._store.path(key)
-        tmp = None
         try:
-            record = self._record(key, data)
-            with self._cond:
-                log_fd = self._open()
-                sealed = self._sealed(record) if self._size else self._start() + self._sealed(record)
-                try:
-                    write_all(log_fd, [sealed])
-                except OSError:
-                    # a record cut short would end the log for the records after it
-                    with contextlib.suppress(OSError):
-                        os.ftruncate(log_fd, self._size)
-                    raise
-                self._size += len(sealed)
-                self._appending += 1
-                self.logged.add(key)
+            log_fd = self._append(key, self._record(key, data))
         except BaseException as exc:
             with contextlib.suppress(OSError):
                 os.unlink(job.result())
             if isinstance(exc, OSError):
                 raise with_path(exc, target) from None
             raise
+        tmp = None
         try:
             try:
                 os.fsync(log_fd)
@@ -165,6 +150,32 @@ class OutputLog:
                 self._thread = threading.Thread(target=self._run, name="resumable-outputs", daemon=True)
                 self._thread.start()
             self._cond.notify_all()
+
+    def _helper(self) -> _TempWriter:
+        temps = self._temps
+        if temps is None:
+            with self._cond:
+                if self._temps is None:
+                    self._temps = _TempWriter(self._store)
+                temps = self._temps
+        return temps
+
+    def _append(self, key: str, record: bytes) -> int:
+        """Append *record* to the log (not fsynced yet); the log's descriptor."""
+        with self._cond:
+            log_fd = self._open()
+            sealed = self._sealed(record) if self._size else self._start() + self._sealed(record)
+            try:
+                write_all(log_fd, [sealed])
+            except OSError:
+                # a record cut short would end the log for the records after it
+                with contextlib.suppress(OSError):
+                    os.ftruncate(log_fd, self._size)
+                raise
+            self._size += len(sealed)
+            self._appending += 1
+            self.logged.add(key)
+        return log_fd
 
     def _record(self, key: str, data: bytes) -> bytes:
         name = key.encode()
@@ -457,6 +468,21 @@ def parse(data: bytes | bytearray) -> tuple[dict[str, bytes], int]:
     return outputs, end
 
 
+def _apply(store: LogHost, path: str, key: str, value: bytes) -> bool | None:
+    """Write one logged output if its file differs (True), fsync it if not (False); None: refused."""
+    if not (_valid_key(key) and is_output_file(key)):
+        warn(f"{path}: ignored a record for {key[:200]!r}, which is not an output file.")
+        return None
+    try:
+        if store.same_file(key, value, fsync=True):
+            return False
+        store.write_in_place(key, [value], durable=True)
+    except StateDirectoryError as exc:  # a link planted on its way: not followed
+        warn(f"{path}: did not write {key[:200]!r}: {exc}")
+        return None
+    return True
+
+
 def recover(store: LogHost) -> int:
     """
     Apply the log a dead writer left (the caller holds the lock): write each output whose
@@ -478,14 +504,10 @@ def recover(store: LogHost) -> int:
     written = 0
     directories: dict[str, None] = {}
     for key, value in outputs.items():
-        if not (_valid_key(key) and is_output_file(key)):
-            warn(f"{path}: ignored a record for {key[:200]!r}, which is not an output file.")
-            continue
-        target = store.path(key)
-        if not store.same_file(key, value, fsync=True):
-            store.write_in_place(key, [value], durable=True)
-            written += 1
-        directories[os.path.dirname(target)] = None
+        applied = _apply(store, path, key, value)
+        if applied is not None:
+            written += applied
+            directories[os.path.dirname(store.path(key))] = None
     for directory in directories:
         fsync_dir(directory)
     if end < len(data):
