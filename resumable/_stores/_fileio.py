@@ -13,7 +13,15 @@ _WRITE_MAX = 1 << 30  # bytes per write() call; Linux caps a single write just b
 
 def fsync_dir(path: str) -> None:
     """fsync a directory, so that the names created or renamed in it survive a power loss."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fsync_path(path, os.O_DIRECTORY)
+
+
+def fsync_path(path: str, flags: int = os.O_NOFOLLOW) -> None:
+    """Open *path* read-only (with *flags*), fsync it and close it; an error names *path*."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | flags)
+    except OSError as exc:
+        raise with_path(exc, path) from exc
     try:
         os.fsync(fd)
     except OSError as exc:

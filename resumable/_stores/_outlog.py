@@ -48,7 +48,7 @@ from .._slots import INTERNAL_DIR, is_output_file
 from .._warn import warn
 from ..exceptions import StateDirectoryError
 from ._base import _valid_key, read_file
-from ._fileio import fsync_dir, with_path, write_all
+from ._fileio import fsync_dir, fsync_path, with_path, write_all
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -328,17 +328,9 @@ def _fsync_each(files: list[str]) -> None:
     directories: dict[str, None] = {}
     for path in files:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fsync_path(path)
         except FileNotFoundError:
             continue
-        except OSError as exc:
-            raise with_path(exc, path) from None
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            raise with_path(exc, path) from None
-        finally:
-            os.close(fd)
         directories[os.path.dirname(path)] = None
     for directory in directories:
         fsync_dir(directory)
