@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from .._slots import INTERNAL_DIR, is_output_file
 from ..exceptions import StateDirectoryError, StateLockedError
 from ._base import Buffer, Stamp, Store, check_key, read_file_stamped, stamp_of
-from ._fileio import fsync_dir, pwrite_all, with_path, write_all
+from ._fileio import fsync_dir, fsync_path, pwrite_all, with_path, write_all
 from ._outlog import LOG_KEY, LOG_MAX, OutputLog, recover
 
 T = TypeVar("T")
@@ -257,8 +257,8 @@ class LocalStore(Store):
         self._check_dirs(src)
         self._check_dirs(dst)
         if self._log is not None:
-            if src in self._log.logged:
-                self._log.settle_durable()  # a link to a file not yet durable: wait until it is
+            if src in self._log.logged and durable:
+                fsync_path(self.path(src))  # a link to a file that may not be durable yet
             self._log.before_change(dst)
         directory, name = os.path.split(target)
         tmp = os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")

@@ -18,7 +18,7 @@ accepts, of at most :data:`LOG_MAX` bytes) goes like this:
 
 Changing a key the log holds in any other way (a delete, a non-durable write, a link over
 it) first waits for the thread and empties the log, so that the log never holds a version
-older than the file; linking a file (a kept version) waits until it is durable.
+older than the file; a file the log holds is fsynced before it is linked (a kept version).
 
 If the process dies before the log is emptied (a kill, a power loss), the next holder of
 the lock calls :func:`recover`: every output the log holds is fsynced if its file has the
