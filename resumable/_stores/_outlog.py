@@ -134,13 +134,15 @@ class OutputLog:
             # record whose fsync failed may still be applied by the next run: its bytes are
             # a whole output all the same.)
             os.replace(tmp, target)
-        except OSError as exc:
+        except BaseException as exc:  # an interrupt too: the log must stay free to be emptied
             with self._cond:
                 self._appending -= 1
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
-            raise with_path(exc, target) from None
+            if isinstance(exc, OSError):
+                raise with_path(exc, target) from None
+            raise
         with self._cond:
             self._appending -= 1
             if not self._unsynced:
