@@ -353,3 +353,26 @@ def test_a_link_to_a_logged_file_is_fsynced_first(tmp_path: Path, monkeypatch: p
     assert str(tmp_path / "a.msgpack") in [path for _, path in seen]
     monkeypatch.undo()
     store.close_appends()
+
+
+def test_an_interrupt_during_the_fsync_keeps_the_previous_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Ctrl-C while the record is fsynced: the previous file stays, no temporary file, the log can be emptied."""
+    store = LocalStore(tmp_path)
+    store.write("a.msgpack", [b"old"], durable=True)
+    real = os.fsync
+
+    def interrupted(fd: int) -> None:
+        if threading.current_thread() is threading.main_thread():
+            raise KeyboardInterrupt
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.write("a.msgpack", [b"new"], durable=True)
+    monkeypatch.undo()
+    store.close_appends()
+    assert b"old" == (tmp_path / "a.msgpack").read_bytes()
+    assert [] == store.temp_files()
+    assert 0 == (tmp_path / LOG_KEY).stat().st_size
