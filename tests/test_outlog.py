@@ -376,3 +376,19 @@ def test_an_interrupt_during_the_fsync_keeps_the_previous_file(
     assert b"old" == (tmp_path / "a.msgpack").read_bytes()
     assert [] == store.temp_files()
     assert 0 == (tmp_path / LOG_KEY).stat().st_size
+
+
+def test_a_record_under_a_linked_directory_is_skipped(tmp_path: Path):
+    """A link planted on a logged output's way: the lock is taken, nothing is written through it."""
+    state, outside = tmp_path / "state", tmp_path / "outside"
+    outside.mkdir()
+    (outside / "1.msgpack").write_bytes(b"theirs")
+    log = state / LOG_KEY
+    log.parent.mkdir(parents=True)
+    log.write_bytes(_log_bytes(("k/1.msgpack", b"ours"), ("fine.msgpack", b"ok")))
+    (state / "k").symlink_to(outside)
+    with pytest.warns(ResumableWarning, match=r"did not write 'k/1\.msgpack'.*symbolic link"):
+        LocalStore(state).lock({"pid": 1}).release()
+    assert b"theirs" == (outside / "1.msgpack").read_bytes()
+    assert b"ok" == (state / "fine.msgpack").read_bytes()
+    assert 0 == log.stat().st_size
