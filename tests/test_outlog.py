@@ -392,3 +392,23 @@ def test_a_record_under_a_linked_directory_is_skipped(tmp_path: Path):
     assert b"theirs" == (outside / "1.msgpack").read_bytes()
     assert b"ok" == (state / "fine.msgpack").read_bytes()
     assert 0 == log.stat().st_size
+
+
+def test_threads_storing_their_first_outputs_at_once_share_one_log(tmp_path: Path):
+    """The store makes one log however many threads write its first outputs together."""
+    for attempt in range(5):
+        store = LocalStore(tmp_path / str(attempt))
+        barrier = threading.Barrier(8)
+
+        def first(t: int, store: LocalStore = store, barrier: threading.Barrier = barrier) -> None:
+            barrier.wait()
+            store.write(f"t{t}.msgpack", [b"x"], durable=True)
+
+        threads = [threading.Thread(target=first, args=(t,)) for t in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        outputs, end = parse((tmp_path / str(attempt) / LOG_KEY).read_bytes())
+        assert ({f"t{t}.msgpack" for t in range(8)}, True) == (set(outputs), end > 0)
+        store.close_appends()

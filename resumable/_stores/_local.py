@@ -235,13 +235,17 @@ class LocalStore(Store):
         anything else is written in place.
         """
         if durable and is_output_file(key) and sum(memoryview(c).nbytes for c in chunks) <= LOG_MAX:
-            log = self._log
-            if log is None:
-                log = self._log = OutputLog(self)
+            log = self._log or self._output_log()
             if log.usable:
                 log.write(key, b"".join(chunks))
                 return
         self.write_in_place(key, chunks, durable=durable)
+
+    def _output_log(self) -> OutputLog:
+        with self._fd_lock:  # one log per store, even when threads store their first outputs at once
+            if self._log is None:
+                self._log = OutputLog(self)
+            return self._log
 
     def write_in_place(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
         """Write a temp file, fsync it (if *durable*), rename it over *key*, fsync the directory."""
