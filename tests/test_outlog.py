@@ -412,3 +412,28 @@ def test_threads_storing_their_first_outputs_at_once_share_one_log(tmp_path: Pat
         outputs, end = parse((tmp_path / str(attempt) / LOG_KEY).read_bytes())
         assert ({f"t{t}.msgpack" for t in range(8)}, True) == (set(outputs), end > 0)
         store.close_appends()
+
+
+def test_a_delete_while_other_threads_store_still_empties_the_log(tmp_path: Path):
+    """The log is emptied before a delete even while other keys are being stored: a kill cannot bring it back."""
+    store = LocalStore(tmp_path)
+    store.write("gone.msgpack", [b"logged"], durable=True)
+    stop = threading.Event()
+
+    def busy() -> None:
+        i = 0
+        while not stop.is_set():
+            store.write(f"busy/{i % 50}.msgpack", [b"x"], durable=True)
+            i += 1
+
+    thread = threading.Thread(target=busy)
+    thread.start()
+    try:
+        store.delete("gone.msgpack", durable=True)
+        assert "gone.msgpack" not in parse((tmp_path / LOG_KEY).read_bytes())[0]
+    finally:
+        stop.set()
+        thread.join()
+    LocalStore(tmp_path).lock({"pid": 1}).release()  # as after a kill: apply the log
+    assert not (tmp_path / "gone.msgpack").exists()
+    store.close_appends()

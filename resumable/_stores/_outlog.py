@@ -101,6 +101,7 @@ class OutputLog:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._hurry = False  # someone waits: make the files durable now
+        self._draining = 0  # callers of empty(): new records wait until it is done
         self._error: OSError | None = None
         self._temps: _TempWriter | None = None
 
@@ -137,6 +138,7 @@ class OutputLog:
         except BaseException as exc:  # an interrupt too: the log must stay free to be emptied
             with self._cond:
                 self._appending -= 1
+                self._cond.notify_all()
             if tmp is not None:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
@@ -165,6 +167,8 @@ class OutputLog:
     def _append(self, key: str, record: bytes) -> int:
         """Append *record* to the log (not fsynced yet); the log's descriptor."""
         with self._cond:
+            while self._draining:
+                self._cond.wait()
             log_fd = self._open()
             sealed = self._sealed(record) if self._size else self._start() + self._sealed(record)
             try:
@@ -282,24 +286,28 @@ class OutputLog:
                 self._raise_failure()
                 self._cond.wait()
 
-    def settle_durable(self) -> None:
-        """Wait until every file is written and durable."""
-        if self.usable and self._unsynced:
-            self._wait(lambda: not self._unsynced, hurry=True)
-        self._raise_failure()
-
     def before_change(self, key: str) -> None:
         """Before *key* is changed other than through the log: the log must not hold it."""
         if self.usable and key in self.logged:
             self.empty()
 
     def empty(self) -> None:
-        """Wait until every file is written and durable, then empty the log."""
-        self.settle_durable()
+        """Wait until every file is durable, holding new records back, then empty the log."""
+        if not self.usable:
+            return
         with self._cond:
-            emptied = self._empty_locked()
-        if emptied:
-            self._sync_log()
+            self._draining += 1  # other threads' records wait: with them coming, it might never be empty
+        try:
+            self._wait(lambda: not (self._unsynced or self._appending), hurry=True)
+            with self._cond:
+                emptied = self._empty_locked()
+            if emptied:
+                self._sync_log()
+        finally:
+            with self._cond:
+                self._draining -= 1
+                self._cond.notify_all()
+        self._raise_failure()
 
     def close(self) -> None:
         """Write every file the log holds, make them durable, empty it, stop the thread."""
