@@ -291,11 +291,17 @@ if sys.argv[3] == "stall":
 """
 
 
+def _verify(state: Path) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "resumable", "--state-dir", str(state), "verify"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+
+
 def test_killed_with_outputs_only_in_the_log(tmp_path: Path):
     """
     SIGKILL while no output is durable but through the log, then lose the files as a power
-    loss could: the rerun recomputes nothing and returns what an uninterrupted run does, and
-    the CLI's verify passes on the state that results.
+    loss could: verify says which damaged files the log holds intact, the rerun recomputes
+    nothing and returns what an uninterrupted run does, and verify passes on the state that
+    results.
     """
     script, state, ran = tmp_path / "steps.py", tmp_path / "state", tmp_path / "ran"
     script.write_text(textwrap.dedent(STEPS))
@@ -312,17 +318,19 @@ def test_killed_with_outputs_only_in_the_log(tmp_path: Path):
     outputs[0].unlink()  # the rename lost
     outputs[1].write_bytes(b"")  # the bytes lost
     outputs[2].write_bytes(outputs[2].read_bytes()[:-3])  # cut short
+    before = _verify(state)
+    assert 1 == before.returncode
+    restorable = [
+        line for line in before.stdout.splitlines() if "an intact copy is in .resumable/outputs.log" in line
+    ]
+    assert [outputs[1].name, outputs[2].name] == [
+        line.split(":")[0].rpartition("/")[2] for line in restorable
+    ]
     rerun = subprocess.run([*argv, "go"], capture_output=True, text=True, timeout=TIMEOUT, check=False)
     assert (0, "RESULT [0, 1, 4, 9, 16]\n") == (rerun.returncode, rerun.stdout)
     assert Counter(range(5)) == Counter(int(line) for line in ran.read_text().split())
     assert [{"i": 0, "square": 0}] == [resumable.load(outputs[0])]
-    verify = subprocess.run(
-        [sys.executable, "-m", "resumable", "--state-dir", str(state), "verify"],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        check=False,
-    )
+    verify = _verify(state)
     assert 0 == verify.returncode, verify.stdout + verify.stderr
     assert 0 == (state / LOG_KEY).stat().st_size
 
