@@ -445,3 +445,19 @@ def test_a_delete_while_other_threads_store_still_empties_the_log(tmp_path: Path
     LocalStore(tmp_path).lock({"pid": 1}).release()  # as after a kill: apply the log
     assert not (tmp_path / "gone.msgpack").exists()
     store.close_appends()
+
+
+def test_a_busy_run_keeps_its_log_short(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """With records coming all the time, the log is still emptied once it is past EMPTY_AT."""
+    monkeypatch.setattr(_outlog, "EMPTY_AT", 4096)
+    monkeypatch.setattr(_outlog, "SYNC_DELAY", 0.001)
+    store = LocalStore(tmp_path)
+    sizes = []
+    for i in range(400):
+        store.write(f"k/{i}.msgpack", [b"x" * 100], durable=True)
+        sizes.append((tmp_path / LOG_KEY).stat().st_size)
+    assert max(sizes) < 400 * 100 / 4  # emptied again and again, not only at the close
+    store.close_appends()
+    assert 0 == (tmp_path / LOG_KEY).stat().st_size
+    LocalStore(tmp_path).lock({"pid": 1}).release()
+    assert all(b"x" * 100 == (tmp_path / "k" / f"{i}.msgpack").read_bytes() for i in range(400))

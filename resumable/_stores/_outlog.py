@@ -234,20 +234,31 @@ class OutputLog:
         """
         Make the files written and their names durable: on Linux one ``syncfs`` of the
         state's file system (about 20 µs a file, where an fsync each costs 160 µs here),
-        elsewhere an fsync of each file and then of each directory. Then empty the log if
-        it is long and holds nothing else.
+        elsewhere an fsync of each file and then of each directory. Once the log is longer
+        than :data:`EMPTY_AT`, new records wait meanwhile, so that it can be emptied (with
+        records coming all the time, it would never be).
         """
         with self._cond:
+            drain = self._size >= EMPTY_AT
+            if drain:
+                self._draining += 1
+                while self._appending:
+                    self._cond.wait()
             files = list(self._unsynced)
-        root = self._store.local_root
-        if root is None or not sync_filesystem(root):
-            _fsync_each(files)
-        with self._cond:
-            del self._unsynced[: len(files)]
-            if not self._unsynced:
-                self._hurry = False
-            emptied = self._size >= EMPTY_AT and self._empty_locked()
-            self._cond.notify_all()
+        try:
+            root = self._store.local_root
+            if root is None or not sync_filesystem(root):
+                _fsync_each(files)
+            with self._cond:
+                del self._unsynced[: len(files)]
+                if not self._unsynced:
+                    self._hurry = False
+                emptied = drain and self._empty_locked()
+        finally:
+            with self._cond:
+                if drain:
+                    self._draining -= 1
+                self._cond.notify_all()
         if emptied:
             self._sync_log()
 
