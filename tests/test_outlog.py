@@ -461,3 +461,18 @@ def test_a_busy_run_keeps_its_log_short(tmp_path: Path, monkeypatch: pytest.Monk
     assert 0 == (tmp_path / LOG_KEY).stat().st_size
     LocalStore(tmp_path).lock({"pid": 1}).release()
     assert all(b"x" * 100 == (tmp_path / "k" / f"{i}.msgpack").read_bytes() for i in range(400))
+
+
+def test_a_huge_log_is_read_only_so_far(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A log longer than any resumable writes (planted, or filled with garbage) is not read whole."""
+    monkeypatch.setattr(_outlog, "READ_MAX", 1000)
+    log = tmp_path / LOG_KEY
+    log.parent.mkdir(parents=True)
+    log.write_bytes(_log_bytes(("a.msgpack", b"a"), ("b.msgpack", b"b" * 2000)) + b"\0" * 5000)
+    with pytest.warns(
+        ResumableWarning, match=r"more than any output log resumable writes: only its first 1000 bytes"
+    ):
+        LocalStore(tmp_path).lock({"pid": 1}).release()
+    assert b"a" == (tmp_path / "a.msgpack").read_bytes()
+    assert not (tmp_path / "b.msgpack").exists()
+    assert 0 == log.stat().st_size

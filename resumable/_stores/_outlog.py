@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 from .._slots import INTERNAL_DIR, is_output_file
 from .._warn import warn
 from ..exceptions import StateDirectoryError
-from ._base import _valid_key, read_file
+from ._base import _valid_key
 from ._fileio import fsync_dir, fsync_path, with_path, write_all
 
 if TYPE_CHECKING:
@@ -60,6 +60,8 @@ LOG_MAX = 64 * 1024
 """Outputs up to this size go through the log; larger ones are written and fsynced in place."""
 EMPTY_AT = 4 * 1024 * 1024
 """The log is emptied once it is this long and every file it holds has been written."""
+READ_MAX = 256 * 1024 * 1024
+"""A log longer than this (which resumable never writes) is read only this far when applied."""
 SYNC_DELAY = 0.05
 """Seconds the background thread lets written files gather before it makes them durable together."""
 
@@ -496,6 +498,17 @@ def _apply(store: LogHost, path: str, key: str, value: bytes) -> bool | None:
     return True
 
 
+def _read_head(path: str, limit: int) -> tuple[bytes, int]:
+    """The first *limit* bytes of the file at *path* (not through a link), and its size."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        with open(fd, "rb", closefd=False) as f:
+            return f.read(min(size, limit)), size
+    finally:
+        os.close(fd)
+
+
 def recover(store: LogHost) -> int:
     """
     Apply the log a dead writer left (the caller holds the lock): write each output whose
@@ -504,7 +517,7 @@ def recover(store: LogHost) -> int:
     """
     path = store.path(LOG_KEY)
     try:
-        data = read_file(path, nofollow=True)
+        data, size = _read_head(path, READ_MAX)
     except FileNotFoundError:
         return 0
     except OSError as exc:
@@ -513,6 +526,11 @@ def recover(store: LogHost) -> int:
         raise
     if not data:
         return 0
+    if size > len(data):
+        warn(
+            f"{path} is {size} bytes, more than any output log resumable writes: only its first "
+            f"{len(data)} bytes are read."
+        )
     outputs, end = parse(data)
     written = 0
     directories: dict[str, None] = {}
@@ -523,7 +541,7 @@ def recover(store: LogHost) -> int:
             directories[os.path.dirname(store.path(key))] = None
     for directory in directories:
         fsync_dir(directory)
-    if end < len(data):
+    if end < len(data) == size:  # (a log read only so far was warned about already)
         warn(
             f"{path}: the last {len(data) - end} bytes are not a whole record (cut short by a power "
             "loss, or damaged) and were dropped; an output they held is computed again if its "
