@@ -11,8 +11,7 @@ from ._journal import Journal, _authentic
 from ._manifest import valid_event
 from ._slots import BATCHES, EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
 from ._stores import Store
-from ._stores._base import read_file
-from ._stores._outlog import LOG_KEY, parse
+from ._stores._outlog import LOG_KEY, READ_MAX, parse, read_head
 from .exceptions import StateFormatError
 
 
@@ -46,7 +45,7 @@ def _logged_outputs(store: Store) -> dict[str, bytes]:
     if store.local_root is None:
         return {}
     try:
-        data = read_file(f"{store.local_root}/{LOG_KEY}", nofollow=True)
+        data = read_head(f"{store.local_root}/{LOG_KEY}", READ_MAX)[0]
     except OSError:
         return {}
     return parse(data)[0]

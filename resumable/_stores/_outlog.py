@@ -498,7 +498,7 @@ def _apply(store: LogHost, path: str, key: str, value: bytes) -> bool | None:
     return True
 
 
-def _read_head(path: str, limit: int) -> tuple[bytes, int]:
+def read_head(path: str, limit: int) -> tuple[bytes, int]:
     """The first *limit* bytes of the file at *path* (not through a link), and its size."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
@@ -517,7 +517,7 @@ def recover(store: LogHost) -> int:
     """
     path = store.path(LOG_KEY)
     try:
-        data, size = _read_head(path, READ_MAX)
+        data, size = read_head(path, READ_MAX)
     except FileNotFoundError:
         return 0
     except OSError as exc:
