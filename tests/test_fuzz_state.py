@@ -3,7 +3,8 @@ Random and adversarial bytes in every kind of state file: no run and no command 
 anything but a ResumableError, and no value is ever returned from a damaged file.
 
 A state with every kind of file (manifest, event log, unkeyed and keyed outputs, a kept
-history version, a batch record and its chunk log, a code record, the file-digest cache) is
+history version, a batch record and its chunk log, a code record, the file-digest cache,
+the output log as a killed run leaves it) is
 made once, and once more with the batch's chunks in files of their own (the layout of object
 stores and of earlier versions); each case copies it, damages one file, runs the pipeline
 again and every read-only command on it.
@@ -94,6 +95,7 @@ KINDS = {
     "batch chunk log": ".resumable/batches/steps/total/chunks.log",
     "batch chunk file": ".resumable/batches/steps/total/0*.msgpack",
     "code record": ".resumable/code/*.json",
+    "output log": ".resumable/outputs.log",
 }
 
 
@@ -149,6 +151,10 @@ def test_damaged_state_never_crashes_and_never_returns_damage(
     shutil.copytree(
         request.getfixturevalue("pristine_files" if kind == "batch chunk file" else "pristine"), state
     )
+    if kind == "output log":  # as a run killed before the log was emptied leaves it
+        store = LocalStore(state)
+        for key in ("base.msgpack", "page/2.msgpack"):
+            store.write(key, [(state / key).read_bytes()], durable=True)
     targets = sorted(state.glob(KINDS[kind]))
     assert targets, f"the pristine state has no {kind}"
     target = targets[0]
