@@ -466,11 +466,18 @@ class Session:
                 lock = self._async_slot_locks[slot] = asyncio.Lock()
             return lock
 
+    def _record_code(self, spec: StepView, plan: Plan) -> None:
+        """Keep the code a step runs for `resumable why`: once per code and run, again if it failed."""
+        if plan.identity.code in self._code_recorded:
+            return
+        from . import _why  # noqa: PLC0415 - kept out of `import resumable`
+
+        if _why.record_code(self.store, spec.name, plan.identity):
+            self._code_recorded.add(plan.identity.code)
+
     def _kept(self, spec: StepView, plan: Plan, was: str) -> None:
         """Record that a pinned version kept an output made by other code (for `why`)."""
-        from . import _why  # noqa: PLC0415 - only when a pinned step's code changed
-
-        _why.record_code(self.store, spec.name, plan.identity)
+        self._record_code(spec, plan)
         self.journal.record("step_kept", defer=True, slot=plan.slot, code=plan.identity.code, was=was)
 
     def _old_code(self, step: str) -> dict[str, str] | None:
@@ -532,11 +539,7 @@ class Session:
             raise StepInterruptedError(plan.slot, rec.started_at, step=spec.name)
         detail = f" ({found.detail})" if found.detail else ""
         log.info("step %r running: %s%s", plan.slot, found.reason, detail)
-        if plan.identity.code not in self._code_recorded:  # once per code: most steps that run again
-            from . import _why  # noqa: PLC0415 - kept out of `import resumable`
-
-            if _why.record_code(self.store, spec.name, plan.identity):
-                self._code_recorded.add(plan.identity.code)
+        self._record_code(spec, plan)
         self.journal.record(
             "step_started",
             # a non-idempotent step's start must be on disk before its side effects begin

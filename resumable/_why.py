@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -31,17 +30,10 @@ log = logging.getLogger("resumable")
 
 CODE_DIR = ".resumable/code/"
 _DIGEST = re.compile(r"[0-9a-f]{32}")
-_recorded: set[tuple[str, str]] = set()  # (store location, code digest) written by this process
-_recorded_lock = threading.Lock()
 
 
 def record_code(store: Store, step: str, identity: Identity) -> bool:
-    """Keep the components of the code a step is about to run (once per code digest); False if not written."""
-    mark = (store.location, identity.code)
-    with _recorded_lock:
-        if mark in _recorded:
-            return True
-        _recorded.add(mark)
+    """Keep the components of the code a step is about to run; False if they could not be written."""
     from ._codehash import short_repr  # noqa: PLC0415 - loaded with the step already
 
     record = {
@@ -56,8 +48,6 @@ def record_code(store: Store, step: str, identity: Identity) -> bool:
         store.write(f"{CODE_DIR}{identity.code}.json", [data], durable=False)
     except OSError as exc:  # an explanation is not worth failing a step for
         log.debug("code record of step %r not written: %s", step, exc)
-        with _recorded_lock:
-            _recorded.discard(mark)
         return False
     return True
 

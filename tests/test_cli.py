@@ -782,3 +782,21 @@ def test_a_code_record_that_could_not_be_written_is_written_when_the_code_runs_a
         assert [] == list((tmp_path / "state").glob(".resumable/code/*.json"))
         page(2)
     assert [Path(refused[0]).name] == [p.name for p in (tmp_path / "state").glob(".resumable/code/*.json")]
+
+
+def test_a_code_record_is_written_again_into_a_new_state_in_the_same_process(tmp_path: Path) -> None:
+    """A state directory removed and made again by the same process gets the record `why` needs."""
+    import shutil
+
+    state = tmp_path / "state"
+    for _ in range(2):
+        pipe = Pipeline("codes", state_dir=state)
+
+        @pipe.step
+        def total(n: int) -> int:
+            return n
+
+        with pipe:
+            total(1)
+        assert 1 == len(list(state.glob(".resumable/code/*.json")))
+        shutil.rmtree(state)
