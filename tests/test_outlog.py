@@ -476,3 +476,15 @@ def test_a_huge_log_is_read_only_so_far(tmp_path: Path, monkeypatch: pytest.Monk
     assert b"a" == (tmp_path / "a.msgpack").read_bytes()
     assert not (tmp_path / "b.msgpack").exists()
     assert 0 == log.stat().st_size
+
+
+def test_a_link_over_a_logged_key_leaves_the_log_first(tmp_path: Path):
+    """A kept version linked back over a logged output (a rollback): the log cannot bring the later bytes back."""
+    store = LocalStore(tmp_path)
+    store.write("a.msgpack", [b"first"], durable=True)
+    store.copy("a.msgpack", ".resumable/objects/v1.msgpack", durable=True)
+    store.write("a.msgpack", [b"second"], durable=True)
+    store.copy(".resumable/objects/v1.msgpack", "a.msgpack", durable=True)
+    # killed here: nothing empties the log
+    LocalStore(tmp_path).lock({"pid": 1}).release()
+    assert b"first" == (tmp_path / "a.msgpack").read_bytes()

@@ -68,6 +68,7 @@ SYNC_DELAY = 0.05
 _MAGIC = b"RSMLOG01"
 _START = struct.Struct("<8s8s")  # magic, salt
 _RECORD = struct.Struct("<IIH")  # crc32 of salt + sizes + key + bytes, bytes' size, key's size
+_CRC, _SIZES = struct.Struct("<I"), struct.Struct("<IH")  # its two parts
 
 
 class LogHost(Protocol):
@@ -120,7 +121,7 @@ class OutputLog:
         job = self._helper().submit(key, data)  # written meanwhile, while the log is fsynced
         target = self._store.path(key)
         try:
-            log_fd = self._append(key, self._record(key, data))
+            log_fd = self._append(key, data)
         except BaseException as exc:
             with contextlib.suppress(OSError):
                 os.unlink(job.result())
@@ -166,13 +167,14 @@ class OutputLog:
                 temps = self._temps
         return temps
 
-    def _append(self, key: str, record: bytes) -> int:
-        """Append *record* to the log (not fsynced yet); the log's descriptor."""
+    def _append(self, key: str, data: bytes) -> int:
+        """Append the record of *key* and *data* to the log (not fsynced yet); the log's descriptor."""
         with self._cond:
             while self._draining:
                 self._cond.wait()
             log_fd = self._open()
-            sealed = self._sealed(record) if self._size else self._start() + self._sealed(record)
+            start = b"" if self._size else self._start()  # (a new salt, before the record is sealed)
+            sealed = start + self._sealed(key, data)
             try:
                 write_all(log_fd, [sealed])
             except OSError:
@@ -185,14 +187,11 @@ class OutputLog:
             self.logged.add(key)
         return log_fd
 
-    def _record(self, key: str, data: bytes) -> bytes:
+    def _sealed(self, key: str, data: bytes) -> bytes:
+        """The record of *key* and *data*, its CRC over the salt of the log it goes to."""
         name = key.encode()
-        return _RECORD.pack(0, len(data), len(name)) + name + data
-
-    def _sealed(self, record: bytes) -> bytes:
-        """*record* with its CRC filled in (over the salt of the log it goes to)."""
-        crc = zlib.crc32(memoryview(record)[4:], zlib.crc32(self._salt))
-        return crc.to_bytes(4, "little") + record[4:]
+        body = _SIZES.pack(len(data), len(name)) + name + data
+        return _CRC.pack(zlib.crc32(body, zlib.crc32(self._salt))) + body
 
     def _start(self) -> bytes:
         """The first bytes of a log that starts again: a new salt, so old records end it."""
