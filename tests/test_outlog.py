@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import zlib
 from collections import Counter
 from pathlib import Path
@@ -213,7 +214,13 @@ def test_a_failed_background_sync_is_reported_and_the_log_kept(
 
     monkeypatch.setattr(_outlog, "sync_filesystem", failing)
     monkeypatch.setattr(_outlog, "_fsync_each", lambda files: failing(str(tmp_path)))
+    monkeypatch.setattr(_outlog, "SYNC_DELAY", 0.0)
     store.write("a.msgpack", [b"a"], durable=True)
+    deadline = time.monotonic() + 10
+    while store._log is not None and store._log._error is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the thread has failed
+    with pytest.raises(OSError, match=r"safe in .*outputs\.log, and the next run"):
+        store.write("b.msgpack", [b"b"], durable=True)  # a later store
     with pytest.raises(OSError, match=r"safe in .*outputs\.log, and the next run") as info:
         store.close_appends()
     assert errno.EIO == info.value.errno
