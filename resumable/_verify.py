@@ -31,7 +31,7 @@ def find_damage(store: Store, *, secret: bytes | None) -> tuple[int, list[tuple[
         checked += 1
         problem = _check_output(store, key, secret)
         if problem is not None:
-            if key in logged and _intact(logged[key], secret):
+            if key in logged and _check_bytes(logged[key], key, secret) is None:
                 problem += f" (an intact copy is in {LOG_KEY}: the next run writes it back)"
             problems.append((f"{store.location}/{key}", problem))
     for key in sorted(k for k in store.list(f"{BATCHES}/") if k.rpartition("/")[2] == LOG):
@@ -49,14 +49,6 @@ def _logged_outputs(store: Store) -> dict[str, bytes]:
     except OSError:
         return {}
     return parse(data)[0]
-
-
-def _intact(data: bytes, secret: bytes | None) -> bool:
-    try:
-        read_verified(data, secret)
-    except (DamagedFileError, StateFormatError):
-        return False
-    return True
 
 
 def _check_chunk_log(store: Store, key: str, secret: bytes | None) -> list[str]:
@@ -158,13 +150,20 @@ def _event_problem(line: bytes, secret: bytes | None) -> str | None:
 
 def _check_output(store: Store, key: str, secret: bytes | None) -> str | None:
     try:
-        checked = read_verified(store.read(key), secret)
+        data = store.read(key)
+    except OSError as exc:
+        return f"unreadable: {exc}"
+    return _check_bytes(data, key, secret)
+
+
+def _check_bytes(data: bytes | bytearray, key: str, secret: bytes | None) -> str | None:
+    """What is wrong with *data* as the file *key*, or None."""
+    try:
+        checked = read_verified(data, secret)
         checked.check_decodes()  # a checksummed file can still be hostile
         header = checked.header
     except (DamagedFileError, StateFormatError) as exc:
         return str(exc)
-    except OSError as exc:
-        return f"unreadable: {exc}"
     if is_output_file(key) and header["slot"] + OUTPUT_SUFFIX != key:
         return f"holds slot {header['slot']!r}, not the one its path names"
     return None
