@@ -156,7 +156,8 @@ class OutputLog:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="resumable-outputs", daemon=True)
                 self._thread.start()
-            self._cond.notify_all()
+            if len(self._unsynced) == 1 or self._draining or self._hurry:
+                self._cond.notify_all()
 
     def _helper(self) -> _TempWriter:
         temps = self._temps
