@@ -15,8 +15,10 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 import zlib
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +28,7 @@ import resumable._codec
 from resumable import StateDirectoryError
 from resumable._stores import _outlog
 from resumable._stores._local import LocalStore
-from resumable._stores._outlog import LOG_KEY, LOG_MAX, parse
+from resumable._stores._outlog import ALLOC_STEP, LOG_KEY, LOG_MAX, parse
 from resumable.exceptions import ResumableWarning
 
 TIMEOUT = 60
@@ -43,15 +45,19 @@ def _log_bytes(*records: tuple[str, bytes], salt: bytes = b"01234567") -> bytes:
 
 
 def _fsynced_paths(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str]]:
-    """Record (thread name, path) of every fsync from now on."""
+    """Record (thread name, path) of every fsync and fdatasync from now on."""
     seen: list[tuple[str, str]] = []
-    real = os.fsync
 
-    def fsync(fd: int) -> None:
-        seen.append((threading.current_thread().name, os.readlink(f"/proc/self/fd/{fd}")))
-        real(fd)
+    def counting(real: Callable[[int], None]) -> Callable[[int], None]:
+        def sync(fd: int) -> None:
+            seen.append((threading.current_thread().name, os.readlink(f"/proc/self/fd/{fd}")))
+            real(fd)
 
-    monkeypatch.setattr(os, "fsync", fsync)
+        return sync
+
+    for name in ("fsync", "fdatasync"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, counting(getattr(os, name)))
     return seen
 
 
@@ -75,6 +81,65 @@ def test_a_durable_output_is_one_fsync_on_the_callers_thread(tmp_path: Path, mon
     assert bytes(store.read("step/a.msgpack")) == b"".join(bytes(c) for c in framed.chunks())
     store.close_appends()
     assert 0 == (tmp_path / LOG_KEY).stat().st_size
+
+
+def test_records_are_written_within_the_allocated_log(tmp_path: Path):
+    """
+    The log is allocated ahead, a step at a time: a record leaves the file's size as it is
+    (so its fdatasync flushes the record only), a record past the end allocates the next
+    step, and the next lock holder reads the records, not the zeros after them, as a log.
+    """
+    store = LocalStore(tmp_path)
+    log = tmp_path / LOG_KEY
+    store.write("first.msgpack", [b"a"], durable=True)
+    size = log.stat().st_size
+    assert ALLOC_STEP <= size
+    for i in range(10):
+        store.write(f"k/{i}.msgpack", [b"x" * 1000], durable=True)
+    assert size == log.stat().st_size
+    big = b"y" * LOG_MAX
+    for i in range(size // LOG_MAX + 1):
+        store.write(f"big/{i}.msgpack", [big], durable=True)
+    outputs, end = parse(log.read_bytes())
+    assert 1 + 10 + size // LOG_MAX + 1 == len(outputs)
+    assert size < end <= log.stat().st_size
+    (tmp_path / "k" / "3.msgpack").unlink()  # as a power loss could leave it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the allocated rest is no damaged tail
+        LocalStore(tmp_path).lock({"pid": 1}).release()
+    assert b"x" * 1000 == (tmp_path / "k" / "3.msgpack").read_bytes()
+    assert 0 == log.stat().st_size
+
+
+def test_a_record_cut_short_before_the_allocated_rest_is_warned_about(tmp_path: Path):
+    """A record a power loss cut short is followed by zeros: still a damaged tail, named."""
+    _write_and_die(tmp_path, ("a.msgpack", b"a"), ("b.msgpack", b"b" * 100))
+    log = tmp_path / LOG_KEY
+    _, end = parse(log.read_bytes())
+    with log.open("r+b") as f:
+        f.seek(end - 50)
+        f.write(b"\0" * 50)  # the last record's bytes never reached the disk
+    (tmp_path / "a.msgpack").unlink()
+    with pytest.warns(ResumableWarning, match="not a whole record"):
+        LocalStore(tmp_path).lock({"pid": 1}).release()
+    assert b"a" == (tmp_path / "a.msgpack").read_bytes()
+
+
+def test_the_log_works_where_it_cannot_be_allocated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A file system without fallocate: the records extend the log as they are written."""
+
+    def refuse(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.EOPNOTSUPP, "not supported")
+
+    monkeypatch.setattr(os, "posix_fallocate", refuse)
+    _write_and_die(tmp_path, ("a.msgpack", b"a"), ("b.msgpack", b"b"))
+    log = tmp_path / LOG_KEY
+    outputs, end = parse(log.read_bytes())
+    assert {"a.msgpack": b"a", "b.msgpack": b"b"} == outputs
+    assert end == log.stat().st_size
+    (tmp_path / "b.msgpack").unlink()
+    LocalStore(tmp_path).lock({"pid": 1}).release()
+    assert b"b" == (tmp_path / "b.msgpack").read_bytes()
 
 
 def test_what_does_not_go_through_the_log(tmp_path: Path):
@@ -376,14 +441,14 @@ def test_an_interrupt_during_the_fsync_keeps_the_previous_file(
     """Ctrl-C while the record is fsynced: the previous file stays, no temporary file, the log can be emptied."""
     store = LocalStore(tmp_path)
     store.write("a.msgpack", [b"old"], durable=True)
-    real = os.fsync
+    real = os.fdatasync
 
     def interrupted(fd: int) -> None:
         if threading.current_thread() is threading.main_thread():
             raise KeyboardInterrupt
         real(fd)
 
-    monkeypatch.setattr(os, "fsync", interrupted)
+    monkeypatch.setattr(os, "fdatasync", interrupted)
     with pytest.raises(KeyboardInterrupt):
         store.write("a.msgpack", [b"new"], durable=True)
     monkeypatch.undo()
@@ -462,7 +527,7 @@ def test_a_busy_run_keeps_its_log_short(tmp_path: Path, monkeypatch: pytest.Monk
     sizes = []
     for i in range(400):
         store.write(f"k/{i}.msgpack", [b"x" * 100], durable=True)
-        sizes.append((tmp_path / LOG_KEY).stat().st_size)
+        sizes.append(parse((tmp_path / LOG_KEY).read_bytes())[1])  # where its records end
     assert max(sizes) < 400 * 100 / 4  # emptied again and again, not only at the close
     store.close_appends()
     assert 0 == (tmp_path / LOG_KEY).stat().st_size

@@ -396,12 +396,12 @@ class LocalStore(Store):
 
     def open_log(self, key: str) -> tuple[int, bool]:
         """
-        Open the appended file *key* for the output log (a descriptor of its own, not one of
-        :meth:`append`'s); also whether it was created.
+        Open the file *key* for the output log, which writes at offsets of its own (a
+        descriptor of its own, not one of :meth:`append`'s); also whether it was created.
         """
         path = self.path(key)
         self._check_dirs(key)
-        flags = os.O_RDWR | os.O_APPEND
+        flags = os.O_RDWR
         try:
             return self._open_own(path, flags), False
         except FileNotFoundError:

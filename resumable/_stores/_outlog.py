@@ -4,8 +4,11 @@ The local store's output log: a durable output costs one fsync on the caller's t
 A durable write of a step's output file (a key :func:`~resumable._slots.is_output_file`
 accepts, of at most :data:`LOG_MAX` bytes) goes like this:
 
-1. The key and the bytes are appended as one record to ``.resumable/outputs.log``, and the
-   log is fsynced: from here the output survives a power loss.
+1. The key and the bytes are written as one record after the last one in
+   ``.resumable/outputs.log``, and the log is synced (``fdatasync``): from here the output
+   survives a power loss. The log is allocated :data:`ALLOC_STEP` ahead, so a record
+   leaves the file's size as it is and the sync flushes the record alone; the zeros after
+   the last record end the log like a record cut short, but without a warning.
 2. Meanwhile, a helper thread writes the bytes to a temporary file beside the target (not
    fsynced), so that the caller's thread creates no file while the disk is busy.
 3. The temporary file is renamed over the target, and ``write`` returns: the new file is
@@ -48,7 +51,7 @@ from .._slots import INTERNAL_DIR, is_output_file
 from .._warn import warn
 from ..exceptions import StateDirectoryError
 from ._base import _valid_key
-from ._fileio import fsync_dir, fsync_path, with_path, write_all
+from ._fileio import fsync_dir, fsync_path, pwrite_all, with_path, write_all
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -64,6 +67,9 @@ READ_MAX = 256 * 1024 * 1024
 """A log longer than this (which resumable never writes) is read only this far when applied."""
 SYNC_DELAY = 0.05
 """Seconds the background thread lets written files gather before it makes them durable together."""
+ALLOC_STEP = 1024 * 1024
+"""The log is allocated this much at a time: a record written within it leaves the file's size as
+it is, so the fsync that makes it durable has only the record to flush (about 50 µs less here)."""
 
 _MAGIC = b"RSMLOG01"
 _START = struct.Struct("<8s8s")  # magic, salt
@@ -98,7 +104,8 @@ class OutputLog:
         self._since = 0.0  # when the oldest of them was written
         self.logged: set[str] = set()  # keys with a record in the log since it was emptied
         self._fd: int | None = None
-        self._size = 0
+        self._size = 0  # where the log's records end (the file is allocated further)
+        self._allocated = 0
         self._salt = b""
         self._appending = 0  # records appended whose fsync has not returned
         self._thread: threading.Thread | None = None
@@ -131,7 +138,7 @@ class OutputLog:
         tmp = None
         try:
             try:
-                os.fsync(log_fd)
+                _datasync(log_fd)
             finally:
                 tmp = job.result()
             # Renamed only now: a full disk or a failed fsync leaves the previous file. (A
@@ -176,14 +183,18 @@ class OutputLog:
             log_fd = self._open()
             start = b"" if self._size else self._start()  # (a new salt, before the record is sealed)
             sealed = start + self._sealed(key, data)
+            end = self._size + len(sealed)
             try:
-                write_all(log_fd, [sealed])
+                if end > self._allocated:
+                    self._allocated = _allocate(log_fd, self._allocated, end)
+                pwrite_all(log_fd, sealed, self._size)
             except OSError:
                 # a record cut short would end the log for the records after it
                 with contextlib.suppress(OSError):
                     os.ftruncate(log_fd, self._size)
+                self._allocated = self._size
                 raise
-            self._size += len(sealed)
+            self._size = end
             self._appending += 1
             self.logged.add(key)
         return log_fd
@@ -206,7 +217,7 @@ class OutputLog:
                 fsync_dir(os.path.dirname(self._path))
             elif os.fstat(fd).st_size:  # a store written without taking its lock: apply it now
                 recover(self._store)
-            self._fd, self._size = fd, 0
+            self._fd, self._size, self._allocated = fd, 0, 0
         return self._fd
 
     # the background thread ---------------------------------------------------------------
@@ -269,7 +280,7 @@ class OutputLog:
         if self._unsynced or self._appending or self._fd is None or not self._size:
             return False
         os.ftruncate(self._fd, 0)
-        self._size = 0
+        self._size = self._allocated = 0
         self.logged.clear()
         return True
 
@@ -344,6 +355,28 @@ class OutputLog:
                 if self._fd is not None:
                     os.close(self._fd)
                     self._fd = None
+
+
+def _allocate(fd: int, allocated: int, end: int) -> int:
+    """
+    Allocate the log *fd* (allocated up to *allocated*) at least up to *end*, a step further;
+    return how far it is allocated. Where the file system cannot, nothing is: the records
+    then extend the file as they are written.
+    """
+    fallocate = getattr(os, "posix_fallocate", None)  # not on macOS
+    upto = max(end, allocated + ALLOC_STEP)
+    try:
+        if fallocate is None:
+            return end
+        fallocate(fd, allocated, upto - allocated)
+    except OSError:
+        return end
+    return upto
+
+
+def _datasync(fd: int) -> None:
+    """Make what was written to *fd* durable, and the metadata needed to read it (not its times)."""
+    getattr(os, "fdatasync", os.fsync)(fd)  # (macOS has no fdatasync)
 
 
 def _fsync_each(files: list[str]) -> None:
@@ -470,6 +503,8 @@ def parse(data: bytes | bytearray) -> tuple[dict[str, bytes], int]:
     seed = zlib.crc32(salt)
     while pos + _RECORD.size <= len(data):
         crc, size, name_size = _RECORD.unpack_from(data, pos)
+        if not name_size:
+            break  # the allocated rest of the log (zeros): no record has an empty key
         stop = pos + _RECORD.size + name_size + size
         if stop > len(data) or zlib.crc32(view[pos + 4 : stop], seed) != crc:
             break
@@ -541,7 +576,8 @@ def recover(store: LogHost) -> int:
             directories[os.path.dirname(store.path(key))] = None
     for directory in directories:
         fsync_dir(directory)
-    if end < len(data) == size:  # (a log read only so far was warned about already)
+    if end < len(data) == size and data.count(0, end) < size - end:
+        # (zeros: the log's allocated rest; a log read only so far was warned about already)
         warn(
             f"{path}: the last {len(data) - end} bytes are not a whole record (cut short by a power "
             "loss, or damaged) and were dropped; an output they held is computed again if its "
