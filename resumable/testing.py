@@ -23,7 +23,9 @@ from ._pipeline import Pipeline
 __all__ = ["CRASH_EXIT_CODE", "StoreConformance", "crash_at", "crash_from_env", "temporary_pipeline"]
 
 CRASH_EXIT_CODE = 137  # what a shell reports for a process killed by SIGKILL
-_OPERATIONS = ("replace", "write", "fsync")
+# each operation, and the functions of os that count as it (a sync is an fsync or an
+# fdatasync, a write a write at the file's offset or at one of its own)
+_OPERATIONS = {"replace": ("replace",), "write": ("write", "pwrite"), "fsync": ("fsync", "fdatasync")}
 _dying = threading.Lock()
 
 
@@ -40,7 +42,8 @@ def temporary_pipeline(name: str = "test", **options: Any) -> Iterator[Pipeline]
 def crash_at(operation: str, n: int) -> None:
     """
     Kill this process (``os._exit(137)``, no cleanup at all) at the *n*-th call of
-    ``os.replace``, ``os.write`` or ``os.fsync`` from now on.
+    ``os.replace``, ``os.write`` (or ``os.pwrite``) or ``os.fsync`` (or ``os.fdatasync``)
+    from now on, counted across all threads.
 
     Raises:
         ValueError: *operation* is not one of ``replace``, ``write``, ``fsync``.
@@ -51,24 +54,28 @@ def crash_at(operation: str, n: int) -> None:
     if n < 1:
         msg = f"crash_at: n must be >= 1, not {n}"
         raise ValueError(msg)
-    original: Callable[..., Any] = getattr(os, operation)
     calls = 0
     counting = threading.Lock()
 
-    def crashing(*args: Any, **kwargs: Any) -> Any:
-        nonlocal calls
-        with counting:
-            calls += 1
-            reached = calls >= n
-        if reached:
-            # Exactly one thread exits; any other thread reaching this point stops here for
-            # good, so nothing more happens after the "crash", as with a real SIGKILL.
-            if _dying.acquire(blocking=False):
-                os._exit(CRASH_EXIT_CODE)
-            threading.Event().wait()
-        return original(*args, **kwargs)
+    def crashing(original: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            with counting:
+                calls += 1
+                reached = calls >= n
+            if reached:
+                # Exactly one thread exits; any other thread reaching this point stops here
+                # for good, so nothing more happens after the "crash", as with a real SIGKILL.
+                if _dying.acquire(blocking=False):
+                    os._exit(CRASH_EXIT_CODE)
+                threading.Event().wait()
+            return original(*args, **kwargs)
 
-    setattr(os, operation, crashing)
+        return call
+
+    for name in _OPERATIONS[operation]:
+        if hasattr(os, name):  # (macOS has no fdatasync)
+            setattr(os, name, crashing(getattr(os, name)))
 
 
 def crash_from_env(variable: str = "CRASH_AT") -> None:

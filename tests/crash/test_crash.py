@@ -385,6 +385,26 @@ def test_crash_at_dies_once_when_threads_reach_it_together(tmp_path: Path) -> No
     assert [] == sorted(p.name for p in tmp_path.glob("*.done"))
 
 
+@pytest.mark.parametrize(
+    ("operation", "calls"),
+    [("fsync", "os.fsync(fd); os.fdatasync(fd)"), ("write", "os.write(fd, b'a'); os.pwrite(fd, b'b', 1)")],
+)
+def test_crash_at_counts_each_way_of_doing_the_operation(operation: str, calls: str, tmp_path: Path) -> None:
+    """A sync is an fsync or an fdatasync (the output log uses the second), a write a write or a pwrite."""
+    program = (
+        "import os, sys\n"
+        "from resumable.testing import crash_at\n"
+        f"fd = os.open({str(tmp_path / 'f')!r}, os.O_RDWR | os.O_CREAT)\n"
+        f"crash_at({operation!r}, 2)\n"
+        f"{calls}\n"
+        "print('survived')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=TIMEOUT, check=False
+    )
+    assert (CRASHED, "") == (proc.returncode, proc.stdout), proc.stderr
+
+
 # 2. damaged files ------------------------------------------------------------------------
 
 
