@@ -38,6 +38,12 @@ _MAX_APPEND_FDS = 64  # descriptors kept open between appends (the event log, ba
 _NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
 
 
+def _temp_path(target: str) -> str:
+    """A new temporary file's path beside *target* (``.<name>.<pid>-<thread>-<n>.tmp``)."""
+    directory, name = os.path.split(target)
+    return os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")
+
+
 def _copy_with_reads(fd_in: int, fd_out: int) -> None:
     os.lseek(fd_in, 0, os.SEEK_SET)
     os.lseek(fd_out, 0, os.SEEK_SET)
@@ -264,8 +270,8 @@ class LocalStore(Store):
             if src in self._log.logged and durable:
                 fsync_path(self.path(src))  # a link to a file that may not be durable yet
             self._log.before_change(dst)
-        directory, name = os.path.split(target)
-        tmp = os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")
+        directory = os.path.dirname(target)
+        tmp = _temp_path(target)
         try:
             try:
                 os.link(self.path(src), tmp, follow_symlinks=False)
@@ -380,8 +386,8 @@ class LocalStore(Store):
         """
         target = self.path(key)
         self._check_dirs(key)
-        directory, name = os.path.split(target)
-        tmp = os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")
+        directory = os.path.dirname(target)
+        tmp = _temp_path(target)
         # O_EXCL: never opens an existing file, nor follows a symbolic link planted there
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
