@@ -20,6 +20,8 @@ import zlib
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -28,7 +30,7 @@ import resumable._codec
 from resumable import StateDirectoryError
 from resumable._stores import _outlog
 from resumable._stores._local import LocalStore
-from resumable._stores._outlog import ALLOC_STEP, LOG_KEY, LOG_MAX, parse
+from resumable._stores._outlog import ALLOC_ROOM, ALLOC_STEP, LOG_KEY, LOG_MAX, parse
 from resumable.exceptions import ResumableWarning
 
 TIMEOUT = 60
@@ -125,13 +127,42 @@ def test_a_record_cut_short_before_the_allocated_rest_is_warned_about(tmp_path: 
     assert b"a" == (tmp_path / "a.msgpack").read_bytes()
 
 
-def test_the_log_works_where_it_cannot_be_allocated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """A file system without fallocate: the records extend the log as they are written."""
-
+def _no_fallocate(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(fd: int, offset: int, length: int) -> None:
         raise OSError(errno.EOPNOTSUPP, "not supported")
 
     monkeypatch.setattr(os, "posix_fallocate", refuse)
+
+
+def _fallocate_fills_the_disk(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fill(fd: int, offset: int, length: int) -> None:
+        os.ftruncate(fd, offset + length // 2)  # as ext4 keeps what it allocated before failing
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", fill)
+
+
+def _little_room(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.fstatvfs
+
+    def nearly_full(fd: int) -> Any:
+        found = real(fd)
+        return mock.Mock(f_bavail=(ALLOC_ROOM - 1) // found.f_frsize, f_frsize=found.f_frsize)
+
+    monkeypatch.setattr(os, "fstatvfs", nearly_full)
+    monkeypatch.setattr(os, "posix_fallocate", mock.Mock(side_effect=AssertionError("allocated")))
+
+
+@pytest.mark.parametrize("disk", [_no_fallocate, _fallocate_fills_the_disk, _little_room])
+def test_the_log_is_not_allocated_where_it_cannot_be_or_room_is_short(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, disk: Callable[[pytest.MonkeyPatch], None]
+):
+    """
+    A file system without fallocate, one that fills up while it allocates, or one with less
+    than ALLOC_ROOM free (the space near a full disk is the user's): the records extend the
+    log as they are written, and nothing is held past them.
+    """
+    disk(monkeypatch)
     _write_and_die(tmp_path, ("a.msgpack", b"a"), ("b.msgpack", b"b"))
     log = tmp_path / LOG_KEY
     outputs, end = parse(log.read_bytes())

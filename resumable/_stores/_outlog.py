@@ -8,7 +8,8 @@ accepts, of at most :data:`LOG_MAX` bytes) goes like this:
    ``.resumable/outputs.log``, and the log is synced (``fdatasync``): from here the output
    survives a power loss. The log is allocated :data:`ALLOC_STEP` ahead, so a record
    leaves the file's size as it is and the sync flushes the record alone; the zeros after
-   the last record end the log like a record cut short, but without a warning.
+   the last record end the log like a record cut short, but without a warning. (Not near
+   a full disk: see :data:`ALLOC_ROOM`.)
 2. Meanwhile, a helper thread writes the bytes to a temporary file beside the target (not
    fsynced), so that the caller's thread creates no file while the disk is busy.
 3. The temporary file is renamed over the target, and ``write`` returns: the new file is
@@ -70,6 +71,9 @@ SYNC_DELAY = 0.05
 ALLOC_STEP = 1024 * 1024
 """The log is allocated this much at a time: a record written within it leaves the file's size as
 it is, so the fsync that makes it durable has only the record to flush (about 50 µs less here)."""
+ALLOC_ROOM = 64 * ALLOC_STEP
+"""The log is allocated ahead only while its file system has this much free: near a full disk,
+the space is the user's (and a file system may hold what it allocates while it fails)."""
 
 _MAGIC = b"RSMLOG01"
 _START = struct.Struct("<8s8s")  # magic, salt
@@ -360,16 +364,21 @@ class OutputLog:
 def _allocate(fd: int, allocated: int, end: int) -> int:
     """
     Allocate the log *fd* (allocated up to *allocated*) at least up to *end*, a step further;
-    return how far it is allocated. Where the file system cannot, nothing is: the records
-    then extend the file as they are written.
+    return how far it is allocated. Where the file system cannot, or has less than
+    :data:`ALLOC_ROOM` free, nothing is: the records then extend the file as they are written.
     """
     fallocate = getattr(os, "posix_fallocate", None)  # not on macOS
+    if fallocate is None:
+        return end
     upto = max(end, allocated + ALLOC_STEP)
     try:
-        if fallocate is None:
+        room = os.fstatvfs(fd)
+        if room.f_bavail * room.f_frsize < ALLOC_ROOM:
             return end
         fallocate(fd, allocated, upto - allocated)
     except OSError:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, allocated)  # what a failed allocation kept (ext4 keeps a part)
         return end
     return upto
 
