@@ -3,7 +3,7 @@ Where a batch's committed chunks are: records of one chunk log, or objects of th
 
 On a store that appends cheaply (:attr:`Store.cheap_appends`: the local directory, memory)
 a commit appends one record to the batch's chunk log (see :mod:`resumable._chunklog`): one
-write, and one fsync when durable. On other stores (object stores, where every object is
+write, and one sync when durable. On other stores (object stores, where every object is
 written whole) each chunk is an object named by its rows::
 
     000000000000-000000000100-0-m5f0c...a1.msgpack    rows 0 to 99, no failed row
@@ -103,8 +103,9 @@ class ChunkStore:
         records, damaged = resolve(found, self._read_log, self.run.secret)
         self._end = found.end
         if found.tail:
-            # a record a crash cut short: what follows must not be glued to it
+            # a record a crash cut short, or the zeros allocated ahead: the next record goes at the end
             self.run.store.truncate(self.log_key, found.end, durable=self.run.durable)
+        if found.tail and not found.zeros:
             log.info(
                 "batch %r: cut the last %d bytes of %s/%s, a record cut short by a crash; "
                 "its rows are done again",

@@ -13,8 +13,11 @@ Its header says what it is:
 
 A record is appended with one write, so a crash leaves at most the last record cut short.
 :func:`scan` reads headers only, never a chunk's value, and says where the whole records
-end: what follows is a torn tail, to be cut. A damaged header in the middle is stepped
-over by looking for the next header (every header starts with the same bytes).
+end: what follows is a torn tail, to be cut, or zeros the local store allocated ahead and a
+kill left (:attr:`Scan.zeros`). Before such zeros, the last record is checked whole: a kill
+during its write leaves zeros where its end should be, and it is then a torn tail too. A
+damaged header in the middle is stepped over by looking for the next header (every header
+starts with the same bytes).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ._codec import DamagedFileError, parse_header, read_verified
+from ._codec import DamagedFileError, parse_header, read_verified, verify
 
 LOG = "chunks.log"
 DIGEST = re.compile(r"[mf][0-9a-f]{24}")
@@ -62,13 +65,14 @@ class Damage(NamedTuple):
 class Scan:
     """What :func:`scan` found: records, damage between them, and where the whole records end."""
 
-    __slots__ = ("damaged", "end", "records", "size")
+    __slots__ = ("damaged", "end", "records", "size", "zeros")
 
     def __init__(self) -> None:
         self.records: list[Record] = []
         self.damaged: list[Damage] = []
         self.end = 0  # the end of the last record: bytes after it are a torn tail
         self.size = 0  # the log's size
+        self.zeros = False  # the tail is all zeros: allocated ahead, never written (no damage)
 
     @property
     def tail(self) -> int:
@@ -148,7 +152,35 @@ def scan(read_range: ReadRange, batch: str) -> Scan:
         out.damaged.append(Damage(pos, after, found))
         pos = after
     out.size = reader.total()
+    if out.tail and _all_zeros(reader, out.end, out.size):
+        out.zeros = True
+        if out.records and not _intact(reader, out.records[-1]):
+            # zeros where its end should be: a kill (or power loss) cut it short as it was written
+            out.end = out.records.pop().offset
+            out.zeros = False
     return out
+
+
+def _intact(reader: _Reader, record: Record) -> bool:
+    """Whether *record*'s bytes match its checksum (its MAC is checked when it is read)."""
+    view = reader.view(record.offset, record.length)
+    try:
+        header, head_len = parse_header(view)
+        verify(view, header, head_len, None)
+    except DamagedFileError:
+        return False
+    finally:
+        del view
+    return True
+
+
+def _all_zeros(reader: _Reader, pos: int, end: int) -> bool:
+    while pos < end:
+        view = reader.view(pos, min(_BLOCK, end - pos))
+        if not view or view.tobytes().count(0) != len(view):
+            return not view
+        pos += len(view)
+    return True
 
 
 def _record_at(reader: _Reader, pos: int, batch: str) -> Record | str | None:

@@ -9,6 +9,7 @@ import contextlib
 import errno
 import io
 import itertools
+import logging
 import os
 import random
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +23,9 @@ from test_batch import BATCHES, Counter
 from resumable import Pipeline, ResumableWarning, checkpointed, checkpointed_map
 from resumable._chunklog import scan
 from resumable._cli import main
-from resumable._stores._local import LocalStore
+from resumable._slots import EVENTS
+from resumable._stores._fileio import ALLOC_STEP
+from resumable._stores._local import _MAX_APPEND_FDS, LocalStore
 from resumable._stores._memory import MemoryStore
 
 ROWS = 50
@@ -160,9 +163,12 @@ def test_a_step_removes_its_log_when_it_completes(pipe: Pipeline, state_dir: Pat
     assert [] == [p for p in (state_dir / BATCHES).rglob("*") if p.is_file()]
 
 
-def test_one_fsync_per_committed_chunk(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
-    """A durable commit is one write and one fsync: no new file, no directory fsync, no rename."""
-    calls = {"fsync": 0, "replace": 0, "write": 0}
+def test_one_sync_per_committed_chunk(pipe: Pipeline, monkeypatch: pytest.MonkeyPatch):
+    """
+    A durable commit is one write and one sync (an ``fdatasync`` of the log, allocated
+    ahead): no new file, no directory fsync, no rename.
+    """
+    calls = {"fsync": 0, "fdatasync": 0, "replace": 0, "write": 0, "pwrite": 0}
     originals = {name: getattr(os, name) for name in calls}
 
     def counting(name: str) -> Any:
@@ -181,9 +187,10 @@ def test_one_fsync_per_committed_chunk(pipe: Pipeline, monkeypatch: pytest.Monke
             monkeypatch.setattr(os, name, original)
     # 100 chunks; once, the batch record (its new directory, the file, the directory) and the
     # log's directory entry; the event log is written by another thread meanwhile (no fsync)
-    assert 100 + 4 == calls["fsync"]
+    assert (4, 100) == (calls["fsync"], calls["fdatasync"])
     assert 1 == calls["replace"]
-    assert 100 + 1 <= calls["write"] <= 100 + 3
+    assert 100 == calls["pwrite"]
+    assert 1 <= calls["write"] <= 3
 
 
 def test_a_failed_append_is_cut_before_the_next_one(
@@ -420,3 +427,71 @@ def test_a_linked_chunk_log_is_never_followed(pipe: Pipeline, state_dir: Path, t
     with pytest.raises(StateDirectoryError, match="remove it"):
         run_batch(pipe, fn)
     assert before == precious.read_bytes()
+
+
+def test_a_durable_log_is_allocated_ahead_and_cut_when_the_run_closes(pipe: Pipeline, state_dir: Path):
+    """
+    While the run is open, the log is allocated a step ahead (so a commit's sync flushes the
+    record alone); the zeros after the last record are cut when the run closes.
+    """
+    sizes: list[int] = []
+
+    def row(x: int) -> int:
+        if x == 27:
+            sizes.append(os.path.getsize(log_path(state_dir)))
+        return x * 10
+
+    assert EXPECTED == run_batch(pipe, row)
+    assert ALLOC_STEP <= sizes[0]
+    records = log_records(log_path(state_dir))
+    assert os.path.getsize(log_path(state_dir)) == sum(r.length for r in records)
+    assert 0 == cli(state_dir, "verify")[0]
+
+
+def test_zeros_after_the_last_record_are_cut_quietly(
+    pipe: Pipeline, state_dir: Path, caplog: pytest.LogCaptureFixture
+):
+    """
+    The zeros a kill leaves after the last record (allocated, never written) are no record
+    cut short: cut without a word. A record cut short before them is still named.
+    """
+    run_batch(pipe, Counter())
+    path = log_path(state_dir)
+    data = path.read_bytes()
+    path.write_bytes(data + bytes(ALLOC_STEP))
+    fn = Counter()
+    with caplog.at_level(logging.INFO, logger="resumable"):
+        assert EXPECTED == run_batch(pipe, fn)
+    assert [] == fn.calls
+    assert "cut short" not in caplog.text
+    assert data == path.read_bytes()
+    last = log_records(path)[-1]
+    path.write_bytes(data[: last.offset + last.length - 5] + bytes(ALLOC_STEP))
+    assert (0, "") == (cli(state_dir, "verify")[0], "")  # what a kill leaves is no damage
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="resumable"):
+        assert EXPECTED == run_batch(pipe, fn)
+    assert list(range(*last.header["rows"])) == fn.calls
+    assert "a record cut short by a crash" in caplog.text
+
+
+def test_a_batch_log_closed_early_keeps_no_zeros(tmp_path: Path):
+    """
+    A log whose descriptor is closed before the run ends (too many open, or cut back) loses
+    its allocated zeros there, so the next append goes right after its last record.
+    """
+    store = LocalStore(tmp_path)
+    keys = [f"{BATCHES}/named/b{i}/{LOG}" for i in range(_MAX_APPEND_FDS + 1)]
+    for key in keys:
+        store.append(key, b"one", durable=True)
+    assert 3 == os.path.getsize(store.path(keys[0]))  # the first one's descriptor was closed
+    assert ALLOC_STEP <= os.path.getsize(store.path(keys[-1]))
+    store.append(keys[0], b"two", durable=True)
+    store.truncate(keys[-1], 2, durable=True)
+    store.append(keys[-1], b"x", durable=False)
+    store.append(EVENTS, b"{}\n", durable=True)  # the event log is never allocated ahead
+    assert 3 == os.path.getsize(store.path(EVENTS))
+    store.close_appends()
+    assert b"onetwo" == Path(store.path(keys[0])).read_bytes()
+    assert b"onx" == Path(store.path(keys[-1])).read_bytes()
+    assert all(3 == os.path.getsize(store.path(k)) for k in keys[1:-1])

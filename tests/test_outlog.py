@@ -29,8 +29,9 @@ import resumable
 import resumable._codec
 from resumable import StateDirectoryError
 from resumable._stores import _outlog
+from resumable._stores._fileio import ALLOC_ROOM, ALLOC_STEP
 from resumable._stores._local import LocalStore
-from resumable._stores._outlog import ALLOC_ROOM, ALLOC_STEP, LOG_KEY, LOG_MAX, parse
+from resumable._stores._outlog import LOG_KEY, LOG_MAX, parse
 from resumable.exceptions import ResumableWarning
 
 TIMEOUT = 60

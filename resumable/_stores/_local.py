@@ -23,10 +23,10 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from .._slots import INTERNAL_DIR, is_output_file
+from .._slots import BATCHES, INTERNAL_DIR, is_output_file
 from ..exceptions import StateDirectoryError, StateLockedError
 from ._base import Buffer, Stamp, Store, check_key, read_file_stamped, stamp_of
-from ._fileio import fsync_dir, fsync_path, pwrite_all, with_path, write_all
+from ._fileio import allocate_ahead, datasync, fsync_dir, fsync_path, pwrite_all, with_path, write_all
 from ._outlog import LOG_KEY, LOG_MAX, OutputLog, recover
 
 T = TypeVar("T")
@@ -104,15 +104,63 @@ class _FileLock:
         os.close(fd)
 
 
+class _Appender:
+    """
+    A file kept open between appends. The event log is opened ``O_APPEND`` (each ``write``
+    lands whole at the end). A batch's chunk log (*ahead*) is allocated ahead when appended
+    to durably, as the output log is (:func:`~._fileio.allocate_ahead`): an append is
+    written at the end of what was appended, within the allocation, so the ``fdatasync``
+    that makes it durable has only the bytes to flush, not the file's size (120 µs instead
+    of 185 here). The zeros after the last record are cut when the file is closed, and read
+    after a kill as the end of the log (:func:`resumable._chunklog.scan`), which the next
+    run cuts.
+    """
+
+    __slots__ = ("ahead", "allocated", "end", "fd")
+
+    def __init__(self, fd: int, *, ahead: bool) -> None:
+        self.fd, self.ahead = fd, ahead
+        self.end = self.allocated = os.fstat(fd).st_size if ahead else 0
+
+    def append(self, data: bytes, *, durable: bool) -> None:
+        """Append all of *data* (synced if *durable*), or raise."""
+        fd = self.fd
+        if not self.ahead:
+            written = os.write(fd, data)  # one write: the usual case
+            if written < len(data):  # a short write (disk full) goes on where it stopped, or raises
+                write_all(fd, [memoryview(data)[max(written, 0) :]])
+            if durable:
+                os.fsync(fd)
+            return
+        end = self.end + len(data)
+        if durable and end > self.allocated:
+            self.allocated = allocate_ahead(fd, self.allocated, end)
+        try:
+            pwrite_all(fd, data, self.end)
+        except OSError:
+            self.allocated = max(self.allocated, end)  # part may be there: cut at close
+            raise
+        self.end, self.allocated = end, max(self.allocated, end)
+        if durable:
+            datasync(fd)
+
+    def close(self) -> None:
+        """Close the file, cutting what was allocated past the end (not synced: zeros read as the end)."""
+        if self.allocated > self.end:
+            with contextlib.suppress(OSError):  # left, the zeros are harmless
+                os.ftruncate(self.fd, self.end)
+        os.close(self.fd)
+
+
 class LocalStore(Store):
     """A directory on the local file system; files 0600, directories 0700."""
 
-    cheap_appends = True  # an append is one write() (and one fsync when durable)
+    cheap_appends = True  # an append is one write() (and one sync when durable)
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self.location = self.local_root = self.root
-        self._append_fds: dict[str, int] = {}
+        self._append_fds: dict[str, _Appender] = {}
         self._fd_lock = threading.Lock()
         self._log: OutputLog | None = None  # made at the first durable write of an output
 
@@ -323,9 +371,9 @@ class LocalStore(Store):
     def _forget_append_fd(self, key: str) -> None:
         if key in self._append_fds:
             with self._fd_lock:
-                fd = self._append_fds.pop(key, None)
-                if fd is not None:
-                    os.close(fd)
+                appender = self._append_fds.pop(key, None)
+                if appender is not None:
+                    appender.close()
 
     def write_header_last(
         self,
@@ -437,37 +485,33 @@ class LocalStore(Store):
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:
         """
-        Append all of *data* in one ``write`` or raise (an ``OSError`` naming the file). With
-        *durable*, the file is fsynced, and its directory too when this append created it.
+        Append all of *data* or raise (an ``OSError`` naming the file). With *durable*, the
+        file is synced, and its directory too when this append created it. A batch's file
+        is allocated ahead (see :class:`_Appender`).
         """
         path = self.path(key)
         if self._log is not None:
             self._log.before_change(key)
         with self._fd_lock:
-            fd = self._append_fds.get(key)
+            appender = self._append_fds.get(key)
             created = False
             try:
-                if fd is None:
-                    fd, created = self._open_append(key, path, durable=durable)
-                # O_APPEND keeps concurrent appenders from interleaving within one write();
-                # a short write (disk full) goes on where it stopped, or raises
-                written = os.write(fd, data)
-                if written < len(data):
-                    write_all(fd, [memoryview(data)[max(written, 0) :]])
-                if durable:
-                    os.fsync(fd)
-                    if created:
-                        # the new name must survive a power loss too, like a renamed file's
-                        fsync_dir(os.path.dirname(path))
+                if appender is None:
+                    appender, created = self._open_append(key, path, durable=durable)
+                appender.append(data, durable=durable)
+                if durable and created:
+                    # the new name must survive a power loss too, like a renamed file's
+                    fsync_dir(os.path.dirname(path))
             except OSError as exc:
                 if isinstance(exc, StateDirectoryError):
                     raise
                 raise with_path(exc, path) from exc
 
-    def _open_append(self, key: str, path: str, *, durable: bool) -> tuple[int, bool]:
+    def _open_append(self, key: str, path: str, *, durable: bool) -> tuple[_Appender, bool]:
         """Open *key* for appending, keeping the descriptor; also whether the file was created."""
         self._check_dirs(key)
-        flags = os.O_WRONLY | os.O_APPEND
+        ahead = key.startswith(BATCHES + "/")
+        flags = os.O_RDWR if ahead else os.O_WRONLY | os.O_APPEND
         created = False
         try:
             fd = self._open_own(path, flags)
@@ -481,9 +525,9 @@ class LocalStore(Store):
         if len(self._append_fds) >= _MAX_APPEND_FDS:
             # a run may append to many batch logs: keep the most recently opened descriptors
             oldest = next(iter(self._append_fds))
-            os.close(self._append_fds.pop(oldest))
-        self._append_fds[key] = fd
-        return fd, created
+            self._append_fds.pop(oldest).close()
+        appender = self._append_fds[key] = _Appender(fd, ahead=ahead)
+        return appender, created
 
     def truncate(self, key: str, size: int, *, durable: bool) -> None:
         """Cut *key* to its first *size* bytes in place (a log's torn tail); appends go on at the new end."""
@@ -491,6 +535,7 @@ class LocalStore(Store):
         if self._log is not None:
             self._log.before_change(key)
         self._check_dirs(key)
+        self._forget_append_fd(key)  # the next append starts from the new end
         with self._fd_lock:
             try:
                 fd = self._open_own(path, os.O_WRONLY)
@@ -518,9 +563,10 @@ class LocalStore(Store):
                 self._log.close()
         finally:
             with self._fd_lock:
-                for fd in self._append_fds.values():
-                    os.close(fd)
+                appenders = list(self._append_fds.values())
                 self._append_fds.clear()
+                for appender in appenders:
+                    appender.close()
 
     def delete(self, key: str, *, durable: bool) -> None:
         path = self.path(key)

@@ -6,10 +6,10 @@ accepts, of at most :data:`LOG_MAX` bytes) goes like this:
 
 1. The key and the bytes are written as one record after the last one in
    ``.resumable/outputs.log``, and the log is synced (``fdatasync``): from here the output
-   survives a power loss. The log is allocated :data:`ALLOC_STEP` ahead, so a record
-   leaves the file's size as it is and the sync flushes the record alone; the zeros after
-   the last record end the log like a record cut short, but without a warning. (Not near
-   a full disk: see :data:`ALLOC_ROOM`.)
+   survives a power loss. The log is allocated ahead (see
+   :func:`~resumable._stores._fileio.allocate_ahead`), so a record leaves the file's size
+   as it is and the sync flushes the record alone; the zeros after the last record end the
+   log like a record cut short, but without a warning.
 2. Meanwhile, a helper thread writes the bytes to a temporary file beside the target (not
    fsynced), so that the caller's thread creates no file while the disk is busy.
 3. The temporary file is renamed over the target, and ``write`` returns: the new file is
@@ -52,7 +52,15 @@ from .._slots import INTERNAL_DIR, is_output_file
 from .._warn import warn
 from ..exceptions import StateDirectoryError
 from ._base import _valid_key
-from ._fileio import fsync_dir, fsync_path, pwrite_all, with_path, write_all
+from ._fileio import (
+    allocate_ahead,
+    datasync,
+    fsync_dir,
+    fsync_path,
+    pwrite_all,
+    with_path,
+    write_all,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -68,13 +76,6 @@ READ_MAX = 256 * 1024 * 1024
 """A log longer than this (which resumable never writes) is read only this far when applied."""
 SYNC_DELAY = 0.05
 """Seconds the background thread lets written files gather before it makes them durable together."""
-ALLOC_STEP = 1024 * 1024
-"""The log is allocated this much at a time: a record written within it leaves the file's size as
-it is, so the fsync that makes it durable has only the record to flush (about 50 µs less here)."""
-ALLOC_ROOM = 64 * ALLOC_STEP
-"""The log is allocated ahead only while its file system has this much free: near a full disk,
-the space is the user's (and a file system may hold what it allocates while it fails)."""
-
 _MAGIC = b"RSMLOG01"
 _START = struct.Struct("<8s8s")  # magic, salt
 _RECORD = struct.Struct("<IIH")  # crc32 of salt + sizes + key + bytes, bytes' size, key's size
@@ -142,7 +143,7 @@ class OutputLog:
         tmp = None
         try:
             try:
-                _datasync(log_fd)
+                datasync(log_fd)
             finally:
                 tmp = job.result()
             # Renamed only now: a full disk or a failed fsync leaves the previous file. (A
@@ -190,7 +191,7 @@ class OutputLog:
             end = self._size + len(sealed)
             try:
                 if end > self._allocated:
-                    self._allocated = _allocate(log_fd, self._allocated, end)
+                    self._allocated = allocate_ahead(log_fd, self._allocated, end)
                 pwrite_all(log_fd, sealed, self._size)
             except OSError:
                 # a record cut short would end the log for the records after it
@@ -359,33 +360,6 @@ class OutputLog:
                 if self._fd is not None:
                     os.close(self._fd)
                     self._fd = None
-
-
-def _allocate(fd: int, allocated: int, end: int) -> int:
-    """
-    Allocate the log *fd* (allocated up to *allocated*) at least up to *end*, a step further;
-    return how far it is allocated. Where the file system cannot, or has less than
-    :data:`ALLOC_ROOM` free, nothing is: the records then extend the file as they are written.
-    """
-    fallocate = getattr(os, "posix_fallocate", None)  # not on macOS
-    if fallocate is None:
-        return end
-    upto = max(end, allocated + ALLOC_STEP)
-    try:
-        room = os.fstatvfs(fd)
-        if room.f_bavail * room.f_frsize < ALLOC_ROOM:
-            return end
-        fallocate(fd, allocated, upto - allocated)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, allocated)  # what a failed allocation kept (ext4 keeps a part)
-        return end
-    return upto
-
-
-def _datasync(fd: int) -> None:
-    """Make what was written to *fd* durable, and the metadata needed to read it (not its times)."""
-    getattr(os, "fdatasync", os.fsync)(fd)  # (macOS has no fdatasync)
 
 
 def _fsync_each(files: list[str]) -> None:

@@ -88,7 +88,9 @@ def test_a_killed_durable_batch_resumes_from_its_log(tmp_path: Path, reference: 
     assert len(records) >= 3, "the kill came before three commits"
     data = path.read_bytes()
     whole = records[-1].offset + records[-1].length
-    assert len(data) - whole < records[-1].length + 1  # at most one record is cut short by a kill
+    # at most one record is cut short by a kill; then the zeros the log was allocated ahead with
+    assert len(data[whole:].rstrip(b"\0")) < records[-1].length + 1
+    assert len(data) > whole, "the durable log was not allocated ahead"
     last = records[-1]
     spoiled = set(range(*last.header["rows"]))
     if damage == "torn tail":
@@ -101,10 +103,20 @@ def test_a_killed_durable_batch_resumes_from_its_log(tmp_path: Path, reference: 
         path.write_bytes(data[: last.offset + 7] + os.urandom(3000))
     else:
         spoiled = set()
+        for command in ("verify", "status"):  # the CLI on the state the kill left, zeros and all
+            done = subprocess.run(
+                [sys.executable, "-m", "resumable", "--state-dir", str(state), command],
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=TIMEOUT,
+            )
+            assert 0 == done.returncode, done.stdout + done.stderr
     kept = {r for start, end, _ in committed(path.parent) for r in range(start, end)} - spoiled
     shutil.copytree(state, tmp_path / "before-rerun")
     result, rows = finish(state, side)
     assert reference == result
     assert set() == kept & set(rows), "a committed row ran again"
+    assert not path.exists() or path.stat().st_size == sum(r.length for r in log_records(path))
     assert set(range(ROWS)) == kept | set(rows)
     assert len(rows) == len(set(rows)), "a row ran twice in one run"
