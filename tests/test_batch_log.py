@@ -495,3 +495,22 @@ def test_a_batch_log_closed_early_keeps_no_zeros(tmp_path: Path):
     assert b"onetwo" == Path(store.path(keys[0])).read_bytes()
     assert b"onx" == Path(store.path(keys[-1])).read_bytes()
     assert all(3 == os.path.getsize(store.path(k)) for k in keys[1:-1])
+
+
+def test_a_forked_child_closing_the_store_cuts_nothing(tmp_path: Path):
+    """A child forked mid-run that closes its copy of the store leaves the parent's log whole."""
+    store = LocalStore(tmp_path)
+    key = f"{BATCHES}/named/b/{LOG}"
+    store.append(key, b"one", durable=True)
+    ready, go = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os.read(ready, 1)
+        store.close_appends()
+        os._exit(0)
+    store.append(key, b"two", durable=True)
+    os.write(go, b"x")
+    assert 0 == os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    store.append(key, b"three", durable=True)
+    store.close_appends()
+    assert b"onetwothree" == Path(store.path(key)).read_bytes()

@@ -116,10 +116,10 @@ class _Appender:
     run cuts.
     """
 
-    __slots__ = ("ahead", "allocated", "end", "fd")
+    __slots__ = ("ahead", "allocated", "end", "fd", "pid")
 
     def __init__(self, fd: int, *, ahead: bool) -> None:
-        self.fd, self.ahead = fd, ahead
+        self.fd, self.ahead, self.pid = fd, ahead, os.getpid()
         self.end = self.allocated = os.fstat(fd).st_size if ahead else 0
 
     def append(self, data: bytes, *, durable: bool) -> None:
@@ -146,7 +146,7 @@ class _Appender:
 
     def close(self) -> None:
         """Close the file, cutting what was allocated past the end (not synced: zeros read as the end)."""
-        if self.allocated > self.end:
+        if self.allocated > self.end and os.getpid() == self.pid:  # (a forked child's end is stale)
             with contextlib.suppress(OSError):  # left, the zeros are harmless
                 os.ftruncate(self.fd, self.end)
         os.close(self.fd)
