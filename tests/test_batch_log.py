@@ -478,7 +478,8 @@ def test_zeros_after_the_last_record_are_cut_quietly(
 def test_a_batch_log_closed_early_keeps_no_zeros(tmp_path: Path):
     """
     A log whose descriptor is closed before the run ends (too many open, or cut back) loses
-    its allocated zeros there, so the next append goes right after its last record.
+    its allocated zeros there, so the next append goes right after its last record. Read
+    through the store, an open log ends where its appends do.
     """
     store = LocalStore(tmp_path)
     keys = [f"{BATCHES}/named/b{i}/{LOG}" for i in range(_MAX_APPEND_FDS + 1)]
@@ -486,6 +487,11 @@ def test_a_batch_log_closed_early_keeps_no_zeros(tmp_path: Path):
         store.append(key, b"one", durable=True)
     assert 3 == os.path.getsize(store.path(keys[0]))  # the first one's descriptor was closed
     assert ALLOC_STEP <= os.path.getsize(store.path(keys[-1]))
+    assert (b"one", b"ne", b"") == (
+        store.read(keys[-1]),
+        store.read_range(keys[-1], 1),
+        store.read_range(keys[-1], 5, 9),
+    )
     store.append(keys[0], b"two", durable=True)
     store.truncate(keys[-1], 2, durable=True)
     store.append(keys[-1], b"x", durable=False)

@@ -237,11 +237,22 @@ class LocalStore(Store):
         """The object and the stamp of the version read (see :meth:`stamp`)."""
         path = self.path(key)
         try:
-            return read_file_stamped(path, nofollow=True)
+            data, stamp = read_file_stamped(path, nofollow=True)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise self.linked(path) from None
             raise
+        end = self._appended_end(key)
+        if end is not None:
+            del data[end:]
+        return data, stamp
+
+    def _appended_end(self, key: str) -> int | None:
+        """Where the appends to *key* end, if its file is allocated past them (see :class:`_Appender`)."""
+        appender = self._append_fds.get(key)
+        if appender is None or appender.allocated <= appender.end:
+            return None
+        return appender.end
 
     def read_with(self, key: str, read: Callable[[int, int], T]) -> tuple[T, Stamp]:
         """
@@ -277,6 +288,9 @@ class LocalStore(Store):
             if exc.errno == errno.ELOOP:
                 raise self.linked(path) from None
             raise
+        appended = self._appended_end(key)
+        if appended is not None:
+            end = appended if end is None else min(end, appended)
         with open(fd, "rb") as f:
             f.seek(start)
             return f.read(-1 if end is None else max(0, end - start))
