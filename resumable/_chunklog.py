@@ -14,8 +14,9 @@ Its header says what it is:
 A record is appended with one write, so a crash leaves at most the last record cut short.
 :func:`scan` reads headers only, never a chunk's value, and says where the whole records
 end: what follows is a torn tail, to be cut, or zeros the local store allocated ahead and a
-kill left (:attr:`Scan.zeros`). Before such zeros, the last record is checked whole: a kill
-during its write leaves zeros where its end should be, and it is then a torn tail too. A
+kill left (:attr:`Scan.zeros`). A kill during a write into such zeros leaves the record's
+end zero: a last record that ends in a zero byte is checked whole, and is a torn tail too
+if it fails its checksum. A
 damaged header in the middle is stepped over by looking for the next header (every header
 starts with the same bytes).
 """
@@ -152,26 +153,33 @@ def scan(read_range: ReadRange, batch: str) -> Scan:
         out.damaged.append(Damage(pos, after, found))
         pos = after
     out.size = reader.total()
-    if out.tail and _all_zeros(reader, out.end, out.size):
-        out.zeros = True
-        if out.records and not _intact(reader, out.records[-1]):
-            # zeros where its end should be: a kill (or power loss) cut it short as it was written
-            out.end = out.records.pop().offset
-            out.zeros = False
+    zeros = not out.tail or _all_zeros(reader, out.end, out.size)
+    last = out.records[-1] if out.records else None
+    if zeros and last is not None and last.end == out.end and _cut_short(reader, last):
+        out.end = out.records.pop().offset  # the zeros reach into it: a torn tail
+    else:
+        out.zeros = zeros and out.tail > 0
     return out
 
 
-def _intact(reader: _Reader, record: Record) -> bool:
-    """Whether *record*'s bytes match its checksum (its MAC is checked when it is read)."""
+def _cut_short(reader: _Reader, record: Record) -> bool:
+    """
+    Whether the last *record*, before zeros or the end, is one a kill stopped as it was
+    written into a log allocated ahead: the write stopped part-way (bytes are copied in
+    order, so its last byte is still zero) and the record fails its checksum. A record
+    whose last byte was written is whole, or damaged later (and then warned about).
+    """
+    if reader.view(record.end - 1, 1)[0]:
+        return False
     view = reader.view(record.offset, record.length)
     try:
         header, head_len = parse_header(view)
-        verify(view, header, head_len, None)
+        verify(view, header, head_len, None)  # its MAC, if any, is checked when it is read
     except DamagedFileError:
-        return False
+        return True
     finally:
         del view
-    return True
+    return False
 
 
 def _all_zeros(reader: _Reader, pos: int, end: int) -> bool:
