@@ -28,7 +28,8 @@ If the process dies before the log is emptied (a kill, a power loss), the next h
 the lock calls :func:`recover`: every output the log holds is fsynced if its file has the
 logged bytes and written again (durably, in place) if not, and the log is emptied. A record
 carries a CRC-32 of its bytes and of a salt that changes whenever the log starts again, so
-a record cut short or left over from before ends the log. The log is read as untrusted
+a record cut short or left over from before ends the log (with a warning, unless its write
+stopped part-way: its end still the allocated zeros). The log is read as untrusted
 input: a record for a key that is not an output file is ignored with a warning, and no
 file outside the state directory is ever written (the store's own checks apply).
 """
@@ -501,6 +502,20 @@ def parse(data: bytes | bytearray) -> tuple[dict[str, bytes], int]:
     return outputs, end
 
 
+def _stopped(data: bytes | bytearray, pos: int) -> bool:
+    """
+    Whether the bytes at *pos* are a record whose write stopped part-way (a kill, or a power
+    loss before its sync) and zeros after it: its last byte, and all that follows, still the
+    allocated zeros. Nothing was promised for it (its write never returned), so it is dropped
+    without a warning; a record damaged otherwise is warned about.
+    """
+    if pos + _RECORD.size > len(data):
+        return False
+    _, size, name_size = _RECORD.unpack_from(data, pos)
+    stop = pos + _RECORD.size + name_size + size
+    return name_size > 0 and stop <= len(data) and data.count(0, stop - 1) == len(data) - stop + 1
+
+
 def _apply(store: LogHost, path: str, key: str, value: bytes) -> bool | None:
     """Write one logged output if its file differs (True), fsync it if not (False); None: refused."""
     if not (_valid_key(key) and is_output_file(key)):
@@ -559,7 +574,7 @@ def recover(store: LogHost) -> int:
             directories[os.path.dirname(store.path(key))] = None
     for directory in directories:
         fsync_dir(directory)
-    if end < len(data) == size and data.count(0, end) < size - end:
+    if end < len(data) == size and data.count(0, end) < size - end and not _stopped(data, end):
         # (zeros: the log's allocated rest; a log read only so far was warned about already)
         warn(
             f"{path}: the last {len(data) - end} bytes are not a whole record (cut short by a power "
