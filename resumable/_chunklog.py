@@ -16,9 +16,8 @@ A record is appended with one write, so a crash leaves at most the last record c
 end: what follows is a torn tail, to be cut, or zeros the local store allocated ahead and a
 kill left (:attr:`Scan.zeros`). A kill during a write into such zeros leaves the record's
 end zero: a last record that ends in a zero byte is checked whole, and is a torn tail too
-if it fails its checksum. A
-damaged header in the middle is stepped over by looking for the next header (every header
-starts with the same bytes).
+if it fails its checksum. A damaged header in the middle is stepped over by looking for the
+next header (every header starts with the same bytes).
 """
 
 from __future__ import annotations

@@ -512,8 +512,8 @@ def _stopped(data: bytes | bytearray, pos: int) -> bool:
     if pos + _RECORD.size > len(data):
         return False
     _, size, name_size = _RECORD.unpack_from(data, pos)
-    stop = pos + _RECORD.size + name_size + size
-    return name_size > 0 and stop <= len(data) and data.count(0, stop - 1) == len(data) - stop + 1
+    stop: int = pos + _RECORD.size + name_size + size
+    return bool(name_size) and stop <= len(data) and data.count(0, stop - 1) == len(data) - stop + 1
 
 
 def _apply(store: LogHost, path: str, key: str, value: bytes) -> bool | None:
