@@ -525,7 +525,7 @@ class LocalStore(Store):
         """Open *key* for appending, keeping the descriptor; also whether the file was created."""
         self._check_dirs(key)
         ahead = key.startswith(BATCHES + "/")
-        flags = os.O_RDWR if ahead else os.O_WRONLY | os.O_APPEND
+        flags = os.O_WRONLY if ahead else os.O_WRONLY | os.O_APPEND
         created = False
         try:
             fd = self._open_own(path, flags)
