@@ -170,10 +170,10 @@ def _cut_short(reader: _Reader, record: Record) -> bool:
     """
     if reader.view(record.end - 1, 1)[0]:
         return False
+    header = record.header  # parsed by the scan already
     view = reader.view(record.offset, record.length)
     try:
-        header, head_len = parse_header(view)
-        verify(view, header, head_len, None)  # its MAC, if any, is checked when it is read
+        verify(view, header, record.length - header["size"], None)  # its MAC is checked when read
     except DamagedFileError:
         return True
     finally:

@@ -407,7 +407,7 @@ class LocalStore(Store):
             os.lseek(fd, head_len, os.SEEK_SET)
             write_all(fd, value_chunks)
             if durable:
-                os.fdatasync(fd)  # flush the bulk now, while the checksum may still be computing
+                datasync(fd)  # flush the bulk now, while the checksum may still be computing
             data = header()
             if len(data) != head_len:  # pragma: no cover - the codec guarantees it
                 msg = f"header of {len(data)} bytes, expected {head_len}"
