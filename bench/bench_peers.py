@@ -31,6 +31,15 @@ Benchmarks (``--only``):
 A peer that is not installed, or cannot run here, gets a row saying so. Library and peer
 blocks alternate within every round (the order flips each round), and a ratio is the median
 of the per-round ratios. See bench/README.md and bench/results/peers.md.
+
+The store benchmarks delete nothing while they measure (each round's directory stays until
+the run's temporary directory is deleted at its end). On ext4 without a journal, creating a
+file costs several times more for a while after files were deleted: the kernel passes over
+the inodes freed in the last minute (five, while their inode table is not yet written back),
+reading each one's table block. Deleting a round's files would charge the sides that create
+a file per output with the cleanup of the round before; and a run started right after
+another one (whose cleanup deleted thousands of files) measures that too: run ``sync`` and
+wait a minute between runs. The "create an empty file" row of lazystore shows the cost.
 """
 
 from __future__ import annotations
@@ -953,7 +962,7 @@ def bench_store(base: Path, rounds: int) -> list[Row]:
                 saver.conn.close()
             for k, v in one.items():
                 res[k] += v  # type: ignore[operator] # a list when measured
-            shutil.rmtree(root)
+            # root stays until the run ends: see "delete nothing while they measure" above
         if not isinstance(dbos, str):
             res["dbos"] = dbos.samples(res["dbos"])  # type: ignore[arg-type] # measured
     library_s = res["library"]
@@ -1043,7 +1052,7 @@ def bench_lazy_store(base: Path, rounds: int) -> list[Row]:
             cache.close()
         for k, v in one.items():
             res[k] += v  # type: ignore[operator] # a list when measured
-        shutil.rmtree(root)
+        # root stays until the run ends: see "delete nothing while they measure" above
     library_s = res["library"]
     assert not isinstance(library_s, str)  # noqa: S101
     lib = med(library_s)
