@@ -29,7 +29,6 @@ from typing import Any
 
 import msgpack
 
-from . import _codec_arrays  # noqa: F401 - registers the NumPy and pandas codec (imports neither)
 from ._checksum import (
     CHECKSUM_PREFIX,
     TREE_MIN,
@@ -46,10 +45,20 @@ from ._codec_types import (
     Unstorable,
     find_path,
     qualified_name,
+    use_array_codec,
 )
 from ._stores._base import Stamp, Store
 from ._stores._local import LocalStore, read_file_with
 from .exceptions import SerializationError, StateFormatError
+
+
+def _load_array_codec() -> Any:
+    from . import _codec_arrays  # noqa: PLC0415 - NumPy and pandas values are rare: loaded when first met
+
+    return _codec_arrays
+
+
+use_array_codec(_load_array_codec)
 
 FORMAT = 1
 _ALIGN = 64

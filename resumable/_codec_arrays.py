@@ -1,5 +1,6 @@
 """
-NumPy and pandas values in the codec (imported once such a value is met).
+NumPy and pandas values in the codec (loaded when the first such value is met: see
+``use_array_codec`` in :mod:`._codec_types`).
 
 Arrays are stored as their raw buffer with dtype, shape and order; large buffers go out
 of band (see :mod:`._codec`) and come back as views of the file's buffer, with no pickle
@@ -14,12 +15,10 @@ payload of the wrong shape is refused as damage.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import msgpack
 
-from . import _codec_types
 from ._codec_types import (
     _MAX_BIN,
     DATAFRAME,
@@ -305,6 +304,3 @@ def decode_missing(_dec: Decoder, payload: bytes) -> Any:
 def decode_index(dec: Decoder, payload: bytes) -> Any:
     """A pandas Index."""
     return _index_from(_pandas(), dec.unpack(payload))
-
-
-_codec_types.use_array_codec(sys.modules[__name__])

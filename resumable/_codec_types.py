@@ -508,19 +508,26 @@ def _decode_when(dec: Decoder, payload: bytes, parse: Callable[[str], Any]) -> A
     return value.replace(fold=fold)
 
 
-_array_codec: Any = None  # resumable._codec_arrays, which registers itself when imported
+_array_codec: Any = None  # resumable._codec_arrays, once loaded
+_load_array_codec: Callable[[], Any] | None = None  # how to load it, given by resumable._codec
 
 
-def use_array_codec(module: Any) -> None:
-    """Give the encoders and decoders of NumPy and pandas values (``_codec_arrays``, above)."""
-    global _array_codec  # noqa: PLW0603 - set once, when that module is imported
-    _array_codec = module
+def use_array_codec(load: Callable[[], Any]) -> None:
+    """
+    Give the loader of the encoders and decoders of NumPy and pandas values
+    (``_codec_arrays``, a layer above): it is called when the first such value is met.
+    """
+    global _load_array_codec  # noqa: PLW0603 - set once, when resumable._codec is imported
+    _load_array_codec = load
 
 
 def _codec_arrays() -> Any:
-    if _array_codec is None:  # pragma: no cover - resumable._codec imports it
-        msg = "the NumPy/pandas codec is not loaded: import resumable._codec first"
-        raise RuntimeError(msg)
+    global _array_codec  # noqa: PLW0603 - loaded once (importing is thread-safe)
+    if _array_codec is None:
+        if _load_array_codec is None:  # pragma: no cover - resumable._codec gives it
+            msg = "the NumPy/pandas codec is not loaded: import resumable._codec first"
+            raise RuntimeError(msg)
+        _array_codec = _load_array_codec()
     return _array_codec
 
 

@@ -521,6 +521,34 @@ def test_numpy_scalars_round_trip(pipe, state_dir):
     assert_same(value, loaded)
 
 
+READ_ARRAYS = """
+import sys
+import resumable
+loaded_by_import = "resumable._codec_arrays" in sys.modules
+value = resumable.load(sys.argv[1])
+print(loaded_by_import, "resumable._codec_arrays" in sys.modules, value["big"].sum(), value["cell"], value["table"].shape)
+"""
+
+
+def test_the_array_codec_is_loaded_when_the_first_array_is_met(pipe, state_dir):
+    """`import resumable` leaves the NumPy/pandas codec out; a fresh process reading arrays loads it."""
+    value = {
+        "big": np.arange(_codec_types.OOB_MIN, dtype=np.int64),  # out of band
+        "cell": np.float32(2.5),
+        "table": pd.DataFrame({"a": [1, 2], "b": ["x", "y"]}),
+    }
+    with pipe:
+        pipe.step(name="arrays")(lambda: value)()
+    done = subprocess.run(
+        [sys.executable, "-c", READ_ARRAYS, str(state_dir / "arrays.msgpack")],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    expected = f"False True {value['big'].sum()} 2.5 (2, 2)"
+    assert expected == done.stdout.strip()
+
+
 def test_decoded_array_is_writable_and_independent(pipe, state_dir):
     """Writing into a loaded array changes neither the file nor the next load."""
     arr = np.arange(100_000, dtype=np.int64)
