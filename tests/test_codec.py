@@ -547,6 +547,24 @@ def test_the_array_codec_is_loaded_when_the_first_array_is_met(pipe, state_dir):
     )
     expected = f"False True {value['big'].sum()} 2.5 (2, 2)"
     assert expected == done.stdout.strip()
+    stored = subprocess.run(
+        [sys.executable, "-c", STORE_ARRAY, str(state_dir)], capture_output=True, text=True
+    )
+    assert "False True [0, 1, 2]" == stored.stdout.strip(), stored.stderr
+
+
+STORE_ARRAY = """
+import sys
+import numpy as np
+from resumable import Pipeline, step
+loaded_by_import = "resumable._codec_arrays" in sys.modules
+@step
+def made() -> np.ndarray:
+    return np.arange(3)
+with Pipeline("test", state_dir=sys.argv[1]):
+    made()
+print(loaded_by_import, "resumable._codec_arrays" in sys.modules, made.__wrapped__().tolist())
+"""
 
 
 def test_decoded_array_is_writable_and_independent(pipe, state_dir):
