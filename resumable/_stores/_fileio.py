@@ -12,7 +12,7 @@ from ._base import Buffer
 _WRITE_MAX = 1 << 30  # bytes per write() call; Linux caps a single write just below 2 GiB
 ALLOC_STEP = 1024 * 1024
 """A log is allocated this much at a time: a record written within it leaves the file's size as
-it is, so the fdatasync that makes it durable has only the record to flush (about 50 µs less here)."""
+it is, so the fdatasync that makes it durable has only the record to flush."""
 ALLOC_ROOM = 64 * ALLOC_STEP
 """A log is allocated ahead only while its file system has this much free: near a full disk,
 the space is the user's (and a file system may hold what it allocates while it fails)."""

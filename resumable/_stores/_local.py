@@ -110,8 +110,8 @@ class _Appender:
     lands whole at the end). A batch's chunk log (*ahead*) is allocated ahead when appended
     to durably, as the output log is (:func:`~._fileio.allocate_ahead`): an append is
     written at the end of what was appended, within the allocation, so the ``fdatasync``
-    that makes it durable has only the bytes to flush, not the file's size (120 µs instead
-    of 185 here). The zeros after the last record are cut when the file is closed, and read
+    that makes it durable has only the bytes to flush, not the file's size.
+    The zeros after the last record are cut when the file is closed, and read
     after a kill as the end of the log (:func:`resumable._chunklog.scan`), which the next
     run cuts.
     """
