@@ -58,7 +58,8 @@ def samples() -> Iterator[tuple[str, str]]:
 
 
 SAMPLES = list(samples())
-PIPELINE = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.DOTALL)[0]  # the documented one
+# the documented pipeline: the first Python block (fenced `{.python notest}`: it needs an argument)
+PIPELINE = re.findall(r"```(?:python|{.python[^}]*})\n(.*?)```", DOC.read_text(), flags=re.DOTALL)[0]
 
 HOLD = """
 import sys, time
