@@ -28,7 +28,7 @@ from ._journal import _authentic, header_authentic, read_header
 from ._manifest import EVENT_KINDS, FORMAT, Fold, Manifest, StepRecord, Steps, json_values, valid_event
 from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
 from ._stores import Store
-from .exceptions import DamagedStateError, ResumableError, StateFormatError
+from .exceptions import DamagedStateError, ResumableError, StateFormatError, UsageError
 
 if TYPE_CHECKING:
     from ._journal import Journal
@@ -568,7 +568,7 @@ def find(points: list[_Point], target: int | str) -> int:
     name, which means the state just before that step last completed (0: the empty state).
 
     Raises:
-        ResumableError: nothing matches.
+        UsageError: nothing matches.
     """
     if isinstance(target, int) or (isinstance(target, str) and target.isdigit()):
         number = int(target)
@@ -576,7 +576,7 @@ def find(points: list[_Point], target: int | str) -> int:
             return number
         latest = points[-1].checkpoint.id if points else 0
         msg = f"checkpoint {number} does not exist or is no longer kept (the latest is {latest})"
-        raise ResumableError(msg)
+        raise UsageError(msg)
     labelled = [p for p in points if p.checkpoint.label == target]
     if labelled:
         return labelled[-1].checkpoint.id
@@ -587,7 +587,7 @@ def find(points: list[_Point], target: int | str) -> int:
     ]
     if not made_by:
         msg = f"no checkpoint, snapshot label or step {target!r} in the history"
-        raise ResumableError(msg)
+        raise UsageError(msg)
     last = points[made_by[-1]]
     if last.after_rollback is not None:  # the state just before it is the one a rollback restored
         return last.after_rollback

@@ -440,7 +440,8 @@ class Pipeline:
         means the state just before that step last completed. Returns the checkpoint.
 
         Raises:
-            ResumableError: *to* names no restorable checkpoint.
+            UsageError: *to* names no checkpoint in the history.
+            ResumableError: the checkpoint can no longer be restored (pruned, or damaged).
             StateLockedError: another process is running the pipeline.
         """
         from . import _history  # noqa: PLC0415 - imported when history is first used

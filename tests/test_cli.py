@@ -242,9 +242,22 @@ def test_history_and_rollback(agent: tuple[Path, Path]):
     assert (0, "") == (done.returncode, done.stderr)
     assert "rolled back to checkpoint 4" in done.stdout
     assert "'BE BRIEF. V1'" in _cli(state, "show", "answer").stdout
+
+
+def test_rollback_to_an_unknown_checkpoint_is_a_usage_error(agent: tuple[Path, Path]):
+    """rollback to an id, label or step the history does not hold exits 2 (as cli.md says) and changes nothing."""
+    _, state = agent
+    before = _tree(state)
+    del before[".resumable/lock"]  # taking the lock writes its holder there
     done = _cli(state, "rollback", "99")
-    assert 1 == done.returncode
-    assert "checkpoint 99 does not exist" in done.stderr
+    assert (2, "") == (done.returncode, done.stdout)
+    assert "checkpoint 99 does not exist or is no longer kept (the latest is" in done.stderr
+    done = _cli(state, "rollback", "nope")
+    assert (2, "") == (done.returncode, done.stdout)
+    assert "resumable: no checkpoint, snapshot label or step 'nope' in the history\n" == done.stderr
+    after = _tree(state)
+    del after[".resumable/lock"]
+    assert before == after
 
 
 def test_reset_command(agent: tuple[Path, Path]):

@@ -21,6 +21,7 @@ from resumable import (
     ResumableWarning,
     StateFormatError,
     StateLockedError,
+    UsageError,
 )
 from resumable._cli import main
 from resumable._codec import parse_header
@@ -110,7 +111,7 @@ def test_rollback_errors(state_dir: Path):
     pipe.run(text="v1")
     pipe.run(text="v2")
     before = _files(state_dir)
-    with pytest.raises(ResumableError, match="no checkpoint, snapshot label or step 'nope'"):
+    with pytest.raises(UsageError, match="no checkpoint, snapshot label or step 'nope'"):
         pipe.rollback("nope")
     with pytest.raises(ResumableError, match=r"checkpoint 1 can no longer be restored.*keep_checkpoints"):
         pipe.rollback(1)  # prompt's v1 output was pruned: only the two newest checkpoints are kept
@@ -331,7 +332,7 @@ def test_old_history_folds_into_a_base_and_nothing_retained_changes(
     points = _history.replay(LocalStore(state_dir), None)
     assert points[0].checkpoint.id > 1  # the replay starts at the base, not at the first checkpoint
     with pytest.raises(
-        ResumableError, match=r"checkpoint 2 does not exist or is no longer kept \(the latest is 24\)"
+        UsageError, match=r"checkpoint 2 does not exist or is no longer kept \(the latest is 24\)"
     ):
         pipe.rollback(2)
     before_rollback = pipe.rollback("answer")  # the state just before answer last completed
