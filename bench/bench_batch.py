@@ -9,7 +9,7 @@ Run from the repository root::
 
 Rows (see bench/README.md for exactly what each baseline does):
 
-- naive: 30,000 rows, a checkpoint every 100 rows, durable, against re-dumping the whole
+- naive: 30,000 rows, a commit every 100 rows, durable, against re-dumping the whole
   result list as JSON at every checkpoint (target: at least 20 times faster);
 - linear: 1,000,000 rows at every=1000 against 100,000 rows (target: at most 12 times the time);
 - overhead: 1,000,000 trivial rows at every=1000, durable, against a bare list
@@ -128,7 +128,7 @@ def bench_naive(base: Path, rounds: int, n: int = 30_000, every: int = 100) -> l
     ratio = ratios(res["naive"], res["library"])
     return [
         Row(
-            f"{n:,} rows, checkpoint every {every}, durable, vs re-dumping all results as JSON",
+            f"{n:,} rows, a commit every {every}, durable, vs re-dumping all results as JSON",
             ms(statistics.median(res["library"])),
             ms(statistics.median(res["naive"])),
             ratio,

@@ -1,5 +1,5 @@
 """
-Row checkpoints: ``checkpointed`` and ``checkpointed_map``.
+Rows committed in chunks: ``checkpointed`` and ``checkpointed_map``.
 
 Inside a step a batch belongs to the step's slot, and its chunks are removed when the
 step completes (its output then holds the results). Outside a step a batch is known by
@@ -322,7 +322,7 @@ def _check_name(name: object, *, in_step: bool) -> None:
 
 def _check_every(every: object) -> None:
     if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        msg = f"every must be an int >= 1 (rows per checkpoint), got {every!r}"
+        msg = f"every must be an int >= 1 (rows per chunk), got {every!r}"
         raise UsageError(msg)
 
 

@@ -59,7 +59,7 @@ class ErrorRecord:
 
 @attrs.define
 class BatchRecord:
-    """Progress of one batch of row checkpoints."""
+    """Progress of one batch of rows committed in chunks."""
 
     done: int
     every: int
