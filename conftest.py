@@ -28,13 +28,13 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
 
 
 @pytest.fixture(autouse=True)
-def _docs_block(
-    request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[None]:
+def _docs_block(request: pytest.FixtureRequest) -> Iterator[None]:
     """A code block from the docs runs in an empty directory, in a run of its own."""
     if not isinstance(request.node, MarkdownInlinePythonItem):
-        yield
+        yield  # another test: nothing to set up (not even a temporary directory)
         return
+    tmp_path: Path = request.getfixturevalue("tmp_path")
+    monkeypatch: pytest.MonkeyPatch = request.getfixturevalue("monkeypatch")
     for name in list(os.environ):
         if name.startswith("RESUMABLE_"):
             monkeypatch.delenv(name)
