@@ -119,6 +119,7 @@ class Ledger:
         self.done = 0
         self.failures = 0
         self.resumed = 0
+        self.failure: dict[str, Any] | None = None  # the first row failure seen: a sample for reports
         self._lock = threading.Lock()
 
     @property
@@ -444,6 +445,9 @@ class StoredLedger(Ledger):
             "failures": failures,
         }
         framed = frame(encoded, meta, secret=run.secret)
+        if failures and self.failure is None:
+            first = next(r for r in results if type(r) is RowFailure)
+            self.failure = {"row": first.index, "type": first.type, "message": first.message[:300]}
         with self._lock:
             if self._stored is None:
                 self._save_record()  # before the first chunk: chunks never exist without it
@@ -511,7 +515,11 @@ class StoredLedger(Ledger):
             return
         self._reported = now
         progress = {"done": self.done, "every": self.every, "total": self.total, "failures": self.failures}
-        where.run.journal.record("batch", defer=True, batch=where.label, progress=progress)
+        # `resumed` and `failure` (a sample) are for `resumable report`; older logs lack them
+        extra: dict[str, Any] = {"resumed": self.resumed}
+        if self.failure is not None:
+            extra["failure"] = self.failure
+        where.run.journal.record("batch", defer=True, batch=where.label, progress=progress, **extra)
 
     def _drop(self, chunks: list[Chunk]) -> None:
         if self._carries_state and chunks:

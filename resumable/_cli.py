@@ -39,7 +39,7 @@ EXIT_NO_STATE = 3
 """There is no state where the command looked (nothing has run with that directory)."""
 
 # Commands that only read: no lock, nothing created or written (`why` joins them).
-READ_ONLY = frozenset({"status", "show", "why", "history", "verify", "export"})
+READ_ONLY = frozenset({"status", "show", "why", "history", "verify", "export", "report"})
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -112,6 +112,14 @@ def _parser() -> argparse.ArgumentParser:
 
     import_ = commands.add_parser("import", help="replace the state with an exported file")
     import_.add_argument("file", metavar="FILE", help="a file written by `resumable export`")
+
+    report = commands.add_parser("report", help="write one HTML file showing the runs (offline, no lock)")
+    report.add_argument("-o", "--output", default="report.html", metavar="FILE", help="default report.html")
+    report.add_argument("--run", default="all", metavar="N|last|all", help="the runs to show (default all)")
+    report.add_argument(
+        "--compare", default=None, metavar="RUN|CHECKPOINT", help="compare now with run N or checkpointN"
+    )
+    report.add_argument("--open", action="store_true", help="open the file in a browser")
 
     commands.add_parser("verify", help="check every file; exit 1 if any is damaged")
 
@@ -303,6 +311,23 @@ def _import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    from ._report import report  # noqa: PLC0415 - the one command that needs it
+
+    which: int | str = args.run
+    if which not in {"all", "last"}:
+        if not str(which).isdigit():
+            raise UsageError(f"--run {which!r}: pass a run number, last or all")
+        which = int(which)
+    path = report(_state(args), secret_bytes(None), args.output, run=which, compare=args.compare)
+    _out(f"wrote {path}")
+    if args.open:
+        import webbrowser  # noqa: PLC0415
+
+        webbrowser.open(f"file://{path}")
+    return 0
+
+
 def _verify(args: argparse.Namespace) -> int:
     store = _state(args)
     checked, problems = find_damage(store, secret=secret_bytes(None))
@@ -344,6 +369,7 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "import": _import,
     "verify": _verify,
     "clean": _clean,
+    "report": _report,
 }
 
 

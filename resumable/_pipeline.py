@@ -377,6 +377,29 @@ class Pipeline:
             run.journal.record("steps_reset", slots=slots)
         return slots
 
+    def report(
+        self, path: str | os.PathLike[str], *, run: int | str = "all", compare: int | str | None = None
+    ) -> str:
+        """
+        Write one self-contained HTML file showing the runs of this state: a timeline, why each
+        step ran or was skipped, batches, resumes, a comparison and the last error. The same as
+        ``resumable report``; it takes no lock and writes nothing in the state, so it works
+        during a run (events this process has not written yet are written first).
+
+        *run* is a run number, ``"last"`` or ``"all"``; *compare* a run number (or ``"run3"``)
+        or a checkpoint (``"checkpoint12"``) to compare the current state with. Returns the
+        absolute path of the file written.
+
+        Raises:
+            UsageError: *run* or *compare* names something the event log does not hold.
+        """
+        from ._report import report  # noqa: PLC0415 - only when reporting
+
+        active = self._run
+        if active is not None and not active.closed:
+            active.journal.write_pending(durable=False)
+        return report(self.store, self._secret, path, run=run, compare=compare)
+
     def why(self, step: str, key: str | None = None) -> list[Decision]:
         """
         Why each slot of *step* (or its slot for *key*) last ran or was skipped, from the

@@ -540,6 +540,12 @@ class Session:
         detail = f" ({found.detail})" if found.detail else ""
         log.info("step %r running: %s%s", plan.slot, found.reason, detail)
         self._record_code(spec, plan)
+        extra: dict[str, Any] = {}  # for `resumable report`; older logs lack them
+        if plan.key is not None and "~" in plan.slot:  # a long key, shortened in its slot
+            extra["key"] = plan.key[:1000]
+        outer = current_execution.get()
+        if outer is not None:
+            extra["parent"] = outer.plan.slot
         self.journal.record(
             "step_started",
             # a non-idempotent step's start must be on disk before its side effects begin
@@ -554,6 +560,7 @@ class Session:
             code=plan.identity.code,
             was=found.was,
             params=found.params,
+            **extra,
         )
         return time.perf_counter()
 

@@ -1,0 +1,756 @@
+"""
+``resumable report``: one self-contained HTML file that shows a run as a person wants to see it.
+
+The page is rendered here, in Python: the header, the timeline (SVG), the runs, the steps,
+batches, a comparison and the last error read with scripts off. A small inline script adds
+sorting and filtering. Everything read from the state is text: escaped here, and set with
+``textContent`` by the script. A Content-Security-Policy forbids every fetch and allows only
+this page's own style and script (by hash). The same state gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import hashlib
+import html
+import json
+import os
+from typing import Any
+
+from ._render import duration
+from ._units import human_size
+
+WIDTH = 960  # the timeline's drawing width (viewBox units; it scales with the page)
+LABEL = 190  # the label column
+ROW = 24
+TOP = 26  # room for the time axis
+OUTCOMES = ("ran", "skipped", "failed", "interrupted", "running")
+
+_CSS = """
+:root{--ink:#1d2733;--soft:#5b6775;--line:#dfe4ea;--bg:#f7f8fa;--card:#fff;--ran:#2f6fdb;
+--skipped:#aab3bd;--failed:#d43d3d;--interrupted:#e07b24;--running:#1f9d74;--retry:#e6a700;
+--accent:#2f6fdb;font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:var(--ink)}
+*{box-sizing:border-box}
+body{margin:0;background:var(--bg)}
+main{max-width:1100px;margin:0 auto;padding:24px 28px 60px}
+h1{font-size:24px;margin:0 0 4px;word-break:break-all}
+h2{font-size:18px;margin:36px 0 10px;padding-bottom:6px;border-bottom:1px solid var(--line)}
+h3{font-size:15px;margin:18px 0 6px}
+.sub{color:var(--soft);margin:0 0 16px;word-break:break-all}
+.badge{display:inline-block;padding:1px 9px;border-radius:10px;font-size:12px;font-weight:600;
+color:#fff;vertical-align:middle;margin-left:8px;background:var(--soft)}
+.b-completed,.b-ran{background:var(--ran)}.b-failed{background:var(--failed)}
+.b-interrupted,.b-killed{background:var(--interrupted)}.b-running{background:var(--running)}
+.b-skipped{background:var(--skipped)}
+.cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(140px,1fr));gap:10px;margin:10px 0}
+.card{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:10px 12px}
+.card b{display:block;font-size:22px;font-variant-numeric:tabular-nums}
+.card span{color:var(--soft);font-size:12px}
+nav{position:sticky;top:0;background:var(--bg);padding:8px 0;z-index:2;border-bottom:1px solid var(--line)}
+nav a{color:var(--accent);text-decoration:none;margin-right:16px;font-weight:500}
+.panel{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:12px 14px;margin:10px 0}
+svg{display:block;width:100%;height:auto}
+svg text{font:12px system-ui,sans-serif;fill:var(--ink)}
+svg .axis{fill:var(--soft);font-size:11px}
+svg .grid{stroke:var(--line)}
+svg .lane{fill:#f2f4f7}
+.ran{fill:var(--ran)}.failed{fill:var(--failed)}.interrupted{fill:var(--interrupted)}
+.running{fill:var(--running)}.skipped{fill:var(--skipped)}.group{fill:#a9c3ef}
+.retry{fill:var(--retry);stroke:#fff;stroke-width:1}.unknown{fill:url(#hatch)}
+.hist{fill:var(--ran);opacity:.75}
+.legend span{display:inline-flex;align-items:center;margin-right:14px;color:var(--soft);font-size:12px}
+.legend i{display:inline-block;width:12px;height:12px;border-radius:2px;margin-right:5px}
+.l-ran{background:var(--ran)}.l-failed{background:var(--failed)}.l-interrupted{background:var(--interrupted)}
+.l-retry{background:var(--retry);transform:rotate(45deg) scale(.8)}.l-unknown{background:repeating-linear-gradient(
+45deg,var(--interrupted) 0 3px,#fff 3px 6px)}.l-running{background:var(--running)}
+table{border-collapse:collapse;width:100%;background:var(--card);font-size:13px}
+th,td{text-align:left;padding:5px 8px;border-bottom:1px solid var(--line);vertical-align:top}
+th{background:#eef1f5;font-weight:600;white-space:nowrap;position:sticky;top:38px}
+th[data-sort]{cursor:pointer}th[data-sort]:after{content:" \\2195";color:var(--soft);font-size:11px}
+th.asc:after{content:" \\2191"}th.desc:after{content:" \\2193"}
+td.num,th.num{text-align:right;font-variant-numeric:tabular-nums}
+td.slot{font-family:ui-monospace,Menlo,Consolas,monospace;overflow-wrap:anywhere;min-width:110px;max-width:260px}
+tr.o-failed td{background:#fdf0f0}tr.o-interrupted td{background:#fdf5ec}
+tr.first td{background:#fff6d6;box-shadow:inset 3px 0 var(--retry)}
+.pill{display:inline-block;padding:0 7px;border-radius:9px;font-size:12px;color:#fff}
+.p-ran{background:var(--ran)}.p-skipped{background:var(--skipped)}.p-failed{background:var(--failed)}
+.p-interrupted{background:var(--interrupted)}.p-running{background:var(--running)}
+.muted{color:var(--soft)}
+pre{background:#0f1720;color:#e6edf3;padding:10px 12px;border-radius:6px;overflow:auto;font-size:12px;
+white-space:pre-wrap;word-break:break-word;max-height:420px}
+pre.value{background:#f2f4f7;color:var(--ink);max-height:160px;margin:4px 0}
+.diff{margin:4px 0}
+details summary{cursor:pointer;color:var(--accent)}
+.tools{display:flex;gap:10px;align-items:center;margin:8px 0}
+.tools input,.tools select{font:inherit;padding:4px 8px;border:1px solid var(--line);border-radius:6px}
+.tools input{flex:1}
+.note{color:var(--soft);font-size:13px;margin:4px 0}
+.err{border-left:4px solid var(--failed)}
+"""
+
+_JS = """
+(function(){
+  var data = JSON.parse(document.getElementById('report-data').textContent);
+  function cell(tr, i){ var c = tr.children[i]; return c ? (c.getAttribute('data-v') || c.textContent) : ''; }
+  document.querySelectorAll('table.sortable').forEach(function(table){
+    var heads = table.querySelectorAll('th');
+    heads.forEach(function(th, i){
+      if (!th.hasAttribute('data-sort')) return;
+      th.addEventListener('click', function(){
+        var numeric = th.getAttribute('data-sort') === 'num';
+        var asc = !th.classList.contains('asc');
+        heads.forEach(function(h){ h.classList.remove('asc', 'desc'); });
+        th.classList.add(asc ? 'asc' : 'desc');
+        var body = table.tBodies[0];
+        var rows = Array.prototype.slice.call(body.rows);
+        rows.sort(function(a, b){
+          var x = cell(a, i), y = cell(b, i), r;
+          if (numeric) { r = (parseFloat(x) || 0) - (parseFloat(y) || 0); }
+          else { r = x < y ? -1 : x > y ? 1 : 0; }
+          return asc ? r : -r;
+        });
+        rows.forEach(function(r){ body.appendChild(r); });
+      });
+    });
+  });
+  var table = document.getElementById('steps-table');
+  var text = document.getElementById('steps-filter');
+  var outcome = document.getElementById('steps-outcome');
+  var shown = document.getElementById('steps-shown');
+  function filter(){
+    if (!table) return;
+    var q = text.value.toLowerCase(), o = outcome.value, n = 0;
+    Array.prototype.forEach.call(table.tBodies[0].rows, function(tr){
+      var ok = (!o || tr.getAttribute('data-outcome') === o) &&
+               (!q || tr.textContent.toLowerCase().indexOf(q) >= 0);
+      tr.hidden = !ok; if (ok) n += 1;
+    });
+    shown.textContent = n + ' of ' + data.slots.length + ' listed slots shown';
+  }
+  if (table) {
+    text.addEventListener('input', filter);
+    outcome.addEventListener('change', filter);
+    document.querySelector('.tools').hidden = false;
+    filter();
+  }
+  document.documentElement.setAttribute('data-ready', '1');
+})();
+"""
+
+
+def e(value: object) -> str:
+    """Text from the state, safe in an element or a quoted attribute."""
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def _hash(text: str) -> str:
+    return "sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode()
+
+
+def _clock(t: float | None, *, date: bool = False) -> str:
+    if t is None:
+        return "?"
+    stamp = dt.datetime.fromtimestamp(t, dt.UTC)
+    return stamp.strftime("%Y-%m-%d %H:%M:%S UTC" if date else "%H:%M:%S")
+
+
+def _secs(seconds: float | None) -> str:
+    if seconds is None:
+        return ""
+    if seconds >= 7200:
+        return f"{seconds / 3600:.1f}h"
+    return duration(seconds)
+
+
+def _json_block(data: dict[str, Any]) -> str:
+    text = json.dumps(data, sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=str)
+    # inside <script>: no '<', '>' or '&' can start markup or end the block
+    return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e").replace(
+        "\u2028", "\\u2028"
+    ).replace("\u2029", "\\u2029")
+
+
+def render(data: dict[str, Any]) -> str:
+    """The whole page for the data :func:`resumable._report_data.collect` gathered."""
+    css, js = _CSS.strip(), _JS.strip()
+    csp = (
+        f"default-src 'none'; style-src '{_hash(css)}'; script-src '{_hash(js)}'; img-src 'none'; "
+        "connect-src 'none'; font-src 'none'; frame-src 'none'; base-uri 'none'; form-action 'none'"
+    )
+    body = "".join(
+        [
+            _header(data),
+            _nav(data),
+            _timelines(data),
+            _story(data),
+            _steps(data),
+            _batches(data),
+            _compare(data),
+            _error(data),
+        ]
+    )
+    return (
+        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
+        '<meta name="referrer" content="no-referrer">'
+        '<meta name="viewport" content="width=device-width,initial-scale=1">'
+        f"<title>{e(data['pipeline'])} · resumable report</title><style>{css}</style></head>\n<body>"
+        '<svg width="0" height="0" aria-hidden="true"><defs><pattern id="hatch" width="6" '
+        'height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)"><rect width="6" height="6" '
+        'fill="#fbe3cf"/><rect width="3" height="6" fill="#e07b24"/></pattern></defs></svg>'
+        f"<main>{body}</main>\n"
+        f'<script type="application/json" id="report-data">{_json_block(data)}</script>\n'
+        f"<script>{js}</script>\n</body></html>\n"
+    )
+
+
+def _header(data: dict[str, Any]) -> str:
+    state, counts = data["state"], data["counts"]
+    runs = data["runs"]
+    first = runs[0]["start"] if runs else None
+    last = runs[-1]["end"] if runs else None
+    which = "all runs" if data["which"] == "all" else ("the last run" if data["which"] == "last" else data["which"])
+    cards = [
+        ("completed", f"{state['completed']:,}", f"of {state['slots']:,} slots completed"),
+        ("ran", f"{counts['ran']:,}", "slots ran"),
+        ("skipped", f"{counts['skipped']:,}", "slots skipped (stored)"),
+        ("failed", f"{counts['failed']:,}", "slots failed or killed"),
+        ("retried", f"{counts['retried']:,}", "slots retried"),
+        ("saved", _secs(counts["saved_s"]) or "0s", "saved by skips (what they took)"),
+    ]
+    card_html = "".join(
+        f'<div class="card" data-count="{k}"><b>{e(v)}</b><span>{e(label)}</span></div>' for k, v, label in cards
+    )
+    folded = (
+        '<p class="note">Older history was folded into a checkpoint base: runs before it are not in the log.</p>'
+        if data["folded"]
+        else ""
+    )
+    return (
+        f"<header><h1>{e(data['pipeline'])}<span class=\"badge b-{e(data['status'])}\" id=\"status\">"
+        f"{e(data['status'])}</span></h1>"
+        f'<p class="sub">{e(data["location"])} · {data["runs_total"]:,} run(s) · {_clock(first, date=True)} → '
+        f"{_clock(last, date=True)} · counts over {e(which)}</p>"
+        f'<div class="cards">{card_html}</div>{folded}</header>'
+    )
+
+
+def _nav(data: dict[str, Any]) -> str:
+    links = [("timeline", "Timeline"), ("runs", "Runs"), ("steps", "Steps")]
+    if data["batches"]:
+        links.append(("batches", "Batches"))
+    if data["compare"] is not None:
+        links.append(("compare", "Comparison"))
+    if data["error"] is not None:
+        links.append(("error", "Last error"))
+    return "<nav>" + "".join(f'<a href="#{k}">{label}</a>' for k, label in links) + "</nav>"
+
+
+def _legend() -> str:
+    items = [
+        ("ran", "ran"),
+        ("failed", "failed"),
+        ("interrupted", "interrupted"),
+        ("running", "running"),
+        ("retry", "retried attempt"),
+        ("unknown", "killed: end unknown"),
+    ]
+    return '<p class="legend">' + "".join(f'<span><i class="l-{k}"></i>{t}</span>' for k, t in items) + "</p>"
+
+
+def _timelines(data: dict[str, Any]) -> str:
+    out = ['<section id="timeline"><h2>Timeline</h2>', _legend()]
+    if data["timelines_left_out"]:
+        out.append(f'<p class="note">{data["timelines_left_out"]:,} older run(s) not drawn (pass --run N).</p>')
+    if not data["timelines"]:
+        out.append('<p class="note">No run in the event log yet.</p>')
+    for tl in data["timelines"]:
+        out.append(_timeline(tl))
+    out.append("</section>")
+    return "".join(out)
+
+
+def _bar_title(bar: dict[str, Any]) -> str:
+    lines = [f"{bar['slot']}: {bar['outcome']}"]
+    why = bar.get("reason")
+    if why:
+        lines.append(f"why it ran: {why}" + (f" ({bar['detail']})" if bar.get("detail") else ""))
+    took = bar["e"] - bar["s"]
+    lines.append(f"from +{_secs(bar['s'])} to +{_secs(bar['e'])}" + ("" if bar["open"] else f" ({_secs(took)})"))
+    if bar["open"]:
+        lines.append("its end was not recorded: the process stopped while it ran")
+    if bar.get("attempts", 1) and bar["attempts"] > 1:
+        lines.append(f"{bar['attempts']} attempts")
+    for _, kind, message in bar["retries"]:
+        lines.append(f"retried after {kind}: {message}")
+    if bar.get("error"):
+        lines.append(f"failed: {bar['error'][0]}: {bar['error'][1]}")
+    if bar.get("parent"):
+        lines.append(f"called inside {bar['parent']}")
+    return "\n".join(lines)
+
+
+def _label(text: str, size: int = 26) -> str:
+    return text if len(text) <= size else text[: size - 1] + "…"
+
+
+def _ticks(span: float, x0: float, width: float, y: float, height: float) -> str:
+    out = []
+    for i in range(6):
+        x = x0 + width * i / 5
+        out.append(f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{y}" y2="{y + height}"/>')
+        anchor = "start" if i == 0 else ("end" if i == 5 else "middle")
+        out.append(f'<text class="axis" x="{x:.1f}" y="{y - 6}" text-anchor="{anchor}">+{_secs(span * i / 5) or "0s"}</text>')
+    return "".join(out)
+
+
+def _timeline(tl: dict[str, Any]) -> str:
+    span = tl["span"]
+    unknown = tl["unknown_until"]
+    # a killed run's axis shows the interval its end is in, up to a quarter more of the run
+    axis = max(span, min(unknown, span * 1.25)) if unknown is not None else span
+    plot = WIDTH - LABEL - 10
+    scale = plot / axis if axis > 0 else 0.0
+    rows = tl["rows"]
+    height = TOP + ROW * max(1, len(rows)) + 8
+    parts = [
+        f'<svg class="timeline" viewBox="0 0 {WIDTH} {height}" role="img" '
+        f'aria-label="timeline of run {tl["run"]}">',
+        _ticks(axis, LABEL, plot, TOP, height - TOP - 4),
+    ]
+    details = []
+    for i, row in enumerate(rows):
+        y = TOP + i * ROW
+        name = row["step"] + (f" ×{row['count']:,}" if row["keyed"] else "")
+        parts.append(f'<rect class="lane" x="{LABEL}" y="{y + 3}" width="{plot}" height="{ROW - 6}" rx="3"/>')
+        parts.append(
+            f'<text class="label" x="{LABEL - 8}" y="{y + ROW / 2 + 4}" text-anchor="end">{e(_label(name))}'
+            f"<title>{e(name)}</title></text>"
+        )
+        if row["keyed"]:
+            parts.append(_group(row, y, scale))
+            details.append(_expanded(row, tl, scale, plot))
+        else:
+            parts.extend(_bar(bar, y, scale, ROW) for bar in row["bars"])
+    if unknown is not None:
+        x1, x2 = LABEL + span * scale, LABEL + min(unknown, axis) * scale
+        title = (
+            f"run {tl['run']} was killed: it ended between {_clock(tl['start'] + span)} and "
+            f"{_clock(tl['start'] + unknown)} (the exact time is unknown)"
+        )
+        parts.append(
+            f'<rect class="unknown" x="{x1:.1f}" y="{TOP}" width="{max(x2 - x1, 3):.1f}" '
+            f'height="{height - TOP - 4}" opacity="0.55"><title>{e(title)}</title></rect>'
+        )
+    parts.append("</svg>")
+    title = _run_title(tl)
+    skipped = tl["skipped"]
+    skip_text = ""
+    if skipped:
+        names = ", ".join(f"{k} ×{v:,}" if v > 1 else k for k, v in sorted(skipped.items()))
+        skip_text = f'<p class="note">Skipped (stored by an earlier run): {e(_label(names, 400))}</p>'
+    return (
+        f'<div class="panel run-timeline" data-run="{tl["run"]}"><h3>{title}</h3>{"".join(parts)}'
+        f'{skip_text}{"".join(details)}</div>'
+    )
+
+
+def _run_title(tl: dict[str, Any]) -> str:
+    status = tl["status"]
+    end = tl["start"] + tl["span"]
+    if tl["unknown_until"] is not None:
+        when = f"{_clock(tl['start'])} → between {_clock(end)} and {_clock(tl['start'] + tl['unknown_until'])}"
+    else:
+        when = f"{_clock(tl['start'])} → {_clock(end)} ({_secs(tl['span'])})"
+    return f'Run {tl["run"]} <span class="badge b-{e(status)}">{e(status)}</span> <span class="muted">{when}</span>'
+
+
+def _bar(bar: dict[str, Any], y: float, scale: float, row: float) -> str:
+    x = LABEL + bar["s"] * scale
+    w = max((bar["e"] - bar["s"]) * scale, 2.0)
+    outcome = bar["outcome"] if bar["outcome"] in OUTCOMES else "running"
+    title = e(_bar_title(bar))
+    out = [
+        f'<g class="bar" data-slot="{e(bar["slot"])}"><rect class="{outcome}" x="{x:.1f}" y="{y + 5}" '
+        f'width="{w:.1f}" height="{row - 10}" rx="2"><title>{title}</title></rect>'
+    ]
+    if bar["open"]:
+        out.append(
+            f'<rect class="unknown" x="{x + w - 2:.1f}" y="{y + 5}" width="8" height="{row - 10}">'
+            f"<title>{title}</title></rect>"
+        )
+    for when, kind, message in bar["retries"]:
+        rx = LABEL + when * scale
+        out.append(
+            f'<path class="retry" d="M{rx:.1f} {y + 4} l5 {row / 2 - 4} l-5 {row / 2 - 4} l-5 {-(row / 2 - 4)} z">'
+            f"<title>{e(bar['slot'])}: attempt failed with {e(kind)}: {e(message)}; retried</title></path>"
+        )
+    out.append("</g>")
+    return "".join(out)
+
+
+def _group(row: dict[str, Any], y: float, scale: float) -> str:
+    bars = row["bars"]
+    lo, hi = row.get("span") or [min(b["s"] for b in bars), max(b["e"] for b in bars)]
+    failed = row.get("failed", sum(1 for b in bars if b["outcome"] in {"failed", "interrupted"}))
+    retried = row.get("retried", sum(1 for b in bars if b["retries"]))
+    title = f"{row['step']}: {row['count']:,} slot(s) ran here, {failed:,} failed, {retried:,} retried"
+    x, w = LABEL + lo * scale, max((hi - lo) * scale, 2.0)
+    out = [f'<g class="bar group-bar" data-step="{e(row["step"])}"><title>{e(title)}</title>']
+    out.append(f'<rect class="group" x="{x:.1f}" y="{y + 5}" width="{w:.1f}" height="{ROW - 10}" rx="2"/>')
+    hist = row.get("hist")
+    if hist:
+        peak = max(hist) or 1
+        width = (hi if hi > 0 else 1) * scale / len(hist)
+        for i, n in enumerate(hist):
+            if n:
+                h = (ROW - 10) * n / peak
+                out.append(
+                    f'<rect class="hist" x="{LABEL + i * width:.1f}" y="{y + ROW - 5 - h:.1f}" '
+                    f'width="{max(width - 0.5, 0.5):.1f}" height="{h:.1f}"/>'
+                )
+    else:
+        for b in bars:
+            cls = b["outcome"] if b["outcome"] in OUTCOMES else "running"
+            bx = LABEL + b["s"] * scale
+            out.append(
+                f'<rect class="{cls}" x="{bx:.1f}" y="{y + 5}" width="{max((b["e"] - b["s"]) * scale, 1.0):.1f}" '
+                f'height="{ROW - 10}"/>'
+            )
+    for b in bars:
+        if b["outcome"] in {"failed", "interrupted"} or b["retries"]:
+            bx = LABEL + b["s"] * scale
+            cls = "failed" if b["outcome"] in {"failed", "interrupted"} else "retry"
+            out.append(f'<rect class="{cls}" x="{bx:.1f}" y="{y + 2}" width="3" height="{ROW - 4}"/>')
+    out.append("</g>")
+    return "".join(out)
+
+
+def _expanded(row: dict[str, Any], tl: dict[str, Any], scale: float, plot: float) -> str:
+    """A keyed step's slots, one lane per slot running at the same time (a <details>)."""
+    bars = sorted(row["bars"], key=lambda b: (b["s"], b["slot"]))
+    lanes: list[float] = []
+    placed = []
+    for b in bars:
+        for i, end in enumerate(lanes):
+            if end <= b["s"]:
+                lanes[i] = b["e"]
+                placed.append((i, b))
+                break
+        else:
+            lanes.append(b["e"])
+            placed.append((len(lanes) - 1, b))
+    lane_row = 18
+    height = TOP + lane_row * max(1, len(lanes)) + 6
+    span = tl["span"]
+    parts = [
+        f'<svg class="timeline keyed" viewBox="0 0 {WIDTH} {height}" role="img" '
+        f'aria-label="slots of {e(row["step"])}">',
+        _ticks(span, LABEL, plot, TOP, height - TOP - 4),
+    ]
+    for i in range(len(lanes)):
+        parts.append(
+            f'<text class="axis" x="{LABEL - 8}" y="{TOP + i * lane_row + 13}" text-anchor="end">lane {i + 1}</text>'
+        )
+    parts.extend(_bar(b, TOP + i * lane_row, scale, lane_row) for i, b in placed)
+    parts.append("</svg>")
+    more = row["count"] - len(bars)
+    note = f'<p class="note">{more:,} more slot(s) not drawn one by one (the row above shows them all).</p>' if more else ""
+    return (
+        f'<details class="keyed-step" data-step="{e(row["step"])}"><summary>{e(row["step"])}: '
+        f"{row['count']:,} slot(s) in run {tl['run']}, one lane per slot running at once</summary>"
+        f"{''.join(parts)}{note}</details>"
+    )
+
+
+def _story(data: dict[str, Any]) -> str:
+    rows = []
+    for r in data["runs"]:
+        if r["end_max"] is not None:
+            ended = f"killed between {_clock(r['end'])} and {_clock(r['end_max'])}"
+        elif r["status"] == "running":
+            ended = f"running (last event {_clock(r['end'])})"
+        else:
+            ended = _clock(r["end"])
+        took = None if r["end"] is None or r["start"] is None else r["end"] - r["start"]
+        story = []
+        if r["skipped"]:
+            src = ", ".join(str(n) for n in r["skipped_from"]) or "an earlier run"
+            story.append(f"resumed: skipped {r['skipped']:,} slot(s) computed in run(s) {src}")
+        if r["ran"]:
+            story.append(f"computed {r['ran']:,}")
+        if r["failed"]:
+            story.append(f"{r['failed']:,} failed or stopped")
+        if r["saved_unknown"]:
+            story.append(f"time saved not known for {r['saved_unknown']:,} skip(s)")
+        rows.append(
+            f'<tr data-run="{r["run"]}"><td class="num" data-v="{r["run"]}">{r["run"]}</td>'
+            f"<td>{_clock(r['start'], date=True)}</td><td>{e(ended)}</td>"
+            f'<td class="num" data-v="{took or 0}">{_secs(took)}</td>'
+            f'<td><span class="pill p-{e(_pill(r["status"]))}">{e(r["status"])}</span></td>'
+            f'<td class="num">{r["ran"]:,}</td><td class="num">{r["skipped"]:,}</td>'
+            f'<td class="num">{r["failed"]:,}</td><td class="num">{r["retried"]:,}</td>'
+            f'<td class="num" data-v="{r["saved_s"]}">{_secs(r["saved_s"])}</td><td>{e("; ".join(story))}</td></tr>'
+        )
+    head = (
+        '<th data-sort="num">Run</th><th>Started</th><th>Ended</th><th class="num" data-sort="num">Took</th>'
+        '<th>Status</th><th class="num">Ran</th><th class="num">Skipped</th><th class="num">Failed</th>'
+        '<th class="num">Retried</th><th class="num" data-sort="num">Saved</th><th>What happened</th>'
+    )
+    return (
+        '<section id="runs"><h2>Runs: the resume story</h2><p class="note">Each rerun skips the slots whose '
+        "stored output matches their code and arguments; the time saved is what those slots took when "
+        f'they ran.</p><table class="sortable" id="runs-table"><thead><tr>{head}</tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table></section>"
+    )
+
+
+def _pill(status: str) -> str:
+    return {"completed": "ran", "killed": "interrupted"}.get(status, status)
+
+
+def _why_cell(row: dict[str, Any]) -> str:
+    if row["outcome"] == "skipped":
+        made = f" (computed in run {row['computed_in']})" if row["computed_in"] else ""
+        return f"skipped: its stored output matches its code and arguments{e(made)}"
+    reason = row["reason"] or "unknown"
+    text = e(reason) + (f" <span class=\"muted\">({e(row['detail'])})</span>" if row["detail"] else "")
+    if row["error"]:
+        text += f'<br><span class="muted">{e(row["error"][0])}: {e(row["error"][1])}</span>'
+    code = [c for c in row["changes"] if c["kind"] != "parameter"]
+    params = [c["name"] for c in row["changes"] if c["kind"] == "parameter"]
+    if params:
+        text += f'<br><span class="muted">arguments changed: {e(", ".join(params))}</span>'
+    if code:
+        items = []
+        for c in code:
+            if c["kind"] == "value":
+                items.append(f"<div>value {e(c['name'])}: {e(c['old'] or '(none)')} → {e(c['new'] or '(none)')}</div>")
+            else:
+                head = f"{c['kind']} {c['name']}" if c["kind"] != "code" else "its own code"
+                diff = f'<pre class="diff">{e(c["diff"])}</pre>' if c.get("diff") else ""
+                items.append(f"<div>{e(head)} changed{diff}</div>")
+        names = ", ".join(c["name"] for c in code)
+        text += f"<details><summary>what changed: {e(_label(names, 60))}</summary>{''.join(items)}</details>"
+    return text
+
+
+def _steps(data: dict[str, Any]) -> str:
+    rows = []
+    for r in data["slots"]:
+        outcome = r["outcome"]
+        value = f'<pre class="value">{e(r["value"])}</pre>' if r["value"] else ""
+        key = (
+            f'<br><span class="muted">key {e(_label(repr(r["key"]), 120))}</span>'
+            if r["key"] is not None and "~" in r["slot"]
+            else ""
+        )
+        parent = f'<br><span class="muted">inside {e(r["parent"])}</span>' if r["parent"] else ""
+        rows.append(
+            f'<tr class="o-{e(outcome)}" data-outcome="{e(outcome)}" data-slot="{e(r["slot"])}">'
+            f'<td class="slot">{e(r["slot"])}{key}{parent}</td>'
+            f'<td><span class="pill p-{e(outcome)}">{e(outcome)}</span></td>'
+            f'<td class="why">{_why_cell(r)}</td>'
+            f'<td class="num" data-v="{r["run"]}">{r["run"]}</td>'
+            f'<td class="num" data-v="{r["computed_in"] or 0}">{r["computed_in"] or ""}</td>'
+            f'<td class="num" data-v="{r["duration"] or 0}">{_secs(r["duration"])}</td>'
+            f'<td class="num" data-v="{r["bytes"] or 0}">{human_size(r["bytes"]) if r["bytes"] else ""}</td>'
+            f'<td class="num" data-v="{r["attempts"] or 0}">{r["attempts"] or ""}</td>'
+            f"<td>{value}</td></tr>"
+        )
+    head = (
+        '<th data-sort="text">Slot</th><th data-sort="text">Outcome</th><th data-sort="text">Why</th>'
+        '<th class="num" data-sort="num">Run</th><th class="num" data-sort="num">Computed in</th>'
+        '<th class="num" data-sort="num">Duration</th><th class="num" data-sort="num">Size</th>'
+        '<th class="num" data-sort="num">Tries</th><th>Output (summary)</th>'
+    )
+    options = "".join(f'<option value="{o}">{o}</option>' for o in OUTCOMES)
+    total = sum(g["slots"] for g in data["groups"])
+    listed = len(data["slots"])
+    note = (
+        f'<p class="note">{listed:,} of {total:,} slots listed (unkeyed, failed and a sample of each keyed '
+        "step); every slot is counted in the table below.</p>"
+        if listed < total
+        else ""
+    )
+    groups = "".join(
+        f'<tr data-step="{e(g["step"])}"><td class="slot">{e(g["step"])}</td><td class="num">{g["slots"]:,}</td>'
+        + "".join(f'<td class="num">{g["outcomes"].get(o, 0):,}</td>' for o in OUTCOMES)
+        + f"<td>{e(', '.join(f'{k} ×{v:,}' for k, v in sorted(g['reasons'].items())))}</td></tr>"
+        for g in data["groups"]
+    )
+    group_head = "".join(f'<th class="num">{o}</th>' for o in OUTCOMES)
+    return (
+        '<section id="steps"><h2>Steps</h2>'
+        '<div class="tools" hidden><input id="steps-filter" type="search" placeholder="filter slots, reasons, errors…" '
+        f'aria-label="filter"><select id="steps-outcome" aria-label="outcome"><option value="">any outcome</option>'
+        f'{options}</select><span id="steps-shown" class="muted"></span></div>{note}'
+        f'<table class="sortable" id="steps-table"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+        '<h3>Per step</h3><table class="sortable" id="groups-table"><thead><tr><th>Step</th><th class="num">Slots</th>'
+        f"{group_head}<th>Why they ran</th></tr></thead><tbody>{groups}</tbody></table></section>"
+    )
+
+
+def _batches(data: dict[str, Any]) -> str:
+    if not data["batches"]:
+        return ""
+    out = ['<section id="batches"><h2>Batches</h2>']
+    for b in data["batches"]:
+        total = f"{b['total']:,}" if b["total"] is not None else "unknown"
+        rows = []
+        for r in b["runs"]:
+            resumed = f"{r['resumed']:,}" if r["resumed"] is not None else "not recorded"
+            computed = f"{r['computed']:,}" if r["computed"] is not None else ""
+            failure = ""
+            if r["failure"]:
+                f = r["failure"]
+                failure = f"row {e(f.get('row'))}: {e(f.get('type'))}: {e(f.get('message'))}"
+            rows.append(
+                f'<tr><td class="num">{r["run"]}</td><td class="num">{r["done"]:,}</td><td class="num">{resumed}</td>'
+                f'<td class="num">{computed}</td><td class="num">{r["failures"]:,}</td><td>{failure}</td></tr>'
+            )
+        out.append(
+            f'<div class="panel batch" data-batch="{e(b["batch"])}"><h3>{e(b["batch"])} '
+            f'<span class="muted">{total} rows, committed every {e(b["every"])}</span></h3>'
+            f"{_rate_chart(b)}<table><thead><tr><th class=\"num\">Run</th><th class=\"num\">Rows done</th>"
+            '<th class="num">Resumed</th><th class="num">Computed</th><th class="num">Failed rows</th>'
+            f"<th>A failure</th></tr></thead><tbody>{''.join(rows)}</tbody></table></div>"
+        )
+    out.append("</section>")
+    return "".join(out)
+
+
+_RUN_COLOURS = ("#2f6fdb", "#1f9d74", "#e07b24", "#8e5bd9", "#d43d3d", "#5b6775")
+
+
+def _rate_chart(batch: dict[str, Any]) -> str:
+    series = []
+    for r in batch["runs"]:
+        pts = r["points"]
+        rates = []
+        prev_t, prev_n = 0.0, r["resumed"] if r["resumed"] is not None else None
+        for t, n, _ in pts:
+            if prev_n is not None and t > prev_t:
+                rates.append((t, (n - prev_n) / (t - prev_t)))
+            prev_t, prev_n = t, n
+        if rates:
+            series.append((r["run"], rates))
+    if not series:
+        return '<p class="note">Not enough progress records to draw rows per second.</p>'
+    width, height, left, top, bottom = WIDTH, 170, 70, 14, 26
+    tmax = max(t for _, rs in series for t, _ in rs) or 1.0
+    rmax = max(v for _, rs in series for _, v in rs) or 1.0
+    plot_w, plot_h = width - left - 16, height - top - bottom
+    parts = [f'<svg class="rate" viewBox="0 0 {width} {height}" role="img" aria-label="rows per second">']
+    for i in range(5):
+        y = top + plot_h * i / 4
+        parts.append(f'<line class="grid" x1="{left}" x2="{width - 16}" y1="{y:.1f}" y2="{y:.1f}"/>')
+        parts.append(f'<text class="axis" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_num(rmax * (4 - i) / 4)}</text>')
+    for i in range(6):
+        x = left + plot_w * i / 5
+        anchor = "start" if i == 0 else ("end" if i == 5 else "middle")
+        parts.append(f'<text class="axis" x="{x:.1f}" y="{height - 8}" text-anchor="{anchor}">+{_secs(tmax * i / 5) or "0s"}</text>')
+    for idx, (run, rates) in enumerate(series):
+        colour = _RUN_COLOURS[idx % len(_RUN_COLOURS)]
+        pts = " ".join(f"{left + t / tmax * plot_w:.1f},{top + plot_h * (1 - v / rmax):.1f}" for t, v in rates)
+        parts.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="2"><title>run {run}</title></polyline>')
+        for t, v in rates:
+            parts.append(
+                f'<circle cx="{left + t / tmax * plot_w:.1f}" cy="{top + plot_h * (1 - v / rmax):.1f}" r="3" '
+                f'fill="{colour}"><title>run {run}: {_num(v)} rows/s at +{_secs(t)}</title></circle>'
+            )
+    parts.append("</svg>")
+    names = ", ".join(f"run {run}" for run, _ in series)
+    return f'<p class="note">Rows per second since each run started ({e(names)}; one line per run).</p>' + "".join(parts)
+
+
+def _num(value: float) -> str:
+    if value >= 1000:
+        return f"{value / 1000:.1f}k"
+    if value >= 100:
+        return f"{value:.0f}"
+    return f"{value:.1f}"
+
+
+def _compare(data: dict[str, Any]) -> str:
+    cmp = data["compare"]
+    if cmp is None:
+        return ""
+    first = cmp["first"]
+    rows = []
+    explain = "The two states hold the same outputs."
+    for r in cmp["rows"]:
+        is_first = r["slot"] == first
+        a, b = r["a"], r["b"]
+        changes = "".join(
+            f"<div>{e(c['kind'])} {e(c['name'])} changed"
+            + (f'<pre class="diff">{e(c["diff"])}</pre>' if c.get("diff") else "")
+            + "</div>"
+            for c in r["changes"]
+        )
+        side = lambda v: (  # noqa: E731
+            f"run {v['run'] or '?'} · {e(v['fingerprint'])}" if v is not None else '<span class="muted">absent</span>'
+        )
+        anchor = ' id="first-divergence"' if is_first else ""
+        rows.append(
+            f'<tr class="{"first" if is_first else ""}" data-verdict="{e(r["verdict"])}" data-slot="{e(r["slot"])}"'
+            f"{anchor}><td class=\"slot\">{e(r['slot'])}</td>"
+            f"<td>{side(a)}</td><td>{side(b)}</td><td>{e(r['verdict'])}{changes}</td></tr>"
+        )
+        if is_first:
+            explain = f"First divergence: {r['slot']}: {_verdict_text(r)}."
+    return (
+        '<section id="compare"><h2>Comparison</h2>'
+        f'<p class="panel" id="first-divergence-text"><b>{e(cmp["a"])} → {e(cmp["b"])}</b>: '
+        f"{cmp['same']:,} of {cmp['total']:,} slots hold the same output. {e(explain)}</p>"
+        '<table class="sortable" id="compare-table"><thead><tr><th data-sort="text">Slot</th>'
+        f"<th>{e(cmp['a'])}</th><th>{e(cmp['b'])}</th><th data-sort=\"text\">Verdict</th></tr></thead>"
+        f"<tbody>{''.join(rows)}</tbody></table></section>"
+    )
+
+
+def _verdict_text(row: dict[str, Any]) -> str:
+    verdict = row["verdict"]
+    if verdict == "code changed":
+        names = ", ".join(c["name"] for c in row["changes"]) or "its code"
+        return f"its code changed ({names}), so it ran again"
+    if verdict == "inputs changed":
+        return "its arguments changed (fingerprint {} → {})".format(row["a"]["fingerprint"], row["b"]["fingerprint"])
+    if verdict == "only now":
+        return "it was computed only after the earlier state"
+    if verdict == "only before":
+        return "it was forgotten (reset or rolled back) since"
+    return "the same code and arguments gave a different output"
+
+
+def _error(data: dict[str, Any]) -> str:
+    err = data["error"]
+    if err is None:
+        return ""
+    where = f" in step {err['step']}" if err.get("step") else ""
+    return (
+        '<section id="error"><h2>Last error</h2><div class="panel err">'
+        f"<p><b>{e(err['type'])}</b>{e(where)}: {e(err['message'])}</p>"
+        f"<pre>{e(err['traceback'])}</pre></div></section>"
+    )
+
+
+def write(path: str | os.PathLike[str], page: str) -> str:
+    """Write *page* to *path* (a temporary file renamed over it); returns the absolute path."""
+    target = os.path.abspath(os.fspath(path))
+    tmp = f"{target}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
+        f.write(page)
+    os.replace(tmp, target)
+    return target
+
+
+def report(
+    store: Any, secret: bytes | None, path: str | os.PathLike[str], *, run: int | str = "all",
+    compare: int | str | None = None,
+) -> str:  # fmt: skip
+    """Read the state root *store* (no lock, nothing written in it) and write its report to *path*."""
+    from ._report_data import collect  # noqa: PLC0415 - loaded with the report only
+
+    return write(path, render(collect(store, secret, run=run, compare=compare)))

@@ -1,0 +1,679 @@
+"""
+What ``resumable report`` shows, gathered from a state root as plain data.
+
+One pass over the event log (read through the Store API, no lock, nothing written) gives,
+per run, what each slot did: ran (why), skipped, failed, retried, killed; batches' progress
+over time; and the state of every slot after each run or checkpoint for comparisons. Values
+are read only to be summarised, never unpickled. A session (SPEC §13) is just another state
+root: the same :func:`collect` reads it through its own store.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from . import _history, _render, _why
+from ._journal import read_state
+from ._manifest import skip_fields
+from ._slots import slot_file, step_of
+from ._stores import Store
+
+SLOT_ROWS = 400  # slots listed one per row; past that, big keyed steps are summarised
+GROUP_SLOTS = 120  # slots drawn one by one when a keyed step's timeline row is expanded
+VALUES = 60  # outputs read for a preview
+PREVIEW = 400  # characters of a value's preview
+TIMELINES = 12  # runs drawn as timelines (the newest)
+SERIES = 200  # points of a batch's rate chart per run
+
+
+def when(stamp: str | None) -> float | None:
+    """Seconds since the epoch of an ISO 8601 stamp (None if there is none)."""
+    if not stamp:
+        return None
+    try:
+        return dt.datetime.fromisoformat(stamp).timestamp()
+    except ValueError:
+        return None
+
+
+def decode_key(slot: str) -> str | None:
+    """The key of a keyed slot as the user gave it (None for a shortened long key)."""
+    if "/" not in slot:
+        return None
+    encoded = slot.split("/", 1)[1]
+    if "~" in encoded:
+        return None
+    if encoded == "%":
+        return ""
+    raw = bytearray()
+    i = 0
+    while i < len(encoded):
+        if encoded[i] == "%" and i + 3 <= len(encoded):
+            try:
+                raw.append(int(encoded[i + 1 : i + 3], 16))
+                i += 3
+                continue
+            except ValueError:
+                pass
+        raw += encoded[i].encode()
+        i += 1
+    return raw.decode("utf-8", "replace")
+
+
+class _Run:
+    def __init__(self, number: int, start: float | None, info: dict[str, Any]) -> None:
+        self.number = number
+        self.start = start
+        self.end: float | None = None
+        self.end_max: float | None = None  # a killed run ended between end and end_max
+        self.last_seen = start
+        self.status = "running"
+        self.pid = info.get("pid")
+        self.host = info.get("host")
+        self.bars: dict[str, dict[str, Any]] = {}  # slot -> what it did in this run
+        self.skips: dict[str, dict[str, Any]] = {}
+        self.batches: dict[str, dict[str, Any]] = {}
+
+
+class _Version:
+    __slots__ = ("code", "file", "fingerprint", "run")
+
+    def __init__(self, fingerprint: object, file: object, code: object, run: int) -> None:
+        self.fingerprint = fingerprint
+        self.file = file
+        self.code = code
+        self.run = run
+
+
+class _Scan:
+    """One pass over the event log."""
+
+    def __init__(self, compare_checkpoint: int | None, first_checkpoint: int) -> None:
+        self.runs: list[_Run] = []
+        self.versions: dict[str, _Version] = {}  # the state now: slot -> its version
+        self.after_run: dict[int, dict[str, _Version]] = {}
+        self.at_checkpoint: dict[str, _Version] | None = None
+        self.compare_checkpoint = compare_checkpoint
+        self.checkpoint = first_checkpoint
+        self.durations: dict[tuple[str, object], float] = {}  # (slot, file) -> seconds it took
+        self.computed_in: dict[tuple[str, object], int] = {}  # (slot, file) -> run that made it
+        self.created: dict[tuple[str, object], float] = {}  # (slot, file) -> when its file was made
+        self.started: dict[str, tuple[object, object]] = {}  # slot -> (code, fingerprint) running
+        self.keys: dict[str, str] = {}
+        self.parents: dict[str, str] = {}
+        self.folded = False  # events before the first run_started (older history folded away)
+
+    def run(self, t: float | None) -> _Run:
+        if not self.runs:
+            self.folded = True
+            self.runs.append(_Run(0, t, {}))
+        return self.runs[-1]
+
+    def feed(self, event: dict[str, Any]) -> None:  # noqa: C901, PLR0912 - one dispatch
+        kind = event["event"]
+        t = when(event.get("t"))
+        if kind == "run_started":
+            self._close_previous(t)
+            number = event.get("run")
+            number = number if isinstance(number, int) else (self.runs[-1].number + 1 if self.runs else 1)
+            self.runs.append(_Run(number, t, event))
+            return
+        run = self.run(t)
+        if kind == "run_finished":
+            self._finish(run, event, t)
+            return
+        if not event.get("recovered") and t is not None:
+            run.last_seen = t if run.last_seen is None else max(run.last_seen, t)
+        if kind == "step_started":
+            self._started(run, event, t)
+        elif kind == "step_retry":
+            bar = run.bars.get(event["slot"])
+            if bar is not None:
+                bar["retries"].append([t, *_error_text(event.get("error"))])
+        elif kind == "step_completed":
+            self._completed(run, event, t)
+        elif kind in {"step_failed", "step_interrupted"}:
+            bar = run.bars.get(event["slot"])
+            if bar is not None:
+                bar["outcome"] = "failed" if kind == "step_failed" else "interrupted"
+                bar["end"] = t
+                bar["attempts"] = event.get("attempts", bar["attempts"])
+                bar["error"] = list(_error_text(event.get("error")))
+        elif kind in {"step_skipped", "steps_skipped"}:
+            rows = event["skips"] if kind == "steps_skipped" else [event]
+            for row in rows:
+                skip = skip_fields(row) if kind == "steps_skipped" else row
+                self._skipped(run, skip, t)
+        elif kind == "batch":
+            self._batch(run, event, t)
+        elif kind in {"steps_reset", "steps_removed"}:
+            for slot in event.get("slots") or []:
+                self.versions.pop(slot, None)
+        elif kind == "snapshot":
+            self._checkpoint()
+        elif kind == "rollback":
+            # the versions restored are not in the log: slots completed after it are forgotten
+            changes = event.get("changes") or {}
+            for slot in changes.get("removed") or [] if isinstance(changes, dict) else []:
+                if isinstance(slot, str):
+                    self.versions.pop(slot, None)
+
+    def _close_previous(self, t: float | None) -> None:
+        if self.runs and self.runs[-1].status == "running":
+            prev = self.runs[-1]  # no run_finished: it died, found out by this run
+            prev.status, prev.end, prev.end_max = "interrupted", prev.last_seen, t
+            self.after_run[prev.number] = dict(self.versions)
+
+    def _finish(self, run: _Run, event: dict[str, Any], t: float | None) -> None:
+        run.status = str(event.get("status") or "completed")
+        if event.get("detected"):  # written by the next run: the process died
+            run.end, run.end_max = run.last_seen, t
+            run.status = "killed"
+        else:
+            run.end = t
+        for bar in run.bars.values():
+            if bar["outcome"] == "running":
+                bar["outcome"] = "interrupted"
+        self.after_run[run.number] = dict(self.versions)
+
+    def _started(self, run: _Run, event: dict[str, Any], t: float | None) -> None:
+        slot = event["slot"]
+        self.started[slot] = (event.get("code"), event.get("fingerprint"))
+        if isinstance(event.get("key"), str):
+            self.keys[slot] = event["key"]
+        if isinstance(event.get("parent"), str):
+            self.parents[slot] = event["parent"]
+        reason = event.get("reason") if isinstance(event.get("reason"), str) else None
+        detail = event.get("detail") if isinstance(event.get("detail"), str) else None
+        run.bars[slot] = {
+            "slot": slot,
+            "start": t,
+            "end": None,
+            "outcome": "running",
+            "reason": reason,
+            "detail": detail,
+            "attempts": 1,
+            "retries": [],
+            "code": event.get("code"),
+            "was": event.get("was"),
+            "params": event.get("params"),
+        }
+
+    def _completed(self, run: _Run, event: dict[str, Any], t: float | None) -> None:
+        slot = event["slot"]
+        code, _ = self.started.pop(slot, (None, None))
+        file = event.get("file")
+        self.versions[slot] = _Version(event.get("fingerprint"), file, code, run.number)
+        self.computed_in[slot, file] = run.number
+        if isinstance(event.get("duration_s"), int | float):
+            self.durations[slot, file] = float(event["duration_s"])
+        bar = run.bars.get(slot)
+        if bar is None:  # its start was not logged before a kill
+            bar = run.bars[slot] = {
+                "slot": slot, "start": None, "end": None, "outcome": "running", "reason": None,
+                "detail": None, "attempts": 1, "retries": [], "code": None, "was": None, "params": None,
+            }  # fmt: skip
+        bar["outcome"] = "ran"
+        bar["attempts"] = event.get("attempts", bar["attempts"])
+        bar["file"] = file
+        bar["bytes"] = event.get("bytes")
+        if event.get("recovered"):
+            bar["end"] = None  # it finished before the kill; when is learnt from its file (below)
+            bar["recovered"] = True
+        else:
+            bar["end"] = t
+            if isinstance(event.get("duration_s"), int | float):
+                bar["duration"] = float(event["duration_s"])
+        self._checkpoint()
+
+    def _skipped(self, run: _Run, skip: dict[str, Any], t: float | None) -> None:
+        slot = skip.get("slot")
+        if not isinstance(slot, str):
+            return
+        file = skip.get("file")
+        created = when(skip.get("created_at"))
+        if created is not None:
+            self.created[slot, file] = created
+        run.skips[slot] = {"t": t, "file": file, "bytes": skip.get("bytes")}
+        if slot not in self.versions:
+            self.versions[slot] = _Version(skip.get("fingerprint"), file, None, 0)
+
+    def _batch(self, run: _Run, event: dict[str, Any], t: float | None) -> None:
+        progress = event["progress"]
+        batch = run.batches.setdefault(
+            event["batch"], {"points": [], "resumed": None, "failure": None, "total": None, "every": None}
+        )
+        batch["points"].append([t, progress.get("done", 0), progress.get("failures", 0)])
+        batch["total"] = progress.get("total")
+        batch["every"] = progress.get("every")
+        if isinstance(event.get("resumed"), int):
+            batch["resumed"] = event["resumed"]
+        if isinstance(event.get("failure"), dict):
+            batch["failure"] = event["failure"]
+
+    def _checkpoint(self) -> None:
+        self.checkpoint += 1
+        if self.checkpoint == self.compare_checkpoint:
+            self.at_checkpoint = dict(self.versions)
+
+    def finish(self) -> None:
+        if self.runs and self.runs[-1].status == "running":
+            run = self.runs[-1]
+            run.end = run.last_seen  # still going (or died and nothing has noticed yet)
+        for run in self.runs:
+            for bar in run.bars.values():
+                if bar.get("recovered"):
+                    made = self.created.get((bar["slot"], bar.get("file")))
+                    if made is not None:
+                        bar["end"] = made
+                        del bar["recovered"]
+                if run.end is not None and bar["end"] is not None and run.end_max is not None:
+                    run.end = min(max(run.end, bar["end"]), run.end_max)
+
+
+def _error_text(error: object) -> tuple[str, str, str]:
+    if not isinstance(error, dict):
+        return "", "", ""
+    return str(error.get("type", "")), str(error.get("message", "")), str(error.get("traceback", ""))
+
+
+def _clip(text: str, size: int) -> str:
+    return text if len(text) <= size else f"{text[:size]}… ({len(text):,} characters)"
+
+
+def _events(store: Store, secret: bytes | None) -> Iterator[dict[str, Any]]:
+    yield from _history.events(store, secret)
+
+
+def _selected(runs: list[_Run], which: int | str) -> list[_Run]:
+    if which == "all":
+        return list(runs)
+    if which == "last":
+        return runs[-1:]
+    chosen = [r for r in runs if r.number == which]
+    if not chosen:
+        from .exceptions import UsageError  # noqa: PLC0415
+
+        numbers = ", ".join(str(r.number) for r in runs) or "none"
+        msg = f"no run {which} in the event log (runs: {numbers}): pass --run N, last or all"
+        raise UsageError(msg)
+    return chosen
+
+
+def collect(
+    store: Store,
+    secret: bytes | None,
+    *,
+    run: int | str = "all",
+    compare: int | str | None = None,
+) -> dict[str, Any]:
+    """The report's data for the state root *store*: plain, JSON-serialisable, deterministic."""
+    manifest = read_state(store, secret=secret)
+    target = _compare_target(compare)
+    base = _history._base_id(store, secret)  # noqa: SLF001 - checkpoints folded into the base
+    scan = _Scan(target[1] if target[0] == "checkpoint" else None, base)
+    for event in _events(store, secret):
+        scan.feed(event)
+    scan.finish()
+    chosen = _selected(scan.runs, run)
+    data: dict[str, Any] = {
+        "pipeline": manifest.pipeline,
+        "location": store.location,
+        "status": manifest.status,
+        "runs_total": manifest.runs,
+        "which": run if isinstance(run, str) else f"run {run}",
+        "folded": scan.folded,
+        "state": _state_counts(manifest),
+        "runs": [_run_row(scan, r) for r in scan.runs],
+        "selected": [r.number for r in chosen],
+    }
+    data["counts"] = _sum_counts([row for row in data["runs"] if row["run"] in data["selected"]])
+    data["timelines"] = [_timeline(scan, r) for r in chosen[-TIMELINES:]]
+    data["timelines_left_out"] = max(0, len(chosen) - TIMELINES)
+    data["slots"], data["groups"] = _slots(store, secret, scan, chosen, manifest)
+    data["batches"] = _batches(chosen)
+    data["compare"] = _compare(store, scan, manifest, target) if compare is not None else None
+    error = manifest.error
+    data["error"] = (
+        {"step": error.step, "type": error.type, "message": error.message, "traceback": error.traceback}
+        if error is not None
+        else None
+    )
+    return data
+
+
+def _state_counts(manifest: Any) -> dict[str, int]:
+    counts = {"slots": len(manifest.steps), "completed": len(manifest.completed_steps)}
+    for status in ("failed", "running", "interrupted"):
+        counts[status] = sum(1 for rec in manifest.steps.values() if rec.status == status)
+    return counts
+
+
+def _run_row(scan: _Scan, run: _Run) -> dict[str, Any]:
+    ran = sum(1 for b in run.bars.values() if b["outcome"] == "ran")
+    failed = sum(1 for b in run.bars.values() if b["outcome"] in {"failed", "interrupted"})
+    retried = sum(1 for b in run.bars.values() if b["retries"] or (b["attempts"] or 1) > 1)
+    saved = 0.0
+    unknown = 0
+    from_runs: set[int] = set()
+    for slot, skip in run.skips.items():
+        took = scan.durations.get((slot, skip["file"]))
+        if took is None:
+            unknown += 1
+        else:
+            saved += took
+        made = scan.computed_in.get((slot, skip["file"]))
+        if made is not None:
+            from_runs.add(made)
+    killed_in = [b["slot"] for b in run.bars.values() if b["outcome"] in {"running", "interrupted"}]
+    return {
+        "run": run.number,
+        "start": run.start,
+        "end": run.end,
+        "end_max": run.end_max,
+        "status": run.status,
+        "pid": run.pid,
+        "host": run.host,
+        "ran": ran,
+        "skipped": len(run.skips),
+        "failed": failed,
+        "retried": retried,
+        "saved_s": round(saved, 6),
+        "saved_unknown": unknown,
+        "skipped_from": sorted(from_runs),
+        "stopped_in": killed_in[:5],
+    }
+
+
+def _sum_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {k: sum(r[k] for r in rows) for k in ("ran", "skipped", "failed", "retried")}
+    out["saved_s"] = round(sum(r["saved_s"] for r in rows), 6)
+    return out
+
+
+def _timeline(scan: _Scan, run: _Run) -> dict[str, Any]:
+    """The bars of one run, grouped by step (a keyed step's slots share a row)."""
+    start = run.start
+    times = [t for b in run.bars.values() for t in (b["start"], b["end"]) if t is not None]
+    if start is None:
+        start = min(times) if times else 0.0
+    end = run.end if run.end is not None else (max(times) if times else start)
+    end = max([end, *times]) if times else end
+    rows: dict[str, dict[str, Any]] = {}
+    for bar in run.bars.values():
+        slot = bar["slot"]
+        step = step_of(slot)
+        row = rows.setdefault(step, {"step": step, "keyed": "/" in slot, "bars": [], "count": 0})
+        row["count"] += 1
+        row["keyed"] = row["keyed"] or "/" in slot
+        b0 = bar["start"] if bar["start"] is not None else start
+        b1 = bar["end"]
+        open_end = b1 is None
+        if b1 is None:  # killed while running, or still running: ends somewhere after
+            b1 = run.end if run.end is not None else end
+        row["bars"].append(
+            {
+                "slot": slot,
+                "s": round(b0 - start, 6),
+                "e": round(max(b1, b0) - start, 6),
+                "open": open_end,
+                "outcome": bar["outcome"],
+                "reason": bar["reason"],
+                "detail": bar["detail"],
+                "attempts": bar["attempts"],
+                "retries": [[round((r[0] or b0) - start, 6), r[1], _clip(r[2], 300)] for r in bar["retries"]],
+                "error": [bar["error"][0], _clip(bar["error"][1], 300)] if bar.get("error") else None,
+                "parent": scan.parents.get(slot),
+            }
+        )
+    for row in rows.values():
+        bars = row["bars"]
+        if len(bars) > GROUP_SLOTS:  # a big keyed step: its shape, and the slots worth a look
+            row["hist"] = _histogram(bars, end - start)
+            notable = [b for b in bars if b["outcome"] != "ran" or b["retries"]]
+            row["bars"] = (notable + [b for b in bars if b["outcome"] == "ran" and not b["retries"]])[:GROUP_SLOTS]
+            row["bars"].sort(key=lambda b: (b["s"], b["slot"]))
+            row["span"] = [min(b["s"] for b in bars), max(b["e"] for b in bars)]
+            row["failed"] = sum(1 for b in bars if b["outcome"] in {"failed", "interrupted"})
+            row["retried"] = sum(1 for b in bars if b["retries"])
+    skipped: dict[str, int] = {}
+    for slot in run.skips:
+        skipped[step_of(slot)] = skipped.get(step_of(slot), 0) + 1
+    return {
+        "run": run.number,
+        "status": run.status,
+        "start": start,
+        "span": round(max(end - start, 1e-6), 6),
+        "unknown_until": (round(run.end_max - start, 6) if run.end_max is not None else None),
+        "rows": list(rows.values()),
+        "skipped": skipped,
+    }
+
+
+HIST_BINS = 80
+
+
+def _histogram(bars: list[dict[str, Any]], span: float) -> list[int]:
+    """How many slots ended in each of :data:`HIST_BINS` equal slices of the run."""
+    bins = [0] * HIST_BINS
+    width = max(span, 1e-9) / HIST_BINS
+    for bar in bars:
+        bins[min(HIST_BINS - 1, max(0, int(bar["e"] / width)))] += 1
+    return bins
+
+
+def _slots(
+    store: Store, secret: bytes | None, scan: _Scan, chosen: list[_Run], manifest: Any
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """One row per slot the chosen runs touched (big keyed steps summarised), and per step."""
+    last: dict[str, tuple[_Run, str, dict[str, Any]]] = {}
+    for run in chosen:
+        for slot, skip in run.skips.items():
+            last[slot] = (run, "skipped", skip)
+        for slot, bar in run.bars.items():
+            last[slot] = (run, bar["outcome"], bar)
+    groups: dict[str, dict[str, Any]] = {}
+    for slot, (_, outcome, _) in last.items():
+        step = step_of(slot)
+        group = groups.setdefault(step, {"step": step, "slots": 0, "outcomes": {}, "reasons": {}, "keyed": False})
+        group["slots"] += 1
+        group["keyed"] = group["keyed"] or "/" in slot
+        group["outcomes"][outcome] = group["outcomes"].get(outcome, 0) + 1
+    for slot, (_, outcome, info) in last.items():
+        if outcome != "skipped" and info.get("reason"):
+            reasons = groups[step_of(slot)]["reasons"]
+            reasons[info["reason"]] = reasons.get(info["reason"], 0) + 1
+    listed = _listed(last, groups)
+    rows = []
+    values_left = VALUES
+    code_cache: dict[tuple[object, object], list[dict[str, Any]]] = {}
+    for slot in listed:
+        run, outcome, info = last[slot]
+        rec = manifest.steps.get(slot)
+        file = info.get("file")
+        made = scan.computed_in.get((slot, file))
+        took = info.get("duration") if outcome != "skipped" else scan.durations.get((slot, file))
+        row = {
+            "slot": slot,
+            "step": step_of(slot),
+            "key": scan.keys.get(slot, decode_key(slot)),
+            "run": run.number,
+            "outcome": outcome,
+            "reason": info.get("reason") if outcome != "skipped" else None,
+            "detail": info.get("detail") if outcome != "skipped" else None,
+            "changes": [],
+            "computed_in": made,
+            "duration": took,
+            "bytes": info.get("bytes") if info.get("bytes") is not None else (rec.bytes if rec else None),
+            "attempts": info.get("attempts", 1) if outcome != "skipped" else None,
+            "error": [info["error"][0], _clip(info["error"][1], 300)] if info.get("error") else None,
+            "parent": scan.parents.get(slot),
+            "value": None,
+        }
+        if outcome != "skipped" and row["reason"] == "code changed":
+            pair = (info.get("was"), info.get("code"))
+            if pair not in code_cache:
+                code_cache[pair] = _code_diff(store, *pair)
+            row["changes"] = code_cache[pair]
+        if isinstance(info.get("params"), list):
+            row["changes"] = row["changes"] + [{"kind": "parameter", "name": str(p)} for p in info["params"]]
+        if values_left > 0 and rec is not None and rec.status == "completed":
+            values_left -= 1
+            row["value"] = _preview(store, secret, slot)
+        rows.append(row)
+    for group in groups.values():
+        group["listed"] = sum(1 for s in listed if step_of(s) == group["step"])
+    return rows, sorted(groups.values(), key=lambda g: g["step"])
+
+
+def _listed(last: dict[str, Any], groups: dict[str, dict[str, Any]]) -> list[str]:
+    """The slots given a row each: all when few; else every unkeyed slot and notable keyed ones."""
+    slots = list(last)
+    if len(slots) <= SLOT_ROWS:
+        return slots
+    notable = [s for s in slots if "/" not in s or last[s][1] not in {"skipped", "ran"}]
+    rest = [s for s in slots if s not in set(notable)]
+    per_step: dict[str, int] = {}
+    picked = set(notable[:SLOT_ROWS])
+    room = max(0, SLOT_ROWS - len(picked))
+    share = max(1, room // max(1, len(groups)))
+    for slot in rest:
+        step = step_of(slot)
+        if per_step.get(step, 0) < share and room > 0:
+            per_step[step] = per_step.get(step, 0) + 1
+            picked.add(slot)
+            room -= 1
+    return [s for s in slots if s in picked]
+
+
+def _code_diff(store: Store, was: object, code: object) -> list[dict[str, Any]]:
+    old, new = _why.read_code(store, was), _why.read_code(store, code)
+    if old is None or new is None:
+        return []
+    return [
+        {"kind": c.kind, "name": c.name, "old": c.old, "new": c.new, "diff": _clip(c.diff or "", 4000) or None}
+        for c in _why.code_changes(old, new)
+    ]
+
+
+def _preview(store: Store, secret: bytes | None, slot: str) -> str | None:
+    from ._codec import DamagedFileError, read_verified  # noqa: PLC0415
+
+    try:
+        checked = read_verified(store.read(slot_file(slot)), secret)
+        value = checked.decode(allow_pickle=False, stand_ins=True)  # never unpickled
+    except (FileNotFoundError, DamagedFileError):
+        return None
+    except Exception as exc:  # noqa: BLE001 - a value that cannot be shown is named, not raised
+        return f"(cannot be shown: {type(exc).__name__})"
+    return _clip(_render.pretty(value), PREVIEW)
+
+
+def _batches(chosen: list[_Run]) -> list[dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for run in chosen:
+        for name, batch in run.batches.items():
+            entry = out.setdefault(name, {"batch": name, "runs": []})
+            points = batch["points"]
+            t0 = run.start if run.start is not None else (points[0][0] or 0.0)
+            done = points[-1][1] if points else 0
+            resumed = batch["resumed"]
+            entry["total"] = batch["total"]
+            entry["every"] = batch["every"]
+            step = len(points) / SERIES
+            kept = points if len(points) <= SERIES else [points[int(i * step)] for i in range(SERIES)] + [points[-1]]
+            entry["runs"].append(
+                {
+                    "run": run.number,
+                    "points": [[round((p[0] or t0) - t0, 3), p[1], p[2]] for p in kept],
+                    "done": done,
+                    "resumed": resumed,
+                    "computed": done - resumed if resumed is not None else None,
+                    "failures": points[-1][2] if points else 0,
+                    "failure": batch["failure"],
+                }
+            )
+    return [out[k] for k in sorted(out)]
+
+
+def _compare_target(compare: int | str | None) -> tuple[str, int | None]:
+    if compare is None:
+        return ("none", None)
+    if isinstance(compare, int):
+        return ("run", compare)
+    text = compare.strip().lower()
+    for prefix, kind in (("run", "run"), ("checkpoint", "checkpoint"), ("cp", "checkpoint")):
+        if text.startswith(prefix) and text[len(prefix) :].strip(" :=").isdigit():
+            return (kind, int(text[len(prefix) :].strip(" :=")))
+    if text.isdigit():
+        return ("run", int(text))
+    from .exceptions import UsageError  # noqa: PLC0415
+
+    msg = f"--compare {compare!r}: pass a run number (3 or run3) or a checkpoint (checkpoint12)"
+    raise UsageError(msg)
+
+
+def _compare(store: Store, scan: _Scan, manifest: Any, target: tuple[str, int | None]) -> dict[str, Any]:
+    """The state now against the state after run N or at checkpoint N, aligned by slot."""
+    kind, number = target
+    from .exceptions import UsageError  # noqa: PLC0415
+
+    if kind == "run":
+        other = scan.after_run.get(number or 0)
+        if other is None:
+            msg = f"--compare: run {number} has not finished in this log (runs: {len(scan.runs)})"
+            raise UsageError(msg)
+        label = f"after run {number}"
+    else:
+        other = scan.at_checkpoint
+        if other is None:
+            msg = f"--compare: no checkpoint {number} in the event log (see `resumable history`)"
+            raise UsageError(msg)
+        label = f"checkpoint {number}"
+    now = scan.versions
+    order = list(manifest.completed_steps) + [s for s in now if s not in set(manifest.completed_steps)]
+    order += [s for s in other if s not in now]
+    rows = []
+    first = None
+    for slot in order:
+        a, b = other.get(slot), now.get(slot)
+        verdict = _verdict(a, b)
+        row = {"slot": slot, "verdict": verdict, "a": _side(a), "b": _side(b), "changes": []}
+        if verdict == "code changed" and a is not None and b is not None:
+            row["changes"] = _code_diff(store, a.code, b.code)
+        if first is None and verdict != "same":
+            first = slot
+        rows.append(row)
+    same = sum(1 for r in rows if r["verdict"] == "same")
+    shown = [r for r in rows if r["verdict"] != "same"][:SLOT_ROWS] + [r for r in rows if r["verdict"] == "same"][:50]
+    shown.sort(key=lambda r: order.index(r["slot"]) if len(order) < 5000 else 0)
+    return {"a": label, "b": "now", "first": first, "same": same, "total": len(rows), "rows": shown}
+
+
+def _side(v: _Version | None) -> dict[str, Any] | None:
+    if v is None:
+        return None
+    return {"fingerprint": str(v.fingerprint or "")[:12], "file": str(v.file or "")[:12], "run": v.run}
+
+
+def _verdict(a: _Version | None, b: _Version | None) -> str:
+    if a is None and b is None:
+        return "same"
+    if a is None:
+        return "only now"
+    if b is None:
+        return "only before"
+    if a.file == b.file:
+        return "same"
+    if a.code is not None and b.code is not None and a.code != b.code:
+        return "code changed"
+    if a.fingerprint != b.fingerprint:
+        return "inputs changed"
+    return "output differs"
+
+
+def iter_slots(data: dict[str, Any]) -> Iterable[str]:
+    """The slots listed in the steps table (for tests and tools)."""
+    return [row["slot"] for row in data["slots"]]
