@@ -79,8 +79,10 @@ tr.first td{background:#fff6d6;box-shadow:inset 3px 0 var(--retry)}
 .muted{color:var(--soft)}
 pre{background:#0f1720;color:#e6edf3;padding:10px 12px;border-radius:6px;overflow:auto;font-size:12px;
 white-space:pre-wrap;word-break:break-word;max-height:420px}
-pre.value{background:#f2f4f7;color:var(--ink);max-height:160px;margin:4px 0}
+td.value{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;color:var(--soft);max-width:260px;
+white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
 .diff{margin:4px 0}
+td.why{min-width:260px}
 details summary{cursor:pointer;color:var(--accent)}
 .tools{display:flex;gap:10px;align-items:center;margin:8px 0}
 .tools input,.tools select{font:inherit;padding:4px 8px;border:1px solid var(--line);border-radius:6px}
@@ -134,7 +136,7 @@ _JS = """
     document.querySelector('.tools').hidden = false;
     filter();
   }
-  document.documentElement.setAttribute('data-ready', '1');
+  document.documentElement.setAttribute('data-ready', String(Math.round(performance.now())));
 })();
 """
 
@@ -540,10 +542,10 @@ def _steps(data: dict[str, Any]) -> str:
     rows = []
     for r in data["slots"]:
         outcome = r["outcome"]
-        value = f'<pre class="value">{e(r["value"])}</pre>' if r["value"] else ""
+        value = r["value"] or ""
         key = (
-            f'<br><span class="muted">key {e(_label(repr(r["key"]), 120))}</span>'
-            if r["key"] is not None and "~" in r["slot"]
+            f'<br><span class="muted">key {e(_label(r["key"], 120))}</span>'
+            if r["key"] is not None and r["key"] != r["slot"].partition("/")[2]
             else ""
         )
         parent = f'<br><span class="muted">inside {e(r["parent"])}</span>' if r["parent"] else ""
@@ -557,7 +559,7 @@ def _steps(data: dict[str, Any]) -> str:
             f'<td class="num" data-v="{r["duration"] or 0}">{_secs(r["duration"])}</td>'
             f'<td class="num" data-v="{r["bytes"] or 0}">{human_size(r["bytes"]) if r["bytes"] else ""}</td>'
             f'<td class="num" data-v="{r["attempts"] or 0}">{r["attempts"] or ""}</td>'
-            f"<td>{value}</td></tr>"
+            f'<td class="value" title="{e(value)}">{e(value[:200])}</td></tr>'
         )
     head = (
         '<th data-sort="text">Slot</th><th data-sort="text">Outcome</th><th data-sort="text">Why</th>'
