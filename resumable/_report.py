@@ -731,9 +731,11 @@ def _error(data: dict[str, Any]) -> str:
     if err is None:
         return ""
     where = f" in step {err['step']}" if err.get("step") else ""
+    when = f" (run {err['run']})" if err.get("run") is not None else ""
+    resolved = '<p class="note">A later run got past it: the state holds no error now.</p>' if err["resolved"] else ""
     return (
-        '<section id="error"><h2>Last error</h2><div class="panel err">'
-        f"<p><b>{e(err['type'])}</b>{e(where)}: {e(err['message'])}</p>"
+        f'<section id="error"><h2>Last error</h2><div class="panel err">{resolved}'
+        f"<p><b>{e(err['type'])}</b>{e(where)}{e(when)}: {e(err['message'])}</p>"
         f"<pre>{e(err['traceback'])}</pre></div></section>"
     )
 

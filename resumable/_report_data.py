@@ -104,6 +104,7 @@ class _Scan:
         self.keys: dict[str, str] = {}
         self.parents: dict[str, str] = {}
         self.folded = False  # events before the first run_started (older history folded away)
+        self.last_error: dict[str, Any] | None = None
 
     def run(self, t: float | None) -> _Run:
         if not self.runs:
@@ -141,6 +142,12 @@ class _Scan:
                 bar["end"] = t
                 bar["attempts"] = event.get("attempts", bar["attempts"])
                 bar["error"] = list(_error_text(event.get("error")))
+                if kind == "step_failed":
+                    kind_, message, trace = bar["error"]
+                    self.last_error = {
+                        "step": event["slot"], "type": kind_, "message": message, "traceback": trace,
+                        "run": run.number,
+                    }  # fmt: skip
         elif kind in {"step_skipped", "steps_skipped"}:
             rows = event["skips"] if kind == "steps_skipped" else [event]
             for row in rows:
@@ -336,11 +343,15 @@ def collect(
     data["batches"] = _batches(chosen)
     data["compare"] = _compare(store, scan, manifest, target) if compare is not None else None
     error = manifest.error
-    data["error"] = (
-        {"step": error.step, "type": error.type, "message": error.message, "traceback": error.traceback}
-        if error is not None
-        else None
-    )
+    if error is not None:
+        data["error"] = {
+            "step": error.step, "type": error.type, "message": error.message, "traceback": error.traceback,
+            "run": scan.runs[-1].number if scan.runs else None, "resolved": False,
+        }  # fmt: skip
+    elif scan.last_error is not None:  # a later run got past it
+        data["error"] = {**scan.last_error, "resolved": True}
+    else:
+        data["error"] = None
     return data
 
 
@@ -400,44 +411,30 @@ def _timeline(scan: _Scan, run: _Run) -> dict[str, Any]:
     if start is None:
         start = min(times) if times else 0.0
     end = run.end if run.end is not None else (max(times) if times else start)
-    end = max([end, *times]) if times else end
-    rows: dict[str, dict[str, Any]] = {}
-    for bar in run.bars.values():
-        slot = bar["slot"]
-        step = step_of(slot)
-        row = rows.setdefault(step, {"step": step, "keyed": "/" in slot, "bars": [], "count": 0})
-        row["count"] += 1
-        row["keyed"] = row["keyed"] or "/" in slot
-        b0 = bar["start"] if bar["start"] is not None else start
-        b1 = bar["end"]
-        open_end = b1 is None
-        if b1 is None:  # killed while running, or still running: ends somewhere after
-            b1 = run.end if run.end is not None else end
-        row["bars"].append(
-            {
-                "slot": slot,
-                "s": round(b0 - start, 6),
-                "e": round(max(b1, b0) - start, 6),
-                "open": open_end,
-                "outcome": bar["outcome"],
-                "reason": bar["reason"],
-                "detail": bar["detail"],
-                "attempts": bar["attempts"],
-                "retries": [[round((r[0] or b0) - start, 6), r[1], _clip(r[2], 300)] for r in bar["retries"]],
-                "error": [bar["error"][0], _clip(bar["error"][1], 300)] if bar.get("error") else None,
-                "parent": scan.parents.get(slot),
-            }
-        )
-    for row in rows.values():
-        bars = row["bars"]
+    end = max(end, max(times)) if times else end
+    by_step: dict[str, list[dict[str, Any]]] = {}
+    for slot, bar in run.bars.items():
+        by_step.setdefault(step_of(slot), []).append(bar)
+    rows = []
+    for step, bars in by_step.items():
+        row: dict[str, Any] = {"step": step, "keyed": any("/" in b["slot"] for b in bars[:1]), "count": len(bars)}
         if len(bars) > GROUP_SLOTS:  # a big keyed step: its shape, and the slots worth a look
-            row["hist"] = _histogram(bars, end - start)
-            notable = [b for b in bars if b["outcome"] != "ran" or b["retries"]]
-            row["bars"] = (notable + [b for b in bars if b["outcome"] == "ran" and not b["retries"]])[:GROUP_SLOTS]
-            row["bars"].sort(key=lambda b: (b["s"], b["slot"]))
-            row["span"] = [min(b["s"] for b in bars), max(b["e"] for b in bars)]
+            last = run.end if run.end is not None else end
+            ends = [(b["end"] if b["end"] is not None else last) - start for b in bars]
+            row["hist"] = _histogram(ends, end - start)
+            row["span"] = [
+                round(min((b["start"] for b in bars if b["start"] is not None), default=start) - start, 6),
+                round(max(ends), 6),
+            ]
             row["failed"] = sum(1 for b in bars if b["outcome"] in {"failed", "interrupted"})
             row["retried"] = sum(1 for b in bars if b["retries"])
+            notable = [b for b in bars if b["outcome"] != "ran" or b["retries"]]
+            kept = (notable + [b for b in bars if b["outcome"] == "ran" and not b["retries"]])[:GROUP_SLOTS]
+            drawn = [_drawn(scan, b, start, end, run) for b in kept]
+            row["bars"] = sorted(drawn, key=lambda b: (b["s"], b["slot"]))
+        else:
+            row["bars"] = [_drawn(scan, b, start, end, run) for b in bars]
+        rows.append(row)
     skipped: dict[str, int] = {}
     for slot in run.skips:
         skipped[step_of(slot)] = skipped.get(step_of(slot), 0) + 1
@@ -447,20 +444,41 @@ def _timeline(scan: _Scan, run: _Run) -> dict[str, Any]:
         "start": start,
         "span": round(max(end - start, 1e-6), 6),
         "unknown_until": (round(run.end_max - start, 6) if run.end_max is not None else None),
-        "rows": list(rows.values()),
+        "rows": rows,
         "skipped": skipped,
+    }
+
+
+def _drawn(scan: _Scan, bar: dict[str, Any], start: float, end: float, run: _Run) -> dict[str, Any]:
+    b0 = bar["start"] if bar["start"] is not None else start
+    b1 = bar["end"]
+    open_end = b1 is None
+    if b1 is None:  # killed while running, or still running: ends somewhere after
+        b1 = run.end if run.end is not None else end
+    return {
+        "slot": bar["slot"],
+        "s": round(b0 - start, 6),
+        "e": round(max(b1, b0) - start, 6),
+        "open": open_end,
+        "outcome": bar["outcome"],
+        "reason": bar["reason"],
+        "detail": bar["detail"],
+        "attempts": bar["attempts"],
+        "retries": [[round((r[0] or b0) - start, 6), r[1], _clip(r[2], 300)] for r in bar["retries"]],
+        "error": [bar["error"][0], _clip(bar["error"][1], 300)] if bar.get("error") else None,
+        "parent": scan.parents.get(bar["slot"]),
     }
 
 
 HIST_BINS = 80
 
 
-def _histogram(bars: list[dict[str, Any]], span: float) -> list[int]:
+def _histogram(ends: list[float], span: float) -> list[int]:
     """How many slots ended in each of :data:`HIST_BINS` equal slices of the run."""
     bins = [0] * HIST_BINS
     width = max(span, 1e-9) / HIST_BINS
-    for bar in bars:
-        bins[min(HIST_BINS - 1, max(0, int(bar["e"] / width)))] += 1
+    for t in ends:
+        bins[min(HIST_BINS - 1, max(0, int(t / width)))] += 1
     return bins
 
 
@@ -477,7 +495,9 @@ def _slots(
     groups: dict[str, dict[str, Any]] = {}
     for slot, (_, outcome, _) in last.items():
         step = step_of(slot)
-        group = groups.setdefault(step, {"step": step, "slots": 0, "outcomes": {}, "reasons": {}, "keyed": False})
+        group = groups.get(step)
+        if group is None:
+            group = groups[step] = {"step": step, "slots": 0, "outcomes": {}, "reasons": {}, "keyed": False}
         group["slots"] += 1
         group["keyed"] = group["keyed"] or "/" in slot
         group["outcomes"][outcome] = group["outcomes"].get(outcome, 0) + 1
@@ -534,7 +554,8 @@ def _listed(last: dict[str, Any], groups: dict[str, dict[str, Any]]) -> list[str
     if len(slots) <= SLOT_ROWS:
         return slots
     notable = [s for s in slots if "/" not in s or last[s][1] not in {"skipped", "ran"}]
-    rest = [s for s in slots if s not in set(notable)]
+    seen = set(notable)
+    rest = [s for s in slots if s not in seen]
     per_step: dict[str, int] = {}
     picked = set(notable[:SLOT_ROWS])
     room = max(0, SLOT_ROWS - len(picked))

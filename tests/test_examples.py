@@ -241,3 +241,20 @@ def test_async_llm_batch_records_failures_and_resumes(tmp_path):
     # 600 prompts minus the ~12 refused ones: the first run's answers were not asked again,
     # except those of the two pieces that were still open when it died
     assert answered <= 600 - 300 + 2 * 100
+
+
+def test_report_example_crashes_resumes_and_writes_its_report(tmp_path):
+    """--crash fails in the last step; the rerun skips the rest, and both write report.html."""
+    crashed = run_example("report", tmp_path, "--crash")
+    assert 1 == crashed.returncode
+    assert "ConnectionError: the publishing service is down" in crashed.stderr
+    assert (tmp_path / "report.html").is_file()
+
+    resumed = run_example("report", tmp_path)
+    assert 0 == resumed.returncode, resumed.stderr
+    assert "{'reviews': 200, 'mean': " in resumed.stdout
+    page = (tmp_path / "report.html").read_text()
+    assert 'data-run="2"' in page and "resumed: skipped 5 slot(s) computed in run(s) 1" in page
+    assert "ConnectionError" in page and "row 13: ValueError: review 13 has no text" in page
+    state = manifest(tmp_path)
+    assert ("completed", 2) == (state["status"], state["runs"])
