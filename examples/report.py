@@ -58,7 +58,9 @@ def publish(scores: list[object], crash: bool = False) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--crash", action="store_true", help="make the last step raise")
     parser.add_argument("-o", "--output", default="report.html", help="where to write the report")
     args = parser.parse_args()

@@ -150,11 +150,20 @@ def _hash(text: str) -> str:
     return "sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode()
 
 
-def _clock(t: float | None, *, date: bool = False) -> str:
+def _clock(t: float | None, *, date: bool = False, ms: bool = False) -> str:
     if t is None:
         return "?"
     stamp = dt.datetime.fromtimestamp(t, dt.UTC)
-    return stamp.strftime("%Y-%m-%d %H:%M:%S UTC" if date else "%H:%M:%S")
+    text = stamp.strftime("%Y-%m-%d %H:%M:%S" if date else "%H:%M:%S")
+    if ms:
+        text += f".{stamp.microsecond // 1000:03d}"
+    return text + (" UTC" if date else "")
+
+
+def _between(lo: float | None, hi: float | None) -> str:
+    """``between A and B``, with milliseconds when both fall in the same second."""
+    same = lo is not None and hi is not None and int(lo) == int(hi)
+    return f"between {_clock(lo, ms=same)} and {_clock(hi, ms=same)}"
 
 
 def _secs(seconds: float | None) -> str:
@@ -166,11 +175,17 @@ def _secs(seconds: float | None) -> str:
 
 
 def _json_block(data: dict[str, Any]) -> str:
-    text = json.dumps(data, sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=str)
+    text = json.dumps(
+        data, sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=str
+    )
     # inside <script>: no '<', '>' or '&' can start markup or end the block
-    return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e").replace(
-        "\u2028", "\\u2028"
-    ).replace("\u2029", "\\u2029")
+    return (
+        text.replace("&", "\\u0026")
+        .replace("<", "\\u003c")
+        .replace(">", "\\u003e")
+        .replace("\u2028", "\\u2028")
+        .replace("\u2029", "\\u2029")
+    )
 
 
 def render(data: dict[str, Any]) -> str:
@@ -193,7 +208,7 @@ def render(data: dict[str, Any]) -> str:
         ]
     )
     return (
-        "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
         '<meta name="referrer" content="no-referrer">'
         '<meta name="viewport" content="width=device-width,initial-scale=1">'
@@ -212,7 +227,11 @@ def _header(data: dict[str, Any]) -> str:
     runs = data["runs"]
     first = runs[0]["start"] if runs else None
     last = runs[-1]["end"] if runs else None
-    which = "all runs" if data["which"] == "all" else ("the last run" if data["which"] == "last" else data["which"])
+    which = (
+        "all runs"
+        if data["which"] == "all"
+        else ("the last run" if data["which"] == "last" else data["which"])
+    )
     cards = [
         ("completed", f"{state['completed']:,}", f"of {state['slots']:,} slots completed"),
         ("ran", f"{counts['ran']:,}", "slots ran"),
@@ -222,7 +241,8 @@ def _header(data: dict[str, Any]) -> str:
         ("saved", _secs(counts["saved_s"]) or "0s", "saved by skips (what they took)"),
     ]
     card_html = "".join(
-        f'<div class="card" data-count="{k}"><b>{e(v)}</b><span>{e(label)}</span></div>' for k, v, label in cards
+        f'<div class="card" data-count="{k}"><b>{e(v)}</b><span>{e(label)}</span></div>'
+        for k, v, label in cards
     )
     folded = (
         '<p class="note">Older history was folded into a checkpoint base: runs before it are not in the log.</p>'
@@ -230,7 +250,7 @@ def _header(data: dict[str, Any]) -> str:
         else ""
     )
     return (
-        f"<header><h1>{e(data['pipeline'])}<span class=\"badge b-{e(data['status'])}\" id=\"status\">"
+        f'<header><h1>{e(data["pipeline"])}<span class="badge b-{e(data["status"])}" id="status">'
         f"{e(data['status'])}</span></h1>"
         f'<p class="sub">{e(data["location"])} · {data["runs_total"]:,} run(s) · {_clock(first, date=True)} → '
         f"{_clock(last, date=True)} · counts over {e(which)}</p>"
@@ -264,11 +284,12 @@ def _legend() -> str:
 def _timelines(data: dict[str, Any]) -> str:
     out = ['<section id="timeline"><h2>Timeline</h2>', _legend()]
     if data["timelines_left_out"]:
-        out.append(f'<p class="note">{data["timelines_left_out"]:,} older run(s) not drawn (pass --run N).</p>')
+        out.append(
+            f'<p class="note">{data["timelines_left_out"]:,} older run(s) not drawn (pass --run N).</p>'
+        )
     if not data["timelines"]:
         out.append('<p class="note">No run in the event log yet.</p>')
-    for tl in data["timelines"]:
-        out.append(_timeline(tl))
+    out.extend(_timeline(tl) for tl in data["timelines"])
     out.append("</section>")
     return "".join(out)
 
@@ -279,7 +300,9 @@ def _bar_title(bar: dict[str, Any]) -> str:
     if why:
         lines.append(f"why it ran: {why}" + (f" ({bar['detail']})" if bar.get("detail") else ""))
     took = bar["e"] - bar["s"]
-    lines.append(f"from +{_secs(bar['s'])} to +{_secs(bar['e'])}" + ("" if bar["open"] else f" ({_secs(took)})"))
+    lines.append(
+        f"from +{_secs(bar['s'])} to +{_secs(bar['e'])}" + ("" if bar["open"] else f" ({_secs(took)})")
+    )
     if bar["open"]:
         lines.append("its end was not recorded: the process stopped while it ran")
     if bar.get("attempts", 1) and bar["attempts"] > 1:
@@ -303,7 +326,9 @@ def _ticks(span: float, x0: float, width: float, y: float, height: float) -> str
         x = x0 + width * i / 5
         out.append(f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{y}" y2="{y + height}"/>')
         anchor = "start" if i == 0 else ("end" if i == 5 else "middle")
-        out.append(f'<text class="axis" x="{x:.1f}" y="{y - 6}" text-anchor="{anchor}">+{_secs(span * i / 5) or "0s"}</text>')
+        out.append(
+            f'<text class="axis" x="{x:.1f}" y="{y - 6}" text-anchor="{anchor}">+{_secs(span * i / 5) or "0s"}</text>'
+        )
     return "".join(out)
 
 
@@ -317,8 +342,10 @@ def _timeline(tl: dict[str, Any]) -> str:
     rows = tl["rows"]
     height = TOP + ROW * max(1, len(rows)) + 8
     parts = [
-        f'<svg class="timeline" viewBox="0 0 {WIDTH} {height}" role="img" '
-        f'aria-label="timeline of run {tl["run"]}">',
+        (
+            f'<svg class="timeline" viewBox="0 0 {WIDTH} {height}" role="img" '
+            f'aria-label="timeline of run {tl["run"]}">'
+        ),
         _ticks(axis, LABEL, plot, TOP, height - TOP - 4),
     ]
     details = []
@@ -338,8 +365,8 @@ def _timeline(tl: dict[str, Any]) -> str:
     if unknown is not None:
         x1, x2 = LABEL + span * scale, LABEL + min(unknown, axis) * scale
         title = (
-            f"run {tl['run']} was killed: it ended between {_clock(tl['start'] + span)} and "
-            f"{_clock(tl['start'] + unknown)} (the exact time is unknown)"
+            f"run {tl['run']} was killed: it ended {_between(tl['start'] + span, tl['start'] + unknown)} "
+            "(the exact time is unknown)"
         )
         parts.append(
             f'<rect class="unknown" x="{x1:.1f}" y="{TOP}" width="{max(x2 - x1, 3):.1f}" '
@@ -354,7 +381,7 @@ def _timeline(tl: dict[str, Any]) -> str:
         skip_text = f'<p class="note">Skipped (stored by an earlier run): {e(_label(names, 400))}</p>'
     return (
         f'<div class="panel run-timeline" data-run="{tl["run"]}"><h3>{title}</h3>{"".join(parts)}'
-        f'{skip_text}{"".join(details)}</div>'
+        f"{skip_text}{''.join(details)}</div>"
     )
 
 
@@ -362,7 +389,7 @@ def _run_title(tl: dict[str, Any]) -> str:
     status = tl["status"]
     end = tl["start"] + tl["span"]
     if tl["unknown_until"] is not None:
-        when = f"{_clock(tl['start'])} → between {_clock(end)} and {_clock(tl['start'] + tl['unknown_until'])}"
+        when = f"{_clock(tl['start'])} → {_between(end, tl['start'] + tl['unknown_until'])}"
     else:
         when = f"{_clock(tl['start'])} → {_clock(end)} ({_secs(tl['span'])})"
     return f'Run {tl["run"]} <span class="badge b-{e(status)}">{e(status)}</span> <span class="muted">{when}</span>'
@@ -374,8 +401,10 @@ def _bar(bar: dict[str, Any], y: float, scale: float, row: float) -> str:
     outcome = bar["outcome"] if bar["outcome"] in OUTCOMES else "running"
     title = e(_bar_title(bar))
     out = [
-        f'<g class="bar" data-slot="{e(bar["slot"])}"><rect class="{outcome}" x="{x:.1f}" y="{y + 5}" '
-        f'width="{w:.1f}" height="{row - 10}" rx="2"><title>{title}</title></rect>'
+        (
+            f'<g class="bar" data-slot="{e(bar["slot"])}"><rect class="{outcome}" x="{x:.1f}" y="{y + 5}" '
+            f'width="{w:.1f}" height="{row - 10}" rx="2"><title>{title}</title></rect>'
+        )
     ]
     if bar["open"]:
         out.append(
@@ -447,18 +476,24 @@ def _expanded(row: dict[str, Any], tl: dict[str, Any], scale: float, plot: float
     height = TOP + lane_row * max(1, len(lanes)) + 6
     span = tl["span"]
     parts = [
-        f'<svg class="timeline keyed" viewBox="0 0 {WIDTH} {height}" role="img" '
-        f'aria-label="slots of {e(row["step"])}">',
+        (
+            f'<svg class="timeline keyed" viewBox="0 0 {WIDTH} {height}" role="img" '
+            f'aria-label="slots of {e(row["step"])}">'
+        ),
         _ticks(span, LABEL, plot, TOP, height - TOP - 4),
     ]
-    for i in range(len(lanes)):
-        parts.append(
-            f'<text class="axis" x="{LABEL - 8}" y="{TOP + i * lane_row + 13}" text-anchor="end">lane {i + 1}</text>'
-        )
+    parts.extend(
+        f'<text class="axis" x="{LABEL - 8}" y="{TOP + i * lane_row + 13}" text-anchor="end">lane {i + 1}</text>'
+        for i in range(len(lanes))
+    )
     parts.extend(_bar(b, TOP + i * lane_row, scale, lane_row) for i, b in placed)
     parts.append("</svg>")
     more = row["count"] - len(bars)
-    note = f'<p class="note">{more:,} more slot(s) not drawn one by one (the row above shows them all).</p>' if more else ""
+    note = (
+        f'<p class="note">{more:,} more slot(s) not drawn one by one (the row above shows them all).</p>'
+        if more
+        else ""
+    )
     return (
         f'<details class="keyed-step" data-step="{e(row["step"])}"><summary>{e(row["step"])}: '
         f"{row['count']:,} slot(s) in run {tl['run']}, one lane per slot running at once</summary>"
@@ -470,7 +505,7 @@ def _story(data: dict[str, Any]) -> str:
     rows = []
     for r in data["runs"]:
         if r["end_max"] is not None:
-            ended = f"killed between {_clock(r['end'])} and {_clock(r['end_max'])}"
+            ended = f"killed {_between(r['end'], r['end_max'])}"
         elif r["status"] == "running":
             ended = f"running (last event {_clock(r['end'])})"
         else:
@@ -517,7 +552,7 @@ def _why_cell(row: dict[str, Any]) -> str:
         made = f" (computed in run {row['computed_in']})" if row["computed_in"] else ""
         return f"skipped: its stored output matches its code and arguments{e(made)}"
     reason = row["reason"] or "unknown"
-    text = e(reason) + (f" <span class=\"muted\">({e(row['detail'])})</span>" if row["detail"] else "")
+    text = e(reason) + (f' <span class="muted">({e(row["detail"])})</span>' if row["detail"] else "")
     if row["error"]:
         text += f'<br><span class="muted">{e(row["error"][0])}: {e(row["error"][1])}</span>'
     code = [c for c in row["changes"] if c["kind"] != "parameter"]
@@ -528,7 +563,9 @@ def _why_cell(row: dict[str, Any]) -> str:
         items = []
         for c in code:
             if c["kind"] == "value":
-                items.append(f"<div>value {e(c['name'])}: {e(c['old'] or '(none)')} → {e(c['new'] or '(none)')}</div>")
+                items.append(
+                    f"<div>value {e(c['name'])}: {e(c['old'] or '(none)')} → {e(c['new'] or '(none)')}</div>"
+                )
             else:
                 head = f"{c['kind']} {c['name']}" if c["kind"] != "code" else "its own code"
                 diff = f'<pre class="diff">{e(c["diff"])}</pre>' if c.get("diff") else ""
@@ -615,7 +652,7 @@ def _batches(data: dict[str, Any]) -> str:
         out.append(
             f'<div class="panel batch" data-batch="{e(b["batch"])}"><h3>{e(b["batch"])} '
             f'<span class="muted">{total} rows, committed every {e(b["every"])}</span></h3>'
-            f"{_rate_chart(b)}<table><thead><tr><th class=\"num\">Run</th><th class=\"num\">Rows done</th>"
+            f'{_rate_chart(b)}<table><thead><tr><th class="num">Run</th><th class="num">Rows done</th>'
             '<th class="num">Resumed</th><th class="num">Computed</th><th class="num">Failed rows</th>'
             f"<th>A failure</th></tr></thead><tbody>{''.join(rows)}</tbody></table></div>"
         )
@@ -648,15 +685,23 @@ def _rate_chart(batch: dict[str, Any]) -> str:
     for i in range(5):
         y = top + plot_h * i / 4
         parts.append(f'<line class="grid" x1="{left}" x2="{width - 16}" y1="{y:.1f}" y2="{y:.1f}"/>')
-        parts.append(f'<text class="axis" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_num(rmax * (4 - i) / 4)}</text>')
+        parts.append(
+            f'<text class="axis" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_num(rmax * (4 - i) / 4)}</text>'
+        )
     for i in range(6):
         x = left + plot_w * i / 5
         anchor = "start" if i == 0 else ("end" if i == 5 else "middle")
-        parts.append(f'<text class="axis" x="{x:.1f}" y="{height - 8}" text-anchor="{anchor}">+{_secs(tmax * i / 5) or "0s"}</text>')
+        parts.append(
+            f'<text class="axis" x="{x:.1f}" y="{height - 8}" text-anchor="{anchor}">+{_secs(tmax * i / 5) or "0s"}</text>'
+        )
     for idx, (run, rates) in enumerate(series):
         colour = _RUN_COLOURS[idx % len(_RUN_COLOURS)]
-        pts = " ".join(f"{left + t / tmax * plot_w:.1f},{top + plot_h * (1 - v / rmax):.1f}" for t, v in rates)
-        parts.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="2"><title>run {run}</title></polyline>')
+        pts = " ".join(
+            f"{left + t / tmax * plot_w:.1f},{top + plot_h * (1 - v / rmax):.1f}" for t, v in rates
+        )
+        parts.append(
+            f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="2"><title>run {run}</title></polyline>'
+        )
         for t, v in rates:
             parts.append(
                 f'<circle cx="{left + t / tmax * plot_w:.1f}" cy="{top + plot_h * (1 - v / rmax):.1f}" r="3" '
@@ -664,7 +709,10 @@ def _rate_chart(batch: dict[str, Any]) -> str:
             )
     parts.append("</svg>")
     names = ", ".join(f"run {run}" for run, _ in series)
-    return f'<p class="note">Rows per second since each run started ({e(names)}; one line per run).</p>' + "".join(parts)
+    return (
+        f'<p class="note">Rows per second since each run started ({e(names)}; one line per run).</p>'
+        + "".join(parts)
+    )
 
 
 def _num(value: float) -> str:
@@ -691,14 +739,11 @@ def _compare(data: dict[str, Any]) -> str:
             + "</div>"
             for c in r["changes"]
         )
-        side = lambda v: (  # noqa: E731
-            f"run {v['run'] or '?'} · {e(v['fingerprint'])}" if v is not None else '<span class="muted">absent</span>'
-        )
         anchor = ' id="first-divergence"' if is_first else ""
         rows.append(
             f'<tr class="{"first" if is_first else ""}" data-verdict="{e(r["verdict"])}" data-slot="{e(r["slot"])}"'
-            f"{anchor}><td class=\"slot\">{e(r['slot'])}</td>"
-            f"<td>{side(a)}</td><td>{side(b)}</td><td>{e(r['verdict'])}{changes}</td></tr>"
+            f'{anchor}><td class="slot">{e(r["slot"])}</td>'
+            f"<td>{_side(a)}</td><td>{_side(b)}</td><td>{e(r['verdict'])}{changes}</td></tr>"
         )
         if is_first:
             explain = f"First divergence: {r['slot']}: {_verdict_text(r)}."
@@ -707,9 +752,15 @@ def _compare(data: dict[str, Any]) -> str:
         f'<p class="panel" id="first-divergence-text"><b>{e(cmp["a"])} → {e(cmp["b"])}</b>: '
         f"{cmp['same']:,} of {cmp['total']:,} slots hold the same output. {e(explain)}</p>"
         '<table class="sortable" id="compare-table"><thead><tr><th data-sort="text">Slot</th>'
-        f"<th>{e(cmp['a'])}</th><th>{e(cmp['b'])}</th><th data-sort=\"text\">Verdict</th></tr></thead>"
+        f'<th>{e(cmp["a"])}</th><th>{e(cmp["b"])}</th><th data-sort="text">Verdict</th></tr></thead>'
         f"<tbody>{''.join(rows)}</tbody></table></section>"
     )
+
+
+def _side(version: dict[str, Any] | None) -> str:
+    if version is None:
+        return '<span class="muted">absent</span>'
+    return f"run {version['run'] or '?'} · {e(version['fingerprint'])}"
 
 
 def _verdict_text(row: dict[str, Any]) -> str:
@@ -718,7 +769,9 @@ def _verdict_text(row: dict[str, Any]) -> str:
         names = ", ".join(c["name"] for c in row["changes"]) or "its code"
         return f"its code changed ({names}), so it ran again"
     if verdict == "inputs changed":
-        return "its arguments changed (fingerprint {} → {})".format(row["a"]["fingerprint"], row["b"]["fingerprint"])
+        return "its arguments changed (fingerprint {} → {})".format(
+            row["a"]["fingerprint"], row["b"]["fingerprint"]
+        )
     if verdict == "only now":
         return "it was computed only after the earlier state"
     if verdict == "only before":
@@ -732,7 +785,11 @@ def _error(data: dict[str, Any]) -> str:
         return ""
     where = f" in step {err['step']}" if err.get("step") else ""
     when = f" (run {err['run']})" if err.get("run") is not None else ""
-    resolved = '<p class="note">A later run got past it: the state holds no error now.</p>' if err["resolved"] else ""
+    resolved = (
+        '<p class="note">A later run got past it: the state holds no error now.</p>'
+        if err["resolved"]
+        else ""
+    )
     return (
         f'<section id="error"><h2>Last error</h2><div class="panel err">{resolved}'
         f"<p><b>{e(err['type'])}</b>{e(where)}{e(when)}: {e(err['message'])}</p>"

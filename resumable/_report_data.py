@@ -149,9 +149,8 @@ class _Scan:
                         "run": run.number,
                     }  # fmt: skip
         elif kind in {"step_skipped", "steps_skipped"}:
-            rows = event["skips"] if kind == "steps_skipped" else [event]
-            for row in rows:
-                skip = skip_fields(row) if kind == "steps_skipped" else row
+            skips = [skip_fields(row) for row in event["skips"]] if kind == "steps_skipped" else [event]
+            for skip in skips:
                 self._skipped(run, skip, t)
         elif kind == "batch":
             self._batch(run, event, t)
@@ -411,13 +410,17 @@ def _timeline(scan: _Scan, run: _Run) -> dict[str, Any]:
     if start is None:
         start = min(times) if times else 0.0
     end = run.end if run.end is not None else (max(times) if times else start)
-    end = max(end, max(times)) if times else end
+    end = max(end, *times) if times else end
     by_step: dict[str, list[dict[str, Any]]] = {}
     for slot, bar in run.bars.items():
         by_step.setdefault(step_of(slot), []).append(bar)
     rows = []
     for step, bars in by_step.items():
-        row: dict[str, Any] = {"step": step, "keyed": any("/" in b["slot"] for b in bars[:1]), "count": len(bars)}
+        row: dict[str, Any] = {
+            "step": step,
+            "keyed": any("/" in b["slot"] for b in bars[:1]),
+            "count": len(bars),
+        }
         if len(bars) > GROUP_SLOTS:  # a big keyed step: its shape, and the slots worth a look
             last = run.end if run.end is not None else end
             ends = [(b["end"] if b["end"] is not None else last) - start for b in bars]
@@ -482,7 +485,7 @@ def _histogram(ends: list[float], span: float) -> list[int]:
     return bins
 
 
-def _slots(
+def _slots(  # noqa: C901, PLR0912 - one row per slot, each field from its source
     store: Store, secret: bytes | None, scan: _Scan, chosen: list[_Run], manifest: Any
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One row per slot the chosen runs touched (big keyed steps summarised), and per step."""
@@ -515,6 +518,14 @@ def _slots(
         file = info.get("file")
         made = scan.computed_in.get((slot, file))
         took = info.get("duration") if outcome != "skipped" else scan.durations.get((slot, file))
+        changes: list[dict[str, Any]] = []
+        if outcome != "skipped" and info.get("reason") == "code changed":
+            pair = (info.get("was"), info.get("code"))
+            if pair not in code_cache:
+                code_cache[pair] = _code_diff(store, *pair)
+            changes = code_cache[pair]
+        if isinstance(info.get("params"), list):
+            changes = changes + [{"kind": "parameter", "name": str(p)} for p in info["params"]]
         row = {
             "slot": slot,
             "step": step_of(slot),
@@ -523,7 +534,7 @@ def _slots(
             "outcome": outcome,
             "reason": info.get("reason") if outcome != "skipped" else None,
             "detail": info.get("detail") if outcome != "skipped" else None,
-            "changes": [],
+            "changes": changes,
             "computed_in": made,
             "duration": took,
             "bytes": info.get("bytes") if info.get("bytes") is not None else (rec.bytes if rec else None),
@@ -532,13 +543,6 @@ def _slots(
             "parent": scan.parents.get(slot),
             "value": None,
         }
-        if outcome != "skipped" and row["reason"] == "code changed":
-            pair = (info.get("was"), info.get("code"))
-            if pair not in code_cache:
-                code_cache[pair] = _code_diff(store, *pair)
-            row["changes"] = code_cache[pair]
-        if isinstance(info.get("params"), list):
-            row["changes"] = row["changes"] + [{"kind": "parameter", "name": str(p)} for p in info["params"]]
         if values_left > 0 and rec is not None and rec.status == "completed":
             values_left -= 1
             row["value"] = _preview(store, secret, slot)
@@ -574,7 +578,13 @@ def _code_diff(store: Store, was: object, code: object) -> list[dict[str, Any]]:
     if old is None or new is None:
         return []
     return [
-        {"kind": c.kind, "name": c.name, "old": c.old, "new": c.new, "diff": _clip(c.diff or "", 4000) or None}
+        {
+            "kind": c.kind,
+            "name": c.name,
+            "old": c.old,
+            "new": c.new,
+            "diff": _clip(c.diff or "", 4000) or None,
+        }
         for c in _why.code_changes(old, new)
     ]
 
@@ -604,7 +614,11 @@ def _batches(chosen: list[_Run]) -> list[dict[str, Any]]:
             entry["total"] = batch["total"]
             entry["every"] = batch["every"]
             step = len(points) / SERIES
-            kept = points if len(points) <= SERIES else [points[int(i * step)] for i in range(SERIES)] + [points[-1]]
+            kept = (
+                points
+                if len(points) <= SERIES
+                else [points[int(i * step)] for i in range(SERIES)] + [points[-1]]
+            )
             entry["runs"].append(
                 {
                     "run": run.number,
@@ -668,7 +682,9 @@ def _compare(store: Store, scan: _Scan, manifest: Any, target: tuple[str, int | 
             first = slot
         rows.append(row)
     same = sum(1 for r in rows if r["verdict"] == "same")
-    shown = [r for r in rows if r["verdict"] != "same"][:SLOT_ROWS] + [r for r in rows if r["verdict"] == "same"][:50]
+    shown = [r for r in rows if r["verdict"] != "same"][:SLOT_ROWS] + [
+        r for r in rows if r["verdict"] == "same"
+    ][:50]
     shown.sort(key=lambda r: order.index(r["slot"]) if len(order) < 5000 else 0)
     return {"a": label, "b": "now", "first": first, "same": same, "total": len(rows), "rows": shown}
 
@@ -679,7 +695,7 @@ def _side(v: _Version | None) -> dict[str, Any] | None:
     return {"fingerprint": str(v.fingerprint or "")[:12], "file": str(v.file or "")[:12], "run": v.run}
 
 
-def _verdict(a: _Version | None, b: _Version | None) -> str:
+def _verdict(a: _Version | None, b: _Version | None) -> str:  # noqa: PLR0911 - one verdict each
     if a is None and b is None:
         return "same"
     if a is None:
