@@ -528,3 +528,52 @@ def test_a_100k_slot_report_is_small_and_quick(browser, tmp_path):
         opened.clean()
     finally:
         opened.close()
+
+
+def test_new_event_fields_reach_the_report(tmp_path):
+    """A long key's own text, the step a nested step ran inside, and a batch's resumed rows."""
+    pipe = Pipeline("fields", store=tmp_path / "state")
+    long_key = "k" * 300 + "<end>"
+
+    @pipe.step(key=lambda k: k)
+    def inner(k: str) -> int:
+        return len(k)
+
+    @pipe.step
+    def outer() -> int:
+        return inner(long_key)
+
+    with pipe:
+        outer()
+    events = _events(tmp_path / "state")
+    started = [e for e in events if e["event"] == "step_started" and e["step"] == "inner"]
+    assert long_key == started[0]["key"]
+    assert "outer" == started[0]["parent"]
+    data = json.loads(
+        Path(pipe.report(tmp_path / "r.html")).read_text().split('id="report-data">')[1].split("</script>")[0]
+    )
+    row = next(r for r in data["slots"] if r["step"] == "inner")
+    assert (long_key, "outer") == (row["key"], row["parent"])
+
+
+def test_resumed_rows_are_recorded(shop):
+    batches = [e for e in _events(shop) if e["event"] == "batch"]
+    resumed = [e["resumed"] for e in batches]
+    assert 0 == resumed[0]
+    assert max(resumed) > 0  # run 2 resumed the rows run 1 committed before its kill
+    assert any(e.get("failure", {}).get("type") == "ValueError" for e in batches)
+
+
+def test_a_100_slot_report_is_small(tmp_path):
+    pipe = Pipeline("hundred", store=tmp_path / "state", durable=False)
+
+    @pipe.step(key=lambda i: str(i))
+    def item(i: int) -> list[int]:
+        return list(range(i))
+
+    for _ in range(2):
+        with pipe:
+            for i in range(100):
+                item(i)
+    size = Path(pipe.report(tmp_path / "r.html")).stat().st_size
+    assert size <= 200_000
