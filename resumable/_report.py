@@ -66,7 +66,8 @@ svg .lane{fill:#f2f4f7}
 45deg,var(--interrupted) 0 3px,#fff 3px 6px)}.l-running{background:var(--running)}
 table{border-collapse:collapse;width:100%;background:var(--card);font-size:13px}
 th,td{text-align:left;padding:5px 8px;border-bottom:1px solid var(--line);vertical-align:top}
-th{background:#eef1f5;font-weight:600;white-space:nowrap;position:sticky;top:38px}
+th{background:#eef1f5;font-weight:600;white-space:nowrap}
+.scroll{overflow-x:auto}
 th[data-sort]{cursor:pointer}th[data-sort]:after{content:" \\2195";color:var(--soft);font-size:11px}
 th.asc:after{content:" \\2191"}th.desc:after{content:" \\2193"}
 td.num,th.num{text-align:right;font-variant-numeric:tabular-nums}
@@ -79,10 +80,10 @@ tr.first td{background:#fff6d6;box-shadow:inset 3px 0 var(--retry)}
 .muted{color:var(--soft)}
 pre{background:#0f1720;color:#e6edf3;padding:10px 12px;border-radius:6px;overflow:auto;font-size:12px;
 white-space:pre-wrap;word-break:break-word;max-height:420px}
-td.value{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;color:var(--soft);max-width:260px;
+div.value{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;color:var(--soft);max-width:220px;
 white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
 .diff{margin:4px 0}
-td.why{min-width:260px}
+td.why{min-width:280px}
 details summary{cursor:pointer;color:var(--accent)}
 .tools{display:flex;gap:10px;align-items:center;margin:8px 0}
 .tools input,.tools select{font:inherit;padding:4px 8px;border:1px solid var(--line);border-radius:6px}
@@ -596,7 +597,7 @@ def _steps(data: dict[str, Any]) -> str:
             f'<td class="num" data-v="{r["duration"] or 0}">{_secs(r["duration"])}</td>'
             f'<td class="num" data-v="{r["bytes"] or 0}">{human_size(r["bytes"]) if r["bytes"] else ""}</td>'
             f'<td class="num" data-v="{r["attempts"] or 0}">{r["attempts"] or ""}</td>'
-            f'<td class="value" title="{e(value)}">{e(value[:200])}</td></tr>'
+            f'<td><div class="value" title="{e(value)}">{e(value[:200])}</div></td></tr>'
         )
     head = (
         '<th data-sort="text">Slot</th><th data-sort="text">Outcome</th><th data-sort="text">Why</th>'
@@ -625,7 +626,8 @@ def _steps(data: dict[str, Any]) -> str:
         '<div class="tools" hidden><input id="steps-filter" type="search" placeholder="filter slots, reasons, errors…" '
         f'aria-label="filter"><select id="steps-outcome" aria-label="outcome"><option value="">any outcome</option>'
         f'{options}</select><span id="steps-shown" class="muted"></span></div>{note}'
-        f'<table class="sortable" id="steps-table"><thead><tr>{head}</tr></thead><tbody>{"".join(rows)}</tbody></table>'
+        f'<div class="scroll"><table class="sortable" id="steps-table"><thead><tr>{head}</tr></thead>'
+        f'<tbody>{"".join(rows)}</tbody></table></div>'
         '<h3>Per step</h3><table class="sortable" id="groups-table"><thead><tr><th>Step</th><th class="num">Slots</th>'
         f"{group_head}<th>Why they ran</th></tr></thead><tbody>{groups}</tbody></table></section>"
     )
@@ -677,7 +679,7 @@ def _rate_chart(batch: dict[str, Any]) -> str:
             series.append((r["run"], rates))
     if not series:
         return '<p class="note">Not enough progress records to draw rows per second.</p>'
-    width, height, left, top, bottom = WIDTH, 170, 70, 14, 26
+    width, height, left, top, bottom = WIDTH, 190, 70, 34, 26
     tmax = max(t for _, rs in series for t, _ in rs) or 1.0
     rmax = max(v for _, rs in series for _, v in rs) or 1.0
     plot_w, plot_h = width - left - 16, height - top - bottom
@@ -707,6 +709,11 @@ def _rate_chart(batch: dict[str, Any]) -> str:
                 f'<circle cx="{left + t / tmax * plot_w:.1f}" cy="{top + plot_h * (1 - v / rmax):.1f}" r="3" '
                 f'fill="{colour}"><title>run {run}: {_num(v)} rows/s at +{_secs(t)}</title></circle>'
             )
+    for idx, (run, _) in enumerate(series):  # the legend, right-aligned above the plot
+        x = width - 16 - 80 * (len(series) - idx)
+        colour = _RUN_COLOURS[idx % len(_RUN_COLOURS)]
+        parts.append(f'<rect x="{x}" y="8" width="12" height="12" rx="2" fill="{colour}"/>')
+        parts.append(f'<text class="axis" x="{x + 17}" y="18">run {run}</text>')
     parts.append("</svg>")
     names = ", ".join(f"run {run}" for run, _ in series)
     return (
