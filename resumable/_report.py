@@ -71,13 +71,14 @@ th{background:#eef1f5;font-weight:600;white-space:nowrap}
 th[data-sort]{cursor:pointer}th[data-sort]:after{content:" \\2195";color:var(--soft);font-size:11px}
 th.asc:after{content:" \\2191"}th.desc:after{content:" \\2193"}
 td.num,th.num{text-align:right;font-variant-numeric:tabular-nums}
-td.slot{font-family:ui-monospace,Menlo,Consolas,monospace;overflow-wrap:anywhere;min-width:110px;max-width:260px}
+td.slot{font-family:ui-monospace,Menlo,Consolas,monospace;overflow-wrap:anywhere;min-width:160px;max-width:280px}
 tr.o-failed td{background:#fdf0f0}tr.o-interrupted td{background:#fdf5ec}
 tr.first td{background:#fff6d6;box-shadow:inset 3px 0 var(--retry)}
 .pill{display:inline-block;padding:0 7px;border-radius:9px;font-size:12px;color:#fff}
 .p-ran{background:var(--ran)}.p-skipped{background:var(--skipped)}.p-failed{background:var(--failed)}
 .p-interrupted{background:var(--interrupted)}.p-running{background:var(--running)}
 .muted{color:var(--soft)}
+.key{background:#eef1f5;border-radius:4px;padding:0 4px}
 pre{background:#0f1720;color:#e6edf3;padding:10px 12px;border-radius:6px;overflow:auto;font-size:12px;
 white-space:pre-wrap;word-break:break-word;max-height:420px}
 div.value{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;color:var(--soft);max-width:220px;
@@ -581,15 +582,14 @@ def _steps(data: dict[str, Any]) -> str:
     for r in data["slots"]:
         outcome = r["outcome"]
         value = r["value"] or ""
-        key = (
-            f'<br><span class="muted">key {e(_label(r["key"], 120))}</span>'
-            if r["key"] is not None and r["key"] != r["slot"].partition("/")[2]
-            else ""
-        )
+        if r["key"] is not None and r["key"] != r["slot"].partition("/")[2]:  # an escaped key
+            name = f'<span title="{e(r["slot"])}">{e(r["step"])} <span class="key">{e(_label(r["key"], 120))}</span></span>'
+        else:
+            name = e(r["slot"])
         parent = f'<br><span class="muted">inside {e(r["parent"])}</span>' if r["parent"] else ""
         rows.append(
             f'<tr class="o-{e(outcome)}" data-outcome="{e(outcome)}" data-slot="{e(r["slot"])}">'
-            f'<td class="slot">{e(r["slot"])}{key}{parent}</td>'
+            f'<td class="slot">{name}{parent}</td>'
             f'<td><span class="pill p-{e(outcome)}">{e(outcome)}</span></td>'
             f'<td class="why">{_why_cell(r)}</td>'
             f'<td class="num" data-v="{r["run"]}">{r["run"]}</td>'
@@ -627,7 +627,7 @@ def _steps(data: dict[str, Any]) -> str:
         f'aria-label="filter"><select id="steps-outcome" aria-label="outcome"><option value="">any outcome</option>'
         f'{options}</select><span id="steps-shown" class="muted"></span></div>{note}'
         f'<div class="scroll"><table class="sortable" id="steps-table"><thead><tr>{head}</tr></thead>'
-        f'<tbody>{"".join(rows)}</tbody></table></div>'
+        f"<tbody>{''.join(rows)}</tbody></table></div>"
         '<h3>Per step</h3><table class="sortable" id="groups-table"><thead><tr><th>Step</th><th class="num">Slots</th>'
         f"{group_head}<th>Why they ran</th></tr></thead><tbody>{groups}</tbody></table></section>"
     )
