@@ -665,18 +665,19 @@ def _batches(data: dict[str, Any]) -> str:
 _RUN_COLOURS = ("#2f6fdb", "#1f9d74", "#e07b24", "#8e5bd9", "#d43d3d", "#5b6775")
 
 
+def _rates(run: dict[str, Any]) -> list[tuple[float, float]]:
+    """(seconds since the run started, rows per second since the previous record) of one run."""
+    rates = []
+    prev_t, prev_n = 0.0, run["resumed"]  # the first rate counts from the resumed rows, if known
+    for t, n, _ in run["points"]:
+        if prev_n is not None and t > prev_t:
+            rates.append((t, (n - prev_n) / (t - prev_t)))
+        prev_t, prev_n = t, n
+    return rates
+
+
 def _rate_chart(batch: dict[str, Any]) -> str:
-    series = []
-    for r in batch["runs"]:
-        pts = r["points"]
-        rates = []
-        prev_t, prev_n = 0.0, r["resumed"] if r["resumed"] is not None else None
-        for t, n, _ in pts:
-            if prev_n is not None and t > prev_t:
-                rates.append((t, (n - prev_n) / (t - prev_t)))
-            prev_t, prev_n = t, n
-        if rates:
-            series.append((r["run"], rates))
+    series = [(r["run"], rates) for r in batch["runs"] if (rates := _rates(r))]
     if not series:
         return '<p class="note">Not enough progress records to draw rows per second.</p>'
     width, height, left, top, bottom = WIDTH, 190, 70, 34, 26
