@@ -64,6 +64,8 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_clean",
             "_conformance",
             "_render",
+            "_report_data",
+            "_report",
             "_cli",
             "testing",
             "__init__",
