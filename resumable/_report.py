@@ -780,9 +780,9 @@ def _verdict_text(row: dict[str, Any]) -> str:
         return "its arguments changed (fingerprint {} → {})".format(
             row["a"]["fingerprint"], row["b"]["fingerprint"]
         )
-    if verdict == "only now":
+    if verdict == "added":
         return "it was computed only after the earlier state"
-    if verdict == "only before":
+    if verdict == "removed":
         return "it was forgotten (reset or rolled back) since"
     return "the same code and arguments gave a different output"
 

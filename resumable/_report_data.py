@@ -340,7 +340,8 @@ def collect(
     data["timelines_left_out"] = max(0, len(chosen) - TIMELINES)
     data["slots"], data["groups"] = _slots(store, secret, scan, chosen, manifest)
     data["batches"] = _batches(chosen)
-    data["compare"] = _compare(store, scan, manifest, target) if compare is not None else None
+    against = run if isinstance(run, int) else None  # --run N: compare with the state after it
+    data["compare"] = _compare(store, scan, manifest, target, against) if compare is not None else None
     error = manifest.error
     if error is not None:
         data["error"] = {
@@ -650,8 +651,10 @@ def _compare_target(compare: int | str | None) -> tuple[str, int | None]:
     raise UsageError(msg)
 
 
-def _compare(store: Store, scan: _Scan, manifest: Any, target: tuple[str, int | None]) -> dict[str, Any]:
-    """The state now against the state after run N or at checkpoint N, aligned by slot."""
+def _compare(
+    store: Store, scan: _Scan, manifest: Any, target: tuple[str, int | None], against: int | None
+) -> dict[str, Any]:
+    """The state now (or after run *against*) against the state after run N or at checkpoint N, by slot."""
     kind, number = target
     from .exceptions import UsageError  # noqa: PLC0415
 
@@ -667,7 +670,9 @@ def _compare(store: Store, scan: _Scan, manifest: Any, target: tuple[str, int | 
             msg = f"--compare: no checkpoint {number} in the event log (see `resumable history`)"
             raise UsageError(msg)
         label = f"checkpoint {number}"
-    now = scan.versions
+    now, now_label = scan.versions, "now"
+    if against is not None and against in scan.after_run:
+        now, now_label = scan.after_run[against], f"after run {against}"
     order = list(manifest.completed_steps) + [s for s in now if s not in set(manifest.completed_steps)]
     order += [s for s in other if s not in now]
     rows = []
@@ -686,7 +691,7 @@ def _compare(store: Store, scan: _Scan, manifest: Any, target: tuple[str, int | 
         r for r in rows if r["verdict"] == "same"
     ][:50]
     shown.sort(key=lambda r: order.index(r["slot"]) if len(order) < 5000 else 0)
-    return {"a": label, "b": "now", "first": first, "same": same, "total": len(rows), "rows": shown}
+    return {"a": label, "b": now_label, "first": first, "same": same, "total": len(rows), "rows": shown}
 
 
 def _side(v: _Version | None) -> dict[str, Any] | None:
@@ -699,9 +704,9 @@ def _verdict(a: _Version | None, b: _Version | None) -> str:  # noqa: PLR0911 - 
     if a is None and b is None:
         return "same"
     if a is None:
-        return "only now"
+        return "added"
     if b is None:
-        return "only before"
+        return "removed"
     if a.file == b.file:
         return "same"
     if a.code is not None and b.code is not None and a.code != b.code:

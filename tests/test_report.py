@@ -577,3 +577,10 @@ def test_a_100_slot_report_is_small(tmp_path):
                 item(i)
     size = Path(pipe.report(tmp_path / "r.html")).stat().st_size
     assert size <= 200_000
+
+
+def test_two_runs_compared(shop, tmp_path):
+    """--run 3 --compare 2: the state after run 3 against the state after run 2."""
+    text = _report(shop, tmp_path / "two.html", "--run", "3", "--compare", "2").read_text()
+    assert "after run 2 → after run 3" in text
+    assert 'id="first-divergence"' in text
