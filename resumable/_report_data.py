@@ -325,9 +325,9 @@ def collect(
     scan.finish()
     chosen = _selected(scan.runs, run)
     data: dict[str, Any] = {
-        "pipeline": manifest.pipeline,
+        "pipeline": manifest.pipeline or "(no pipeline has run here yet)",
         "location": store.location,
-        "status": manifest.status,
+        "status": manifest.status if scan.runs or manifest.runs else "empty",
         "runs_total": manifest.runs,
         "which": run if isinstance(run, str) else f"run {run}",
         "folded": scan.folded,
