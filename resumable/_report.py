@@ -597,7 +597,7 @@ def _steps(data: dict[str, Any]) -> str:
             f'<td class="num" data-v="{r["duration"] or 0}">{_secs(r["duration"])}</td>'
             f'<td class="num" data-v="{r["bytes"] or 0}">{human_size(r["bytes"]) if r["bytes"] else ""}</td>'
             f'<td class="num" data-v="{r["attempts"] or 0}">{r["attempts"] or ""}</td>'
-            f'<td><div class="value" title="{e(value)}">{e(value[:200])}</div></td></tr>'
+            f'<td><div class="value" title="{e(value)}">{e(value[:80])}</div></td></tr>'
         )
     head = (
         '<th data-sort="text">Slot</th><th data-sort="text">Outcome</th><th data-sort="text">Why</th>'

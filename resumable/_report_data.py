@@ -23,7 +23,7 @@ from ._stores import Store
 SLOT_ROWS = 400  # slots listed one per row; past that, big keyed steps are summarised
 GROUP_SLOTS = 120  # slots drawn one by one when a keyed step's timeline row is expanded
 VALUES = 60  # outputs read for a preview
-PREVIEW = 400  # characters of a value's preview
+PREVIEW = 300  # characters of a value's preview
 TIMELINES = 12  # runs drawn as timelines (the newest)
 SERIES = 200  # points of a batch's rate chart per run
 
