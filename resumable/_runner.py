@@ -11,9 +11,12 @@ import functools
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from ._codec import DamagedFileError, value_digest
 from ._fingerprint import StoredOutput
+from ._journal import read_header
 from ._plan import Plan
 from ._session import Found, Session
+from ._slots import slot_file
 from ._step import StepSpec
 from ._warn import warn
 from .exceptions import ResumableError, SerializationError, StepDefinitionError
@@ -86,7 +89,7 @@ def _run_one(
     found = run.peek(spec, plan)
     if found.hit:
         stored: StoredOutput = found.value
-        redo = functools.partial(_load_or_redo, run, spec, plan, args, kwargs)
+        redo = functools.partial(_load_or_redo, run, spec, plan, stored.digest, args, kwargs)
         return StoredOutput(plan.slot, stored.digest, redo, stored.plain_digest), False, plan.slot
     value = _execute(run, spec, plan, found, _call(spec, args, kwargs))
     # downstream steps see the stored digests, exactly as when this step is skipped
@@ -94,14 +97,41 @@ def _run_one(
     return StoredOutput(plan.slot, digest, lambda: value, plain), True, plan.slot
 
 
-def _load_or_redo(
-    run: Session, spec: StepSpec[Any, Any], plan: Plan, args: list[Any], kwargs: dict[str, Any]
+def _load_or_redo(  # noqa: PLR0913 - what the lazy value needs to load or make the output
+    run: Session, spec: StepSpec[Any, Any], plan: Plan, digest: str, args: list[Any], kwargs: dict[str, Any]
 ) -> Any:
+    """
+    The output this run found for a skipped step, read when first used. While the run is
+    open (it holds the lock) an output removed or replaced since is made again as a call of
+    the step would make it, with its events. Once the run has closed nothing may be written
+    for it: an output that is no longer the one it found is an error.
+    """
+    key = slot_file(plan.slot)
+    if not run.closed:
+        found = run.peek(spec, plan)
+        if found.hit:
+            try:
+                return run.load(spec, plan)
+            except (SerializationError, FileNotFoundError) as exc:
+                warn(f"{exc}; recomputing it.")
+                found = Found(hit=False, reason="corrupt")
+        return _execute(run, spec, plan, found, _call(spec, args, kwargs))
     try:
-        return run.load(spec, plan)
-    except (SerializationError, FileNotFoundError) as exc:
-        warn(f"{exc}; recomputing it.")
-        return _execute(run, spec, plan, Found(hit=False, reason="corrupt"), _call(spec, args, kwargs))
+        header, _ = read_header(run.store, key)
+        if value_digest(header) == digest:
+            return run.load(spec, plan)
+        what = "was replaced by another output"
+    except FileNotFoundError:
+        what = "was removed (a reset, a rollback or a clean)"
+    except (DamagedFileError, SerializationError) as exc:
+        what = f"cannot be read ({exc})"
+    msg = (
+        f"the output of step {plan.slot!r} ({run.store.location}/{key}) {what} after the run "
+        "that found it had ended, and a closed run writes nothing: run the pipeline again "
+        "(pipe.run()) to get its output, or read run.outputs inside `with pipe:` to have a "
+        "missing output made again while the run is open"
+    )
+    raise ResumableError(msg)
 
 
 def _resolved(values: Any) -> Any:
