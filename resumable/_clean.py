@@ -41,8 +41,8 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
     """
     report = CleanReport()
     cutoff = (dt.datetime.now(dt.UTC) - older_than).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    store = pipe.store
     with pipe._maintenance() as run:  # noqa: SLF001 - the CLI's own pipeline
+        store = run.store  # (the run may be one this process has open through another pipeline)
         run.journal.write_pending(durable=False)  # the log must hold every event replayed
         manifest = run.journal.manifest
         for key in _history.unneeded_versions(store, run.secret, pipe.keep_checkpoints, manifest, cutoff):

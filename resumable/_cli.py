@@ -28,7 +28,7 @@ from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, 
 from ._stores import Store, open_store
 from ._units import human_size
 from ._verify import find_damage
-from .exceptions import ResumableError, StateDirectoryError, UsageError
+from .exceptions import ResumableError, StateDirectoryError, StateLockedError, UsageError
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -391,9 +391,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(f"no state in {exc.location} (nothing has run with this state directory)", EXIT_NO_STATE)
     except UsageError as exc:
         return _fail(str(exc), EXIT_USAGE)
+    except StateLockedError as exc:
+        return _fail(f"{exc} {_LIVE_RUN}", EXIT_FAILED)
     except (ResumableError, OSError) as exc:
         return _fail(str(exc), EXIT_FAILED)
     return code
+
+
+# A process whose steps ran outside `with Pipeline(...)` holds its run until it exits.
+_LIVE_RUN = (
+    "If that process is a notebook, a REPL or a service that called steps, its run lasts until "
+    "it exits: make the change from inside it (Pipeline().reset('STEP'), .rollback(...)), or end it."
+)
 
 
 def _fail(message: str, code: int) -> int:

@@ -6,6 +6,7 @@ import atexit
 import signal
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any
@@ -29,14 +30,17 @@ class _ExitHooks:
     """Closes runs opened in script mode when the interpreter exits."""
 
     def __init__(self) -> None:
-        self._watched: dict[int, tuple[Any, Closer]] = {}
+        # held weakly: a pipeline dropped before exit closes its run itself (Pipeline._session_for)
+        self._watched: weakref.WeakKeyDictionary[Any, weakref.WeakMethod[Closer]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._installed = False
         self._error: BaseException | None = None
         self._terminated = False
 
     def watch(self, owner: object, close: Closer) -> None:
-        """Call *close* at interpreter exit (unless *owner* is forgotten first)."""
-        self._watched.setdefault(id(owner), (owner, close))
+        """Call *close*, a method of *owner*, at interpreter exit (unless *owner* is forgotten or gone first)."""
+        self._watched.setdefault(owner, weakref.WeakMethod(close))  # type: ignore[arg-type]
         if not self._installed:
             self._installed = True
             atexit.register(self._at_exit)
@@ -52,7 +56,7 @@ class _ExitHooks:
                 signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def forget(self, owner: object) -> None:
-        self._watched.pop(id(owner), None)
+        self._watched.pop(owner, None)
 
     def _on_sigterm(self, signum: int, _frame: object) -> None:
         # Unwind like Ctrl-C does, so the run (and a running step) is recorded as interrupted.
@@ -62,7 +66,10 @@ class _ExitHooks:
     def _at_exit(self) -> None:
         error = self._error
         status = "interrupted" if self._terminated else status_for(error)
-        for owner, close in list(self._watched.values()):
+        for owner, method in list(self._watched.items()):
+            close = method()
+            if close is None:
+                continue
             try:
                 close(status, error)
             except Exception as exc:  # noqa: BLE001 - report, and close the other pipelines

@@ -17,6 +17,7 @@ import os
 import stat
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -43,14 +44,17 @@ class FileDigests:
         self.dirty = False
         # caches to read on first use, one per store location (a run opening again and
         # again must not pile them up)
-        self._pending: dict[str, tuple[Store, bytes | None]] = {}
+        self._pending: dict[str, tuple[weakref.ref[Store], bytes | None]] = {}
         self._attached: set[str] = set()  # locations whose cache was read already
 
     def attach(self, store: Store, secret: bytes | None) -> None:
         """Use the cache kept in *store* too (read when a path is first fingerprinted)."""
+        if _in_memory(store):
+            return
         with self._lock:
             if store.location not in self._attached:
-                self._pending[store.location] = (store, secret)
+                # weakly: a pipeline dropped before any path was fingerprinted frees its store
+                self._pending[store.location] = (weakref.ref(store), secret)
 
     def digest(self, path: os.PathLike[str]) -> bytes | None:
         """
@@ -63,8 +67,9 @@ class FileDigests:
                 pending = self._pending.pop(location) if location is not None else None
                 if location is not None:
                     self._attached.add(location)
-            if pending is not None:
-                self.load(*pending)
+            store = pending[0]() if pending is not None else None
+            if pending is not None and store is not None:
+                self.load(store, pending[1])
         try:
             st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
@@ -142,7 +147,7 @@ class FileDigests:
 
     def save(self, store: Store, secret: bytes | None) -> None:
         """Write the cache into *store* if it learned anything (best effort: it is a cache)."""
-        if not self.dirty:
+        if not self.dirty or _in_memory(store):
             return
         from ._codec import encode, frame  # noqa: PLC0415
 
@@ -162,6 +167,12 @@ class FileDigests:
             self._pending.clear()
             self._attached.clear()
             self.dirty = False
+
+
+def _in_memory(store: Store) -> bool:
+    # A memory store lives no longer than this process, which has the cache already: keeping
+    # a copy there would only hold memory (a service may make a store per request).
+    return store.location.startswith("memory://")
 
 
 def _valid(entry: Any) -> bool:

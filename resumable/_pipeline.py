@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextvars
 import os
+import socket
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
@@ -29,7 +31,7 @@ from ._session import Session
 from ._slots import BATCHES, EVENTS, INTERNAL_DIR, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
 from ._step import KeySpec, RetryOn, Step, StepSpec, step
 from ._stores import Store, open_store
-from .exceptions import StateDirectoryError, StepDefinitionError, UsageError
+from .exceptions import StateDirectoryError, StateLockedError, StepDefinitionError, UsageError
 
 if TYPE_CHECKING:
     from ._history import Checkpoint
@@ -84,9 +86,10 @@ class Pipeline:
         self._secret_arg = secret
         self.keep_checkpoints = keep_checkpoints
         self._storage_options = dict(storage_options or {})
-        self._steps: dict[str, StepSpec[Any, Any]] = _context.steps_of(self)
+        self._steps: dict[str, StepSpec[Any, Any]] = {}
         self._store: Store | None = None
         self._run: Session | None = None
+        self._dropped: weakref.finalize[..., Any] | None = None  # closes a script-mode run if dropped
         self._lock = threading.RLock()
         self._depth = 0
         self._tokens: list[contextvars.Token[Any]] = []
@@ -177,6 +180,7 @@ class Pipeline:
             run.open(maintenance=maintenance)
         except (PermissionError, NotADirectoryError, FileExistsError) as exc:
             raise _unusable(self.store, exc) from exc
+        _open_runs[run.token] = run
         return run
 
     def _defined(self) -> list[str]:
@@ -196,6 +200,9 @@ class Pipeline:
                     run = self._run = self._new_run(maintenance=False)
                     if self._depth == 0:
                         exit_hooks.watch(self, self._close_at_exit)
+                        # dropped before exit (a pipeline per request): its run ends with it
+                        self._dropped = weakref.finalize(self, _close_dropped, run)
+                        self._dropped.atexit = False  # at exit, _close_at_exit knows the status
         if spec is not None and spec.pipeline is None:
             own = self._steps.get(spec.name)
             if own is not None:
@@ -209,6 +216,9 @@ class Pipeline:
     def _close(self, status: str, error: BaseException | None) -> None:
         with self._lock:
             run, self._run = self._run, None
+            if self._dropped is not None:
+                self._dropped.detach()
+                self._dropped = None
             if run is not None:
                 run.close(status, error, defined=self._defined())
 
@@ -250,7 +260,16 @@ class Pipeline:
             if run is not None:
                 yield run
                 return
-            run = self._new_run(maintenance=True)
+            try:
+                run = self._new_run(maintenance=True)
+            except StateLockedError as exc:
+                held = _held_here(exc)
+                if held is None:
+                    raise
+                # Another Pipeline object of this process runs over the same state (the
+                # default pipeline in a notebook): change the state through its run.
+                yield held
+                return
             try:
                 yield run
             finally:
@@ -350,7 +369,7 @@ class Pipeline:
         names of batches run outside steps; only slots whose file stays inside the state.
         """
         manifest = run.journal.manifest
-        listed = self.store.list()
+        listed = run.store.list()
         slots = {k[: -len(OUTPUT_SUFFIX)] for k in listed if is_output_file(k)}
         slots |= {s for s, rec in manifest.steps.items() if rec.status != "reset"}
         batches: set[str] = set()
@@ -366,12 +385,12 @@ class Pipeline:
     def _forget(self, run: Session, slots: list[str]) -> list[str]:
         from . import _history  # noqa: PLC0415 - imported when history is first used
 
+        # the run's store, not this pipeline's: the run may be another pipeline's (_maintenance)
+        store = run.store
         for slot in slots:
-            if self.keep_checkpoints > 0:  # a checkpoint may need this version back
-                _history.keep_version(
-                    self.store, slot, _history.file_version(self.store, slot), durable=self.durable
-                )
-            self.store.delete(slot_file(slot), durable=self.durable)
+            if run.keep_checkpoints > 0:  # a checkpoint may need this version back
+                _history.keep_version(store, slot, _history.file_version(store, slot), durable=run.durable)
+            store.delete(slot_file(slot), durable=run.durable)
             run.forget_batches(slot)
         if slots:
             run.journal.record("steps_reset", slots=slots)
@@ -483,7 +502,7 @@ class Pipeline:
         """
         with self._maintenance() as run:
             run.journal.flush(durable=False)
-            return snapshot(self.store)
+            return snapshot(run.store)
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """
@@ -511,6 +530,25 @@ class Pipeline:
         except (FileNotFoundError, DamagedFileError):
             return False
         return True
+
+
+# The runs this process has open, by the token their lock names (held no longer than they are).
+_open_runs: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
+
+
+def _held_here(exc: StateLockedError) -> Session | None:
+    """The open run of this process that holds the lock *exc* found taken, if it is one."""
+    holder = exc.holder
+    if holder.get("pid") != os.getpid() or holder.get("host") != socket.gethostname():
+        return None
+    run = _open_runs.get(str(holder.get("run_token")))
+    return run if run is not None and not run.closed else None
+
+
+def _close_dropped(run: Session) -> None:
+    """Close the script-mode run of a pipeline that was garbage-collected before exit."""
+    if not run.closed:
+        run.close("interrupted" if run.last_outcome == "interrupted" else "completed")
 
 
 def _unusable(store: Store, exc: OSError) -> StateDirectoryError:

@@ -209,6 +209,7 @@ class Session:
         self.journal = Journal(store, pipeline=pipeline, secret=secret, durable=durable)
         self.loops = Loops()  # `checkpointed` loops of named batches, outside steps
         self._lock: Any = None
+        self.token = os.urandom(8).hex()
         self._single_slot: dict[str, str] = {}
         # one call at a time per slot of an idempotent=False step (see slot_lock)
         self._slot_locks: dict[str, threading.RLock] = {}
@@ -237,6 +238,8 @@ class Session:
             "host": socket.gethostname(),
             "since": utcnow(),
             "argv": sys.argv[:4],
+            # tells this run apart from others of this process (see Pipeline._maintenance)
+            "run_token": self.token,
         }
         self._lock = self.store.lock(holder)
         file_digests.attach(self.store, self.secret)

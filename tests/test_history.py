@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -229,19 +231,31 @@ def test_load_state_with_another_secret_is_refused(tmp_path: Path):
 
 
 def test_history_operations_refuse_while_another_run_holds_the_lock(state_dir: Path):
-    """rollback, snapshot, save_state and load_state need the lock."""
+    """rollback, snapshot, save_state and load_state need the lock, which another process holds."""
     pipe = _prompt_pipeline(state_dir)
     pipe.run(text="v1")
-    other = Pipeline("agent", state_dir=state_dir)
-    with other:
+    script = (
+        "import sys\nfrom resumable import Pipeline\n"
+        f"with Pipeline('agent', state_dir={str(state_dir)!r}):\n"
+        "    print('holding', flush=True)\n    sys.stdin.readline()\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    holder = subprocess.Popen(  # noqa: S603 - our own interpreter
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert holder.stdout is not None
+        assert "holding\n" == holder.stdout.readline()
         for call in (
             lambda: pipe.rollback(1),
             lambda: pipe.snapshot("x"),
             lambda: pipe.save_state(),
             lambda: pipe.checkpoints(),
         ):
-            with pytest.raises(StateLockedError, match=f"pid {os.getpid()}"):
+            with pytest.raises(StateLockedError, match=f"pid {holder.pid}"):
                 call()
+    finally:
+        holder.communicate("\n", timeout=60)
 
 
 def test_rollback_inside_an_open_run(state_dir: Path):

@@ -257,7 +257,10 @@ def test_reset_keyed_slots(pipe: Pipeline):
 
 
 def test_lock_in_process(pipe: Pipeline, state_dir: Path):
-    """A second pipeline on the same directory gets StateLockedError naming the holder."""
+    """
+    A second pipeline on the same directory cannot open a run of its own (StateLockedError
+    naming the holder); a reset through it changes the state through the open run.
+    """
     import os
 
     with pipe:
@@ -265,8 +268,7 @@ def test_lock_in_process(pipe: Pipeline, state_dir: Path):
         with pytest.raises(StateLockedError, match=f"pid {os.getpid()}") as info:
             other.__enter__()
         assert os.getpid() == info.value.holder["pid"]
-        with pytest.raises(StateLockedError):
-            other.reset()
+        assert [] == other.reset()
     with other:
         pass
 

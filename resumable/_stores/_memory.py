@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -22,11 +23,14 @@ class _MemoryLock:
 
 
 class MemoryStore(Store):
-    """Objects in a dict; ``memory://name`` returns the same store for the same name."""
+    """
+    Objects in a dict; ``memory://name`` returns the same store for the same name, as long
+    as something (a pipeline) holds it: the last one dropped, its objects are freed.
+    """
 
     cheap_appends = True  # an append extends a bytearray in place
 
-    _named: ClassVar[dict[str, MemoryStore]] = {}
+    _named: ClassVar[weakref.WeakValueDictionary[str, MemoryStore]] = weakref.WeakValueDictionary()
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, name: str = "") -> None:
