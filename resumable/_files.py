@@ -3,9 +3,14 @@ Digests of the files a ``pathlib.Path`` argument names, with a stat cache.
 
 A file is fingerprinted by its contents, a directory by the names and contents of the files
 under it, a missing path by its name. Reading a large file on every call would be slow, so
-a digest is remembered with the file's size, modification time, inode and device: a file
-whose stat is unchanged is not read again. The same contents with a new mtime are read once
-and give the same digest (no change). The cache is kept in the state directory
+a digest is remembered with the file's size, modification and change times, inode and
+device: a file whose stat is unchanged is not read again. The change time (ctime) is set by
+the system at every write and cannot be set back, so a file rewritten in place with its
+mtime kept (``cp -p``, ``rsync -t --inplace``, ``os.utime``) is read again. A file changed
+within the last two seconds is not remembered at all: another write within the same tick
+of a coarse file system clock (a second, or two on FAT) would leave its stat unchanged (git's
+"racy clean" rule). The same contents with a new mtime are read once and give the same
+digest (no change). The cache is kept in the state directory
 (``.resumable/file-digests.msgpack``) so a new process does not read unchanged files again.
 """
 
@@ -28,11 +33,12 @@ log = logging.getLogger("resumable")
 CACHE_KEY = ".resumable/file-digests.msgpack"
 _MAX_ENTRIES = 100_000
 _READ_SIZE = 1 << 20
-# A file modified this recently may be modified again within the same mtime tick without its
-# stat changing: its digest is not cached (git's "racy clean" problem).
+# A file modified this recently may be modified again within the same tick of the file
+# system's clock without its stat changing: its digest is not cached (git's "racy clean"
+# problem). Two seconds covers the coarsest clocks (FAT's mtime).
 _RACY_NS = 2_000_000_000
 
-_Signature = tuple[int, int, int, int]  # size, mtime_ns, inode, device
+_Signature = tuple[int, int, int, int, int]  # size, mtime_ns, ctime_ns, inode, device
 
 
 class FileDigests:
@@ -84,7 +90,7 @@ class FileDigests:
         return None  # a device, a FIFO, a socket: never read
 
     def _file(self, path: str, st: os.stat_result) -> bytes:
-        signature = (st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev)
+        signature = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
         known = self._cache.get(path)
         if known is not None and known[0] == signature:
             return known[1]
@@ -97,7 +103,7 @@ class FileDigests:
             msg = f"cannot read {path!r} to fingerprint it: {exc.strerror or exc}"
             raise OSError(exc.errno, msg) from None
         result = digest.digest()
-        if time.time_ns() - st.st_mtime_ns > _RACY_NS:
+        if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > _RACY_NS:
             with self._lock:
                 self._cache[path] = (signature, result)
                 self.dirty = True
@@ -142,8 +148,8 @@ class FileDigests:
         with self._lock:
             for entry in entries:
                 if _valid(entry):
-                    path, size, mtime, ino, dev, digest = entry
-                    self._cache.setdefault(path, ((size, mtime, ino, dev), digest))
+                    path, size, mtime, ctime, ino, dev, digest = entry
+                    self._cache.setdefault(path, ((size, mtime, ctime, ino, dev), digest))
 
     def save(self, store: Store, secret: bytes | None) -> None:
         """Write the cache into *store* if it learned anything (best effort: it is a cache)."""
@@ -178,11 +184,11 @@ def _in_memory(store: Store) -> bool:
 def _valid(entry: Any) -> bool:
     return (
         type(entry) is list
-        and len(entry) == 6
+        and len(entry) == 7
         and type(entry[0]) is str
-        and all(type(n) is int for n in entry[1:5])
-        and type(entry[5]) is bytes
-        and len(entry[5]) == 32
+        and all(type(n) is int for n in entry[1:6])
+        and type(entry[6]) is bytes
+        and len(entry[6]) == 32
     )
 
 

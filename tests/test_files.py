@@ -16,9 +16,18 @@ from resumable._fingerprint import digest_value
 
 
 def _age(path: Path, seconds: int = 10) -> None:
-    """Move *path*'s mtime into the past, out of the window where digests are not cached."""
+    """Move *path*'s mtime into the past (its ctime stays: see _settled)."""
     st = path.stat()
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - seconds * 1_000_000_000))
+
+
+@pytest.fixture
+def _settled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    Files written by the test count as changed long ago: their digests are cached at once
+    (a file's ctime cannot be moved back, and waiting two seconds would slow the suite).
+    """
+    monkeypatch.setattr("resumable._files._RACY_NS", 0)
 
 
 def test_a_file_is_fingerprinted_by_its_contents(tmp_path: Path):
@@ -55,8 +64,9 @@ def test_a_missing_path_by_its_name(tmp_path: Path):
     assert digest_value(tmp_path / "other") != digest_value(missing)
 
 
+@pytest.mark.usefixtures("_settled")
 def test_an_unchanged_file_is_not_read_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """The stat cache answers for a file whose size, mtime and inode are unchanged."""
+    """The stat cache answers for a file whose size, mtime, ctime and inode are unchanged."""
     path = tmp_path / "big.bin"
     path.write_bytes(b"x" * 10_000)
     _age(path)
@@ -87,6 +97,9 @@ def test_a_recently_modified_file_is_not_cached(tmp_path: Path):
     cache = FileDigests()
     cache.digest(path)
     assert {} == cache._cache
+    _age(path, 3600)  # an old mtime (`cp -p`) does not hide a recent change: the ctime tells
+    cache.digest(path)
+    assert {} == cache._cache
 
 
 def test_a_step_with_a_path_argument_reruns_when_the_file_changes(tmp_path: Path):
@@ -113,6 +126,7 @@ def test_a_step_with_a_path_argument_reruns_when_the_file_changes(tmp_path: Path
     assert [2, 3] == calls
 
 
+@pytest.mark.usefixtures("_settled")
 def test_the_stat_cache_is_kept_in_the_state(tmp_path: Path):
     """A run stores what it learned; a new process (a fresh cache) reads it instead of the file."""
     state = tmp_path / "state"
