@@ -68,6 +68,27 @@ def read_file_with(
         os.close(fd)
 
 
+# What a state directory resumable creates holds, so that nobody commits it by accident (as
+# joblib does for its cache). Only a new directory gets one: an existing directory is the
+# user's, who may keep a state in git on purpose.
+GITIGNORE = ".gitignore"
+_GITIGNORE_TEXT = b"# Created by resumable: a state directory is not meant for version control.\n*\n"
+
+
+def _write_gitignore(directory: str, *, durable: bool) -> None:
+    path = os.path.join(directory, GITIGNORE)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    except FileExistsError:
+        return
+    try:
+        write_all(fd, [_GITIGNORE_TEXT])
+        if durable:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
     """Open *path* without following a symlink at its last component."""
     return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
@@ -227,6 +248,8 @@ class LocalStore(Store):
                 os.mkdir(d, 0o700)
             except FileExistsError:
                 continue
+            if d == self.root:
+                _write_gitignore(d, durable=durable)
             if durable:
                 fsync_dir(os.path.dirname(d))
 
@@ -639,7 +662,7 @@ class LocalStore(Store):
                     stack.append((entry.path, key))
                 elif (
                     key.startswith(prefix)
-                    and key not in {_LOCK_FILE, LOG_KEY}
+                    and key not in {_LOCK_FILE, LOG_KEY, GITIGNORE}
                     and not (entry.name.startswith(".") and entry.name.endswith(".tmp"))
                 ):
                     keys.append(key)
