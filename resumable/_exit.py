@@ -39,8 +39,8 @@ class _ExitHooks:
         self._terminated = False
 
     def watch(self, owner: object, close: Closer) -> None:
-        """Call *close*, a method of *owner*, at interpreter exit (unless *owner* is forgotten or gone first)."""
-        self._watched.setdefault(owner, weakref.WeakMethod(close))  # type: ignore[arg-type]
+        """Call *close*, a method of *owner*, at interpreter exit (unless *owner* is forgotten or gone)."""
+        self._watched.setdefault(owner, weakref.WeakMethod(close))
         if not self._installed:
             self._installed = True
             atexit.register(self._at_exit)

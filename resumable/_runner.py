@@ -89,7 +89,7 @@ def _run_one(
     found = run.peek(spec, plan)
     if found.hit:
         stored: StoredOutput = found.value
-        redo = functools.partial(_load_or_redo, run, spec, plan, stored.digest, args, kwargs)
+        redo = functools.partial(_load_or_redo, run, spec, plan, args, kwargs, digest=stored.digest)
         return StoredOutput(plan.slot, stored.digest, redo, stored.plain_digest), False, plan.slot
     value = _execute(run, spec, plan, found, _call(spec, args, kwargs))
     # downstream steps see the stored digests, exactly as when this step is skipped
@@ -98,7 +98,13 @@ def _run_one(
 
 
 def _load_or_redo(  # noqa: PLR0913 - what the lazy value needs to load or make the output
-    run: Session, spec: StepSpec[Any, Any], plan: Plan, digest: str, args: list[Any], kwargs: dict[str, Any]
+    run: Session,
+    spec: StepSpec[Any, Any],
+    plan: Plan,
+    args: list[Any],
+    kwargs: dict[str, Any],
+    *,
+    digest: str,
 ) -> Any:
     """
     The output this run found for a skipped step, read when first used. While the run is

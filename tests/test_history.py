@@ -240,7 +240,7 @@ def test_history_operations_refuse_while_another_run_holds_the_lock(state_dir: P
         "    print('holding', flush=True)\n    sys.stdin.readline()\n"
     )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    holder = subprocess.Popen(  # noqa: S603 - our own interpreter
+    holder = subprocess.Popen(
         [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
     )
     try:

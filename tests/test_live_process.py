@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def _python(script: str, *args: str, cwd: Path, env: dict[str, str] | None = None, **kw: object):
     """Run *script* in a fresh interpreter that imports this checkout of resumable."""
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.Popen(  # noqa: S603 - our own interpreter and script
+    return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(script), *args],
         cwd=cwd,
         env=full_env,
@@ -112,7 +112,7 @@ def test_a_lazy_output_missing_inside_its_open_run_is_recomputed_with_its_events
         assert 6 == run.outputs["b"]
     assert ["a", "b", "b"] == calls
     assert (state / "b.msgpack").exists()
-    assert ["step_started", "step_completed"] == [e for e in _events(state)[-3:-1]]
+    assert ["step_started", "step_completed"] == _events(state)[-3:-1]
 
 
 def test_a_lazy_output_is_not_written_while_another_process_holds_the_state(tmp_path: Path):
