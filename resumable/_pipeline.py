@@ -260,15 +260,9 @@ class Pipeline:
             if run is not None:
                 yield run
                 return
-            try:
-                run = self._new_run(maintenance=True)
-            except StateLockedError as exc:
-                held = _held_here(exc)
-                if held is None:
-                    raise
-                # Another Pipeline object of this process runs over the same state (the
-                # default pipeline in a notebook): change the state through its run.
-                yield held
+            run, own = self._maintenance_run()
+            if not own:
+                yield run
                 return
             try:
                 yield run
@@ -278,6 +272,18 @@ class Pipeline:
                         self.store.remove_temp_files()
                 finally:
                     run.close("completed")
+
+    def _maintenance_run(self) -> tuple[Session, bool]:
+        """A run of our own that counts no run (True), or the open run holding the lock here (False)."""
+        try:
+            return self._new_run(maintenance=True), True
+        except StateLockedError as exc:
+            held = _held_here(exc)
+            if held is None:
+                raise
+            # Another Pipeline object of this process runs over the same state (the default
+            # pipeline in a notebook): the state is changed through its run.
+            return held, False
 
     # the runner --------------------------------------------------------------------------
 

@@ -75,7 +75,8 @@ GITIGNORE = ".gitignore"
 _GITIGNORE_TEXT = b"# Created by resumable: a state directory is not meant for version control.\n*\n"
 
 
-def _write_gitignore(directory: str, *, durable: bool) -> None:
+def _write_gitignore(directory: str) -> None:
+    # Not atomic, not fsynced: a kill or power loss can only leave it empty, which ignores nothing.
     path = os.path.join(directory, GITIGNORE)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -83,8 +84,6 @@ def _write_gitignore(directory: str, *, durable: bool) -> None:
         return
     try:
         write_all(fd, [_GITIGNORE_TEXT])
-        if durable:
-            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -249,7 +248,7 @@ class LocalStore(Store):
             except FileExistsError:
                 continue
             if d == self.root:
-                _write_gitignore(d, durable=durable)
+                _write_gitignore(d)
             if durable:
                 fsync_dir(os.path.dirname(d))
 

@@ -202,7 +202,7 @@ def check_state(state: Path) -> set[str]:
         if path.is_dir() or rel.parts[0] == INTERNAL:
             continue
         hidden_tmp = path.name.startswith(".") and path.name.endswith(".tmp")
-        known = rel.as_posix() in {"manifest.json", "events.jsonl"} or path in outputs.values()
+        known = rel.as_posix() in {"manifest.json", "events.jsonl", ".gitignore"} or path in outputs.values()
         if not (hidden_tmp or known):
             unexpected.append(rel.as_posix())
     assert [] == unexpected
