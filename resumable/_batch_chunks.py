@@ -1,15 +1,15 @@
 """
 Where a batch's committed chunks are: records of one chunk log, or objects of their own.
 
-On a store that appends cheaply (:attr:`Store.cheap_appends`: the local directory, memory)
+On a store whose appends are not slow (:attr:`Store.slow_appends`: the local directory, memory)
 a commit appends one record to the batch's chunk log (see :mod:`resumable._chunklog`): one
 write, and one sync when durable. On other stores (object stores, where every object is
 written whole) each chunk is an object named by its rows::
 
     000000000000-000000000100-0-m5f0c...a1.msgpack    rows 0 to 99, no failed row
 
-Both are read on every store: a state directory written by an earlier version holds chunk
-files, and a state copied to an object store may hold a log. A chunk is never changed once
+Both are read on every store: a state copied from an object store holds chunk files, and
+one copied to an object store may hold a log. A chunk is never changed once
 committed: a chunk file is deleted, a log record is voided by a void record appended later.
 """
 
@@ -69,7 +69,7 @@ class ChunkStore:
         self.label = label  # the slot (or name) written in each record's header
         self.display = display
         self.log_key = directory + LOG
-        self.appends = run.store.cheap_appends
+        self.appends = not run.store.slow_appends
         self._end = 0  # where the log's whole records end: the next record goes there
         self._torn = False  # an append failed: the log may end with part of a record
         self._lock = threading.Lock()
@@ -103,9 +103,8 @@ class ChunkStore:
         records, damaged = resolve(found, self._read_log, self.run.secret)
         self._end = found.end
         if found.tail:
-            # a record a crash cut short, or the zeros allocated ahead: the next record goes at the end
-            self.run.store.truncate(self.log_key, found.end, durable=self.run.durable)
-        if found.tail and not found.zeros:
+            # a record a crash cut short: the next record goes where the whole ones end
+            self._cut(found.end, durable=self.run.durable)
             log.info(
                 "batch %r: cut the last %d bytes of %s/%s, a record cut short by a crash; "
                 "its rows are done again",
@@ -139,7 +138,7 @@ class ChunkStore:
         store = self.run.store
         with self._lock:
             if self._torn:
-                store.truncate(self.log_key, self._end, durable=durable)
+                self._cut(self._end, durable=durable)
                 self._torn = False
             try:
                 store.append(self.log_key, data, durable=durable)
@@ -149,6 +148,11 @@ class ChunkStore:
             offset = self._end
             self._end += len(data)
             return offset
+
+    def _cut(self, size: int, *, durable: bool) -> None:
+        """Rewrite the log without what follows its first *size* bytes (a record cut short)."""
+        store = self.run.store
+        store.write(self.log_key, [store.read_range(self.log_key, 0, size)], durable=durable)
 
     def _void(self, offsets: list[int]) -> None:
         """Append a void record: the records (or damaged bytes) at *offsets* no longer count."""

@@ -13,10 +13,7 @@ Its header says what it is:
 
 A record is appended with one write, so a crash leaves at most the last record cut short.
 :func:`scan` reads headers only, never a chunk's value, and says where the whole records
-end: what follows is a torn tail, to be cut, or zeros the local store allocated ahead and a
-kill left (:attr:`Scan.zeros`). A kill during a write into such zeros leaves the record's
-end zero: a last record that ends in a zero byte is checked whole, and is a torn tail too
-if it fails its checksum. A damaged header in the middle is stepped over by looking for the
+end: what follows is a torn tail, to be cut. A damaged header in the middle is stepped over by looking for the
 next header (every header starts with the same bytes).
 """
 
@@ -26,7 +23,7 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ._codec import DamagedFileError, parse_header, read_verified, verify
+from ._codec import DamagedFileError, parse_header, read_verified
 
 LOG = "chunks.log"
 DIGEST = re.compile(r"[mf][0-9a-f]{24}")
@@ -65,14 +62,13 @@ class Damage(NamedTuple):
 class Scan:
     """What :func:`scan` found: records, damage between them, and where the whole records end."""
 
-    __slots__ = ("damaged", "end", "records", "size", "zeros")
+    __slots__ = ("damaged", "end", "records", "size")
 
     def __init__(self) -> None:
         self.records: list[Record] = []
         self.damaged: list[Damage] = []
         self.end = 0  # the end of the last record: bytes after it are a torn tail
         self.size = 0  # the log's size
-        self.zeros = False  # the tail is all zeros: allocated ahead, never written (no damage)
 
     @property
     def tail(self) -> int:
@@ -152,42 +148,7 @@ def scan(read_range: ReadRange, batch: str) -> Scan:
         out.damaged.append(Damage(pos, after, found))
         pos = after
     out.size = reader.total()
-    zeros = not out.tail or _all_zeros(reader, out.end, out.size)
-    last = out.records[-1] if out.records else None
-    if zeros and last is not None and last.end == out.end and _cut_short(reader, last):
-        out.end = out.records.pop().offset  # the zeros reach into it: a torn tail
-    else:
-        out.zeros = zeros and out.tail > 0
     return out
-
-
-def _cut_short(reader: _Reader, record: Record) -> bool:
-    """
-    Whether the last *record*, before zeros or the end, is one a kill stopped as it was
-    written into a log allocated ahead: the write stopped part-way (bytes are copied in
-    order, so its last byte is still zero) and the record fails its checksum. A record
-    whose last byte was written is whole, or damaged later (and then warned about).
-    """
-    if reader.view(record.end - 1, 1)[0]:
-        return False
-    header = record.header  # parsed by the scan already
-    view = reader.view(record.offset, record.length)
-    try:
-        verify(view, header, record.length - header["size"], None)  # its MAC is checked when read
-    except DamagedFileError:
-        return True
-    finally:
-        del view
-    return False
-
-
-def _all_zeros(reader: _Reader, pos: int, end: int) -> bool:
-    while pos < end:
-        view = reader.view(pos, min(_BLOCK, end - pos))
-        if not view or view.tobytes().count(0) != len(view):
-            return not view
-        pos += len(view)
-    return True
 
 
 def _record_at(reader: _Reader, pos: int, batch: str) -> Record | str | None:

@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING
 import attrs
 
 from . import _history
-from ._slots import STEP_BATCHES, batch_dir, is_output_file, slot_file, step_of
+from ._session import chunks_of_completed
+from ._slots import batch_dir, is_output_file, slot_file, step_of
 from ._stores import Store
 
 if TYPE_CHECKING:
@@ -55,7 +56,7 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
         )
         dead = [s for s in slots if step_of(s) in gone]
         # a step whose process died between writing its output and deleting its chunks
-        for slot, key in _chunks_of(store, set(manifest.completed_steps)):
+        for slot, key in chunks_of_completed(store, set(manifest.completed_steps).__contains__):
             _remove(store, key, f"row chunk of completed step {slot!r}", report, dry_run=dry_run)
         for slot in dead:
             what = f"of removed step {step_of(slot)!r}"
@@ -63,26 +64,11 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
             for key in store.list(batch_dir(slot)):
                 _remove(store, key, f"row chunk {what}", report, dry_run=dry_run)
         # holding the lock: no one is writing these, they are what killed writers left
-        for key in store.temp_files():
+        for key in store.remove_temp_files(dry_run=True):
             _remove(store, key, "temporary file left by a killed run", report, dry_run=dry_run)
         if not dry_run and (dead or gone):
             run.journal.record("steps_removed", slots=dead, steps=gone)
     return report
-
-
-def _chunks_of(store: Store, slots: set[str]) -> list[tuple[str, str]]:
-    """
-    The row chunks of the batches of *slots* (step slots), as (slot, key), by slot: one
-    listing of every step batch, not one per slot (a state holds 100,000 slots).
-    """
-    found = []
-    for key in store.list(STEP_BATCHES):
-        parts = key[len(STEP_BATCHES) :].split("/")
-        # a slot is a step name, or a step name and a key: its directory is one or two deep
-        owners = sorted(slot for slot in ("/".join(parts[:1]), "/".join(parts[:2])) if slot in slots)
-        if owners and len(parts) > len(owners[0].split("/")):
-            found.append((owners[0], key))
-    return sorted(found)
 
 
 def _remove(store: Store, key: str, what: str, report: CleanReport, *, dry_run: bool) -> None:

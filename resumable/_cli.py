@@ -26,6 +26,7 @@ from ._journal import read_state
 from ._pipeline import Pipeline, describe_slots, read_checkpoints, snapshot
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, slot_id, step_of
 from ._stores import Store, open_store
+from ._stores._local import LocalStore
 from ._units import human_size
 from ._verify import find_damage
 from .exceptions import ResumableError, StateDirectoryError, StateLockedError, UsageError
@@ -149,7 +150,7 @@ def _store(args: argparse.Namespace) -> Store:
 def _state(args: argparse.Namespace) -> Store:
     """The store, which must hold state: :class:`_NoState` otherwise. Creates nothing."""
     store = _store(args)
-    root = store.local_root
+    root = store.root if isinstance(store, LocalStore) else None
     if root is not None and os.path.exists(root) and not os.path.isdir(root):
         raise StateDirectoryError(root, "it is a file, not a directory")
     for key in (MANIFEST, EVENTS):

@@ -19,24 +19,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import importlib
 import os
+import stat
 import struct
-import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
 
-from ._checksum import (
-    CHECKSUM_PREFIX,
-    TREE_MIN,
-    TREE_PREFIX,
-    TREE_PREFIXES,
-    fill_and_checksum,
-    start_checksum,
-)
+from ._checksum import PREFIX, checksum, short_digest
 from ._codec_types import (
     Decoder,
     Encoder,
@@ -48,7 +40,6 @@ from ._codec_types import (
     use_array_codec,
 )
 from ._stores._base import Stamp, Store
-from ._stores._local import LocalStore, read_file_with
 from .exceptions import SerializationError, StateFormatError
 
 
@@ -137,7 +128,7 @@ def _header_sum(raw_header: Buffer, *, signed: bool) -> str:
     ``mac``), so a damaged header is caught like a damaged value, without re-packing it.
     """
     end = len(raw_header) - _HSUM_VALUE - (_MAC_FIELD if signed else 0)
-    return hashlib.sha256(memoryview(raw_header)[:end]).hexdigest()[:32]
+    return short_digest(memoryview(raw_header)[:end])
 
 
 def _sign(header: Mapping[str, Any], secret: bytes) -> str:
@@ -147,43 +138,24 @@ def _sign(header: Mapping[str, Any], secret: bytes) -> str:
 
 
 class Framed:
-    """
-    An output ready to be written: its header and value chunks.
+    """An output ready to be written: its header (packed: *head*) and value chunks."""
 
-    For large values the checksum is computed by a thread while the value is written;
-    :meth:`header_bytes` waits for it, so a store can write the header last, at offset 0.
-    """
+    __slots__ = ("head", "head_len", "header", "value_chunks")
 
-    __slots__ = ("_finish", "_header_bytes", "head_len", "header", "value_chunks")
-
-    def __init__(
-        self, header: dict[str, Any], head_len: int, value_chunks: list[Buffer], finish: Callable[[], bytes]
-    ) -> None:
+    def __init__(self, header: dict[str, Any], head: bytes, value_chunks: list[Buffer]) -> None:
         self.header = header
-        self.head_len = head_len
+        self.head = head
+        self.head_len = len(head)
         self.value_chunks = value_chunks
-        self._finish = finish
-        self._header_bytes: bytes | None = None
-
-    @property
-    def hashing(self) -> bool:
-        """True while a large value's checksum is being computed in the background."""
-        return self._header_bytes is None and self.header["checksum"].startswith(TREE_PREFIX)
 
     @property
     def size(self) -> int:
         """Total size of the file in bytes."""
         return self.head_len + int(self.header["size"])
 
-    def header_bytes(self) -> bytes:
-        """The packed header (exactly ``head_len`` bytes), once the checksum is known."""
-        if self._header_bytes is None:
-            self._header_bytes = self._finish()
-        return self._header_bytes
-
     def chunks(self) -> list[Buffer]:
         """The whole file as a list of chunks, header first."""
-        return [self.header_bytes(), *self.value_chunks]
+        return [self.head, *self.value_chunks]
 
 
 def _lay_out(header: dict[str, Any], body_len: int) -> int:
@@ -203,20 +175,14 @@ def _lay_out(header: dict[str, Any], body_len: int) -> int:
 
 
 def frame(encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = None) -> Framed:
-    """
-    Frame *encoded* as an output file with header *meta*.
-
-    A large value starts being checksummed in the background at once, so the caller can
-    write it meanwhile (see :class:`Framed`).
-    """
+    """Frame *encoded* as an output file with header *meta*."""
     sizes = [b.nbytes for b in encoded.buffers]
-    value_size = len(encoded.body) + sum(sizes)  # the prefix's length must not change below
     header: dict[str, Any] = {
         "format": FORMAT,
         **{k: _valid_text(v) for k, v in meta.items()},
         "created_at": utcnow(),
         "encoding": "msgpack+pickle" if encoded.pickled else "msgpack",
-        "checksum": (TREE_PREFIX if value_size >= TREE_MIN else CHECKSUM_PREFIX) + "0" * 64,
+        "checksum": PREFIX + "0" * 64,
         "size": 0,
         "buffers": [[0, n] for n in sizes],
         "hsum": "0" * 32,
@@ -225,20 +191,18 @@ def frame(encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = N
         header["mac"] = _MAC_PREFIX + "0" * 64
     head_len = _lay_out(header, len(encoded.body))
     chunks = _value_chunks(encoded, [pad for pad, _ in header["buffers"]])
-    checksum = start_checksum(chunks, value_size)
-
-    def finish() -> bytes:
-        header["checksum"] = checksum()
-        packed: bytes = msgpack.packb(header)
-        header["hsum"] = _header_sum(packed, signed=secret is not None)
-        if secret is not None:
-            header["mac"] = _sign(header, secret)
-            return bytes(msgpack.packb(header))
-        # hsum's value is the last thing packed: put it in place instead of packing again
-        hsum: str = header["hsum"]
-        return packed[: -len(hsum)] + hsum.encode()
-
-    return Framed(header, head_len, chunks, finish)
+    header["checksum"] = checksum(chunks)
+    packed: bytes = msgpack.packb(header)
+    header["hsum"] = _header_sum(packed, signed=secret is not None)
+    if secret is not None:
+        header["mac"] = _sign(header, secret)
+        head = bytes(msgpack.packb(header))
+    else:  # hsum's value is the last thing packed: put it in place instead of packing again
+        head = packed[: -len(header["hsum"])] + header["hsum"].encode()
+    if len(head) != head_len:  # pragma: no cover - _lay_out guarantees it
+        msg = f"header of {len(head)} bytes, expected {head_len}"
+        raise ValueError(msg)
+    return Framed(header, head, chunks)
 
 
 def _valid_text(value: Any) -> Any:
@@ -270,20 +234,12 @@ def _value_chunks(encoded: Encoded, pads: Sequence[int]) -> list[Buffer]:
     return chunks
 
 
-def value_checksum(encoded: Encoded, pads: Sequence[int], like: str | None = None) -> str:
+def value_checksum(encoded: Encoded, pads: Sequence[int], like: str | None = None) -> str:  # noqa: ARG001 - callers still pass it
     """
     The checksum a file would record for *encoded* laid out with these buffer *pads*: equal
-    to a stored file's ``checksum`` exactly when the value encodes to the same bytes (with
-    *like*, a stored checksum, a large value is checksummed with the same kind of tree).
+    to a stored file's ``checksum`` exactly when the value encodes to the same bytes.
     """
-    chunks = _value_chunks(encoded, pads)
-    size = len(encoded.body) + sum(b.nbytes for b in encoded.buffers)
-    return start_checksum(chunks, size, _tree_kind(like) if like else TREE_PREFIX)()
-
-
-def _tree_kind(checksum: str) -> str:
-    """The tree prefix *checksum* starts with (the current one if none)."""
-    return next((p for p in TREE_PREFIXES if checksum.startswith(p)), TREE_PREFIX)
+    return checksum(_value_chunks(encoded, pads))
 
 
 def parse_header(data: Buffer) -> tuple[dict[str, Any], int]:
@@ -351,13 +307,10 @@ def verify(
     header: Mapping[str, Any],
     head_len: int,
     secret: bytes | None,
-    checksum: str | None = None,
 ) -> None:
     """
     Check that *data* (already through :func:`parse_header`) is complete, authentic (with a
-    secret) and matches its checksum. *checksum*, if given, is the checksum of everything
-    after the header, of the kind the header records, computed as it was read (see
-    :func:`read_output`).
+    secret) and matches its checksum.
 
     Raises:
         DamagedFileError: it is not.
@@ -372,14 +325,7 @@ def verify(
         msg = f"{'truncated' if size < header['size'] else 'trailing bytes'}: "
         msg += f"{size} value bytes instead of {header['size']}"
         raise DamagedFileError(msg)
-    value = memoryview(data)[head_len:]
-    if checksum is not None:
-        actual = checksum
-    elif header["checksum"].startswith(TREE_PREFIXES):
-        actual = start_checksum([value], TREE_MIN, _tree_kind(header["checksum"]))()
-    else:
-        actual = CHECKSUM_PREFIX + hashlib.sha256(value).hexdigest()
-    if not hmac.compare_digest(actual, header["checksum"]):
+    if not hmac.compare_digest(checksum([memoryview(data)[head_len:]]), header["checksum"]):
         msg = "checksum mismatch (the file was damaged after it was written)"
         raise DamagedFileError(msg)
 
@@ -468,33 +414,15 @@ def verified(data: Buffer, header: dict[str, Any], head_len: int, secret: bytes 
     return Verified(data, header, head_len)
 
 
-# Files this large are read into an uninitialised buffer by the hash pool, each piece of
-# the tree checksum read and hashed by one thread; smaller ones are read in one call.
-_STAGED_MIN = TREE_MIN
-_HEAD_READ = 64 * 1024  # read first, for the header, before the buffer for the rest is made
-
-
 class Reading:
-    """
-    An output file read whole and its header parsed. For a large value, its checksum was
-    computed as it was read; :meth:`verified` checks it against the header, and is the way
-    on to the value.
-    """
+    """An output file read whole, its header parsed, and the stamp of the version read."""
 
-    __slots__ = ("checksum", "data", "head_len", "header", "stamp")
+    __slots__ = ("data", "head_len", "header", "stamp")
 
-    def __init__(
-        self,
-        data: Buffer,
-        header: dict[str, Any],
-        head_len: int,
-        checksum: str | None = None,
-        stamp: Stamp | None = None,
-    ) -> None:
+    def __init__(self, data: Buffer, header: dict[str, Any], head_len: int, stamp: Stamp | None) -> None:
         self.data = data
         self.header = header
         self.head_len = head_len
-        self.checksum = checksum
         self.stamp = stamp
 
     def verified(self, secret: bytes | None) -> Verified:
@@ -504,95 +432,36 @@ class Reading:
         Raises:
             DamagedFileError: it is incomplete, forged or damaged.
         """
-        verify(self.data, self.header, self.head_len, secret, self.checksum)
-        return Verified(self.data, self.header, self.head_len)
+        return verified(self.data, self.header, self.head_len, secret)
 
 
 def read_output(store: Store, key: str) -> Reading:
     """
-    Read the output file *key* of *store* and parse its header. From a local directory, a
-    large file is checksummed as it is read, into a buffer its arrays will view.
+    Read the output file *key* of *store* and parse its header.
 
     Raises:
         FileNotFoundError: there is no such file.
         DamagedFileError: it is not a resumable output file (a damaged header).
         StateFormatError: it was written by a newer version.
     """
-    if isinstance(store, LocalStore):
-        reading, stamp = store.read_with(key, read_output_fd)
-        reading.stamp = stamp
-        return reading
-    data, data_stamp = store.read_stamped(key)
+    # The stamp first: if the file is replaced in between, the stamp is of an older version
+    # and the next lookup reads the file again (the other order could keep a stale copy).
+    stamp = store.stamp(key)
+    data = store.read(key)
     header, head_len = parse_header(data)
-    return Reading(data, header, head_len, stamp=data_stamp)
+    return Reading(data, header, head_len, stamp)
 
 
-def read_output_fd(fd: int, size: int) -> Reading:
-    """:func:`read_output` from a file open at its start, *size* bytes long."""
-    if size < _STAGED_MIN:
-        whole = bytearray(size)
-        done = os.readv(fd, [whole])
-        if done < size:  # a short read: go on, and a file cut short meanwhile reads short
-            with memoryview(whole) as view:
-                done += _read_into(fd, view[done:])
-            del whole[done:]
-        header, head_len = parse_header(whole)
-        return Reading(whole, header, head_len)
-    head = memoryview(bytearray(_HEAD_READ))
-    head = head[: _read_into(fd, head)]
-    try:
-        header, head_len = parse_header(head)
-    except DamagedFileError:
-        if len(head) < _HEAD_READ:
-            raise
-        header, head_len = {}, 0  # a header longer than the head (or damage): read it all
-    buffer = _fresh_buffer(size, arrays=bool(header.get("buffers")))
-    buffer[: len(head)] = head
-    if header and str(header["checksum"]).startswith(TREE_PREFIXES) and hasattr(os, "preadv"):
-
-        def read_at(part: memoryview, offset: int) -> int:
-            return _read_into(fd, part, offset)
-
-        tree = _tree_kind(str(header["checksum"]))
-        checksum, filled = fill_and_checksum(read_at, buffer, head_len, len(head), tree)
-        # a file that got shorter while it was read is judged by what was read
-        return Reading(buffer[:filled], header, head_len, checksum if filled == size else None)
-    data = buffer[: len(head) + _read_into(fd, buffer[len(head) :])]
-    if not header:
-        header, head_len = parse_header(data)  # raises if it is damaged after all
-    return Reading(data, header, head_len)
-
-
-def _read_into(fd: int, view: memoryview, offset: int | None = None) -> int:
-    """
-    Fill *view* from *fd* (at *offset*, or its position), going on after short reads; the
-    bytes read, fewer only at the end of the file.
-    """
-    done = 0
-    while done < len(view):
-        part = view[done:]
-        got = os.readv(fd, [part]) if offset is None else os.preadv(fd, [part], offset + done)
-        if not got:
-            break
-        done += got
-    return done
-
-
-def _fresh_buffer(size: int, *, arrays: bool) -> memoryview:
-    """
-    A writable buffer for a large file. With NumPy (already imported, or needed for the
-    file's arrays anyway) it is left uninitialised, as every byte is read into it: a zeroed
-    bytearray costs a pass over the memory and a page fault per 4 KiB page.
-    """
-    np = sys.modules.get("numpy")
-    if np is None and arrays:
-        try:
-            np = importlib.import_module("numpy")
-        except ImportError:
-            np = None
-    if np is None:
-        return memoryview(bytearray(size))
-    return memoryview(np.empty(size, dtype=np.uint8))
+def _read_path(path: str | os.PathLike[str]) -> bytearray:
+    """The whole file at *path* in a writable buffer (arrays decoded from it are writable)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            msg = "it is not a plain file (a FIFO, a device or a directory)"
+            raise DamagedFileError(msg)
+        buf = bytearray(os.fstat(fd).st_size)
+        del buf[f.readinto(buf) or 0 :]
+    return buf
 
 
 def value_digest(header: Mapping[str, Any]) -> str:
@@ -629,8 +498,8 @@ def load(
         FileNotFoundError: there is no such file.
     """
     try:
-        reading = read_file_with(path, read_output_fd, nofollow=False)[0]
-        return reading.verified(secret_bytes(secret)).decode(allow_pickle=allow_pickle)
+        checked = read_verified(_read_path(path), secret_bytes(secret))
+        return checked.decode(allow_pickle=allow_pickle)
     except DamagedFileError as exc:
         msg = f"cannot load {os.fspath(path)}: {exc}"
         raise SerializationError(msg) from None

@@ -27,7 +27,7 @@ from ._codec import DamagedFileError, parse_header, utcnow
 from ._codec import _sign as sign_header
 from ._manifest import FORMAT, Fold, Manifest, StepRecord, dump_chunks, valid_event
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
-from ._stores import Store
+from ._stores import Store, unchanged_since
 from ._warn import warn
 from .exceptions import ResumableError, ResumableWarning, StateFormatError
 
@@ -356,7 +356,7 @@ class Journal:
         for slot, key in files.items():
             rec = m.steps.get(slot)
             known = rec is not None and (rec.file is not None or rec.status == "completed")
-            if known and changed_since is not None and self.store.changed_since(key, changed_since) is False:
+            if known and changed_since is not None and unchanged_since(self.store, key, changed_since):
                 continue
             event = self._recovered(slot, key)
             if event is None or (

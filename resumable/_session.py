@@ -45,7 +45,7 @@ from ._files import file_digests
 from ._fingerprint import StoredOutput, digest_value, provenance, trackable
 from ._journal import Journal, read_header
 from ._plan import Plan, StepView
-from ._slots import batch_dir, slot_file
+from ._slots import STEP_BATCHES, batch_dir, slot_file
 from ._stores import Stamp, Store
 from ._units import human_size
 from ._warn import warn
@@ -256,6 +256,11 @@ class Session:
                 # the lock was free, so the run that wrote "running" died without closing
                 self.journal.record("run_finished", status="interrupted", detected="next run")
                 self.store.remove_temp_files()  # what the dead run was writing: only we can write now
+                # a kill between storing a batch step's output and deleting its row chunks
+                for slot in sorted(
+                    {s for s, _ in chunks_of_completed(self.store, manifest.steps.is_completed)}
+                ):
+                    self.forget_batches(slot)
             if not maintenance:
                 self.journal.record(
                     "run_started",
@@ -309,12 +314,9 @@ class Session:
         )
 
     def _release(self) -> None:
-        try:
-            self.store.close_appends()  # the output log's files are written before the lock goes
-        finally:
-            lock, self._lock = self._lock, None
-            if lock is not None:
-                lock.release()
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     # lookup ------------------------------------------------------------------------------
 
@@ -619,16 +621,7 @@ class Session:
 
             _history.keep_version(self.store, plan.slot, plan.replaces, durable=self.durable)
         try:
-            if framed.hashing:  # a large value: its checksum runs while it is written
-                self.store.write_header_last(
-                    slot_file(plan.slot),
-                    framed.head_len,
-                    framed.value_chunks,
-                    framed.header_bytes,
-                    durable=self.durable,
-                )
-            else:
-                self.store.write(slot_file(plan.slot), framed.chunks(), durable=self.durable)
+            self.store.write(slot_file(plan.slot), framed.chunks(), durable=self.durable)
         except BaseException as exc:
             self._failed_noting(spec, plan, exc, started, attempts)
             raise
@@ -642,8 +635,10 @@ class Session:
         self.journal.record(
             "step_completed",
             # The output file, fsynced, is what a rerun relies on: the event follows within
-            # FLUSH_INTERVAL (with the next ones), so that a store costs one fsync pair.
+            # FLUSH_INTERVAL (with the next ones), so that a store costs one fsync. A step
+            # that must not run twice is synced at once, its output's directory first.
             defer=spec.idempotent,
+            sync=not spec.idempotent,
             slot=plan.slot,
             fingerprint=plan.fingerprint,
             file=header["hsum"],
@@ -756,3 +751,18 @@ class Session:
                 self._failed_noting(spec, plan, exc, started, attempt)
                 raise
             attempt += 1
+
+
+def chunks_of_completed(store: Store, completed: Callable[[str], bool]) -> list[tuple[str, str]]:
+    """
+    The row chunks of the batches of step slots that *completed*, as (slot, key), by slot: one
+    listing of every step batch, not one per slot (a state holds 100,000 slots).
+    """
+    found = []
+    for key in store.list(STEP_BATCHES):
+        parts = key[len(STEP_BATCHES) :].split("/")
+        # a slot is a step name, or a step name and a key: its directory is one or two deep
+        owners = sorted(slot for slot in ("/".join(parts[:1]), "/".join(parts[:2])) if completed(slot))
+        if owners and len(parts) > len(owners[0].split("/")):
+            found.append((owners[0], key))
+    return sorted(found)

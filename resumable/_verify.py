@@ -11,7 +11,6 @@ from ._journal import Journal, _authentic
 from ._manifest import valid_event
 from ._slots import BATCHES, EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
 from ._stores import Store
-from ._stores._outlog import LOG_KEY, READ_MAX, parse, read_head
 from .exceptions import StateFormatError
 
 
@@ -26,29 +25,15 @@ def find_damage(store: Store, *, secret: bytes | None) -> tuple[int, list[tuple[
     problems: list[tuple[str, str]] = []
     checked = _check_manifest(store, secret, problems) + _check_events(store, secret, problems)
     # outputs, and the files behind history and batches: kept versions and row chunks
-    logged = _logged_outputs(store)
     for key in sorted(k for k in store.list() if k.endswith(OUTPUT_SUFFIX) and not _temporary(k)):
         checked += 1
         problem = _check_output(store, key, secret)
         if problem is not None:
-            if key in logged and _check_bytes(logged[key], key, secret) is None:
-                problem += f" (an intact copy is in {LOG_KEY}: the next run writes it back)"
             problems.append((f"{store.location}/{key}", problem))
     for key in sorted(k for k in store.list(f"{BATCHES}/") if k.rpartition("/")[2] == LOG):
         checked += 1
         problems.extend((f"{store.location}/{key}", p) for p in _check_chunk_log(store, key, secret))
     return checked, problems
-
-
-def _logged_outputs(store: Store) -> dict[str, bytes]:
-    """The outputs a local store's output log holds (a run was killed, or the power went)."""
-    if store.local_root is None:
-        return {}
-    try:
-        data = read_head(f"{store.local_root}/{LOG_KEY}", READ_MAX)[0]
-    except OSError:
-        return {}
-    return parse(data)[0]
 
 
 def _check_chunk_log(store: Store, key: str, secret: bytes | None) -> list[str]:

@@ -37,10 +37,10 @@ def chunks(state_dir: Path, where: str) -> list[tuple[int, int, int]]:
 def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """
     Chunks as records of the batch's chunk log (stores that append cheaply), or as files of
-    their own (object stores, and state directories written by earlier versions).
+    their own (object stores, and state directories copied from one).
     """
     if request.param == "files":
-        monkeypatch.setattr(LocalStore, "cheap_appends", False)
+        monkeypatch.setattr(LocalStore, "slow_appends", True)
     return str(request.param)
 
 

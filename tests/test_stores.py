@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from resumable import Pipeline, ResumableError, StateLockedError, Store
-from resumable._stores import open_store
+from resumable._stores import _local, open_store
 from resumable._stores._local import LocalStore
 from resumable._stores._memory import MemoryStore
 
@@ -93,28 +97,63 @@ def test_local_permissions(tmp_path: Path):
         assert oct(mode) == oct(stat.S_IMODE(path.stat().st_mode)), path
 
 
+def _fsynced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The paths fsynced from now on (a temporary file named as the file it becomes)."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(re.sub(r"/\.([^/]+)\.\d+-\d+-\d+\.tmp$", r"/\1", os.readlink(f"/proc/self/fd/{fd}")))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
 def test_local_fsyncs_only_when_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """
-    durable=True fsyncs the file and its directory (for a small output: its record in the
-    output log, then the file and its directory before the log is emptied); durable=False
-    does not fsync.
+    durable=False fsyncs nothing. durable=True fsyncs the file and its directory; for an
+    output the directory's fsync is shared with the outputs stored after it, and made by
+    any other durable change first (so nothing recorded reaches the disk before them).
     """
     store = LocalStore(tmp_path)
-    synced: list[int] = []
-    real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd)))
+    synced = _fsynced(monkeypatch)
     store.write("a.msgpack", [b"x"], durable=False)
     store.write("manifest.json", [b"x"], durable=False)
-    store.close_appends()
+    store.append("events.jsonl", b"x", durable=False)
     assert [] == synced
     store.write("manifest.json", [b"x"], durable=True)
-    assert 2 == len(synced)
-    store.write("a.msgpack", [b"x"], durable=True)  # creates the log: the log and its directory
+    assert [str(tmp_path / "manifest.json"), str(tmp_path)] == synced
+    synced.clear()
     store.write("a.msgpack", [b"x"], durable=True)
-    store.close_appends()
-    assert 2 + 2 + 1 <= len(
-        synced
-    )  # + the log and its directory; each file, by syncfs or one by one; the emptied log
+    store.write("step/1.msgpack", [b"x"], durable=True)
+    # the files; the root once, as the new directory "step" is made
+    assert [str(tmp_path / "a.msgpack"), str(tmp_path), str(tmp_path / "step" / "1.msgpack")] == synced
+    synced.clear()
+    store.append("events.jsonl", b"y", durable=True)  # the pending directories first
+    assert {str(tmp_path), str(tmp_path / "step")} == set(synced[:2])
+    assert [str(tmp_path / "events.jsonl")] == synced[2:]
+
+
+def test_outputs_stored_together_share_their_directory_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """
+    A burst of durable outputs fsyncs each file, and their directory once per window; the
+    lock's release fsyncs what is left.
+    """
+    clock = [1000.0]
+    monkeypatch.setattr(_local.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(_local, "GROUP_WINDOW", 1.0)
+    store = LocalStore(tmp_path)
+    lock = store.lock({"pid": os.getpid()})
+    synced = _fsynced(monkeypatch)
+    for i in range(10):
+        store.write(f"step/{i}.msgpack", [b"x"], durable=True)
+        clock[0] += 0.5
+    directory = str(tmp_path / "step")
+    assert 10 == sum(p.endswith(".msgpack") for p in synced)
+    assert 3 == synced.count(directory)  # at the 3rd, 6th and 9th store: a window after the first pending
+    lock.release()
+    assert 4 == synced.count(directory)
 
 
 def test_local_failed_write_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -278,3 +317,41 @@ def test_copy_object_falls_back_when_a_store_cannot_link(tmp_path: Path):
         bytes(store.read(".resumable/objects/v1.msgpack")),
         "b.msgpack" in store.list(),
     )
+
+
+FORKED_CHILD = """
+import os, sys
+from resumable._stores._local import LocalStore
+
+store = LocalStore(sys.argv[1])
+store.lock({"pid": os.getpid()})
+store.write("step/k.msgpack", [b"old"], durable=True)
+pid = os.fork()
+if pid == 0:  # a step run in a forked child stores a newer output
+    store.write("step/k.msgpack", [b"new"], durable=True)
+    os._exit(0)
+os.waitpid(pid, 0)
+print("stored", flush=True)
+sys.stdin.read()  # killed here
+"""
+
+
+def test_a_forked_childs_output_survives_a_kill_of_its_parent(tmp_path: Path):
+    """
+    A parent stores an output, a forked child stores a newer one, then the parent is killed:
+    the next holder of the lock finds the child's bytes (nothing writes older ones back).
+    """
+    script, state = tmp_path / "fork.py", tmp_path / "state"
+    script.write_text(FORKED_CHILD)
+    popen = subprocess.Popen(
+        [sys.executable, str(script), str(state)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert popen.stdout is not None
+    with popen:
+        assert "stored\n" == popen.stdout.readline()
+        popen.send_signal(signal.SIGKILL)
+        assert -signal.SIGKILL == popen.wait(60)
+    store = LocalStore(state)
+    store.lock({"pid": os.getpid()}).release()
+    assert b"new" == store.read("step/k.msgpack")
+    assert [] == [p.name for p in (state / "step").iterdir() if p.name.endswith(".tmp")]

@@ -10,9 +10,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ._base import Buffer, ProtocolStore, Stamp, Store, StoreLock, as_store, check_key
+from ._base import Buffer, Stamp, Store, StoreLock, as_store, check_key, unchanged_since
 
-__all__ = ["Buffer", "ProtocolStore", "Stamp", "Store", "StoreLock", "check_key", "open_store"]
+__all__ = ["Buffer", "Stamp", "Store", "StoreLock", "check_key", "open_store", "unchanged_since"]
 
 
 def open_store(

@@ -8,8 +8,7 @@ a backend may offer is a method with a plain default built on the primitives, wh
 backend overrides when it can do better. The core calls these methods and nothing else:
 it never asks a store what it happens to have.
 
-The file helpers at the end (:func:`read_file` and the :data:`Stamp` of a file version)
-serve the local directory store and :func:`resumable.load`.
+The :data:`Stamp` of a file version (:func:`stamp_of`) serves the local directory store.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import abc
 import builtins
 import functools
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from ..exceptions import UsageError
@@ -37,14 +36,15 @@ class StoreLock(Protocol):
 
 class Store(abc.ABC):
     """
-    The storage behind a pipeline: subclass it, implement the primitives, and override the
-    optional methods you can do better than their defaults.
+    The storage behind a pipeline: subclass it, implement the six primitives, and override
+    the optional methods you can do better than their defaults.
 
     Keys are relative, ``/``-separated paths. Implementations must guarantee:
 
     - ``write`` is atomic: a reader sees the previous object or the new one, never a mix,
       even if the writer is killed; with ``durable=True`` the new object survives a
-      power loss once ``write`` returns.
+      power loss once ``write`` returns (or, for a step's output, once a later durable
+      change or the lock's release returns: see docs/storage.md).
     - ``read`` returns the whole object or raises ``FileNotFoundError``.
     - ``lock`` lets one holder at a time in, raises :class:`StateLockedError` naming the
       holder otherwise, and never stays held after its holder died (a lease: once it expired).
@@ -54,27 +54,16 @@ class Store(abc.ABC):
     """Where the store is, for messages: a directory path or a URL."""
 
     slow_appends: ClassVar[bool] = False
-    """True where each append is a round trip (an object store): events are then appended in batches."""
-
-    cheap_appends: ClassVar[bool] = False
     """
-    True where appending a record to an object costs about what writing its bytes does (a
-    local file, memory): a batch then appends its committed chunks to one log instead of
-    writing an object per chunk. False (the default) where objects are written whole.
+    True where each append is a round trip (an object store): events are then appended in
+    batches, and a batch writes an object per committed chunk instead of appending to a log.
     """
-
-    local_root: str | None = None
-    """The directory on this machine that holds the store, if it is one (the local store)."""
 
     # primitives ------------------------------------------------------------------------
 
     @abc.abstractmethod
     def read(self, key: str) -> bytes | bytearray:
         """Return the whole object; raise ``FileNotFoundError`` if there is none."""
-
-    @abc.abstractmethod
-    def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
-        """Return bytes ``start`` to ``end`` (exclusive; ``None`` = to the end) of an object."""
 
     @abc.abstractmethod
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
@@ -98,31 +87,17 @@ class Store(abc.ABC):
 
     # optional: defaults built on the primitives ------------------------------------------
 
+    def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
+        """Bytes ``start`` to ``end`` (exclusive; ``None``: to the end) of an object."""
+        return bytes(memoryview(self.read(key))[start:end])
+
     def copy(self, src: str, dst: str, *, durable: bool) -> None:
         """
         Make *dst* an atomic copy of *src* (history keeps versions this way). Default: read
         and write. A store that can copy without moving the bytes (a hard link, a server-side
-        copy) overrides it; an ``OSError`` meaning "no link here" (``EXDEV``, ``EPERM``,
-        ``ENOTSUP``, ``EMLINK``, ``ENOSYS``) makes the caller fall back to read and write.
+        copy) overrides it.
         """
         self.write(dst, [self.read(src)], durable=durable)
-
-    def write_header_last(
-        self,
-        key: str,
-        head_len: int,  # noqa: ARG002 - what a store reserving the header's place needs
-        value_chunks: Sequence[Buffer],
-        header: Callable[[], bytes],
-        *,
-        durable: bool,
-    ) -> None:
-        """
-        Write an output whose header (*head_len* bytes, known only once the value has been
-        checksummed, which *header* does) goes first. A store that can write the value and
-        then fill the header in overrides this (the checksum then runs during the write).
-        Default: compute the header, then :meth:`write` both.
-        """
-        self.write(key, [header(), *value_chunks], durable=durable)
 
     def stamp(self, key: str) -> Stamp | None:  # noqa: ARG002 - the default cannot tell
         """
@@ -132,105 +107,35 @@ class Store(abc.ABC):
         """
         return None
 
-    def read_stamped(self, key: str) -> tuple[bytes | bytearray, Stamp | None]:
-        """:meth:`read`, with the :meth:`stamp` of the version read (default: no stamp)."""
-        return self.read(key), None
-
-    def changed_since(self, key: str, ns: int) -> bool | None:  # noqa: ARG002 - the default cannot tell
+    def remove_temp_files(self, *, dry_run: bool = False) -> builtins.list[str]:  # noqa: ARG002 - none by default
         """
-        Whether *key* may have changed since *ns* (nanoseconds since the epoch); ``None``
-        when the store cannot tell (then the object is read to find out).
+        Remove what killed writers left behind (temporary objects) and return their keys
+        (with *dry_run*, only return them). Called holding the lock. Default: there are none.
         """
-        return None
-
-    def remove_temp_files(self) -> int:
-        """Remove what killed writers left behind (temporary files); return how many."""
-        return 0
-
-    def temp_files(self) -> builtins.list[str]:
-        """The keys of temporary files killed writers left behind (none by default)."""
         return []
 
-    def close_appends(self) -> None:  # noqa: B027 - optional, and nothing to do by default
-        """Release what appends keep open (file descriptors, buffered segments)."""
 
-    def truncate(self, key: str, size: int, *, durable: bool) -> None:
-        """
-        Cut the object at *key* to its first *size* bytes (a log whose last record a crash
-        cut short); an object that is not longer stays as it is. Appends then go on at the
-        new end. Default: read those bytes and :meth:`write` them, atomically.
-        """
-        self.write(key, [self.read_range(key, 0, size)], durable=durable)
-
-
-class ProtocolStore(Store):
+def unchanged_since(store: Store, key: str, ns: int) -> bool:
     """
-    A backend written to the ``Store`` protocol without subclassing :class:`Store`: its
-    primitives, with the defaults for the rest (and its ``copy``, ``remove_temp_files`` and
-    ``slow_appends`` where it has them, as the protocol allowed).
+    True if the store can tell that *key* has not changed (been written, renamed or linked)
+    since *ns*, nanoseconds since the epoch (its :meth:`Store.stamp` holds the change time).
     """
-
-    def __init__(self, backend: Any) -> None:
-        self.backend = backend
-        self.location = str(backend.location)
-        self.slow_appends = bool(getattr(backend, "slow_appends", False))  # type: ignore[misc]
-        self._copy = getattr(backend, "copy", None)
-        self._remove_temp_files = getattr(backend, "remove_temp_files", None)
-
-    def __repr__(self) -> str:
-        return repr(self.backend)
-
-    def read(self, key: str) -> bytes | bytearray:
-        data: bytes | bytearray = self.backend.read(key)
-        return data
-
-    def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
-        data: bytes = self.backend.read_range(key, start, end)
-        return data
-
-    def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
-        self.backend.write(key, chunks, durable=durable)
-
-    def append(self, key: str, data: bytes, *, durable: bool) -> None:
-        self.backend.append(key, data, durable=durable)
-
-    def delete(self, key: str, *, durable: bool) -> None:
-        self.backend.delete(key, durable=durable)
-
-    def list(self, prefix: str = "") -> list[str]:
-        keys: list[str] = self.backend.list(prefix)
-        return keys
-
-    def lock(self, holder: Mapping[str, Any]) -> StoreLock:
-        lock: StoreLock = self.backend.lock(holder)
-        return lock
-
-    def copy(self, src: str, dst: str, *, durable: bool) -> None:
-        if self._copy is None:
-            super().copy(src, dst, durable=durable)
-        else:
-            self._copy(src, dst, durable=durable)
-
-    def remove_temp_files(self) -> int:
-        return int(self._remove_temp_files()) if self._remove_temp_files is not None else 0
-
-
-PRIMITIVES = ("read", "read_range", "write", "append", "delete", "list", "lock")
+    try:
+        stamp = store.stamp(key)
+    except OSError:
+        return False
+    return stamp is not None and stamp[4] < ns
 
 
 def as_store(obj: object) -> Store:
-    """*obj* as a :class:`Store`: itself, or a backend written to the protocol, adapted."""
+    """*obj* if it is a :class:`Store`; raise a clear error otherwise."""
     if isinstance(obj, Store):
         return obj
-    missing = [name for name in PRIMITIVES if not callable(getattr(obj, name, None))]
-    if missing or not isinstance(getattr(obj, "location", None), str):
-        what = ", ".join(missing) if missing else "a str location"
-        msg = (
-            f"{obj!r} is not a store: it has no {what}. Pass a directory, a URL, or a subclass "
-            "of resumable.Store (see docs/storage.md)"
-        )
-        raise UsageError(msg)
-    return ProtocolStore(obj)
+    msg = (
+        f"{obj!r} is not a store. Pass a directory, a URL, or an instance of a subclass of "
+        "resumable.Store (see docs/storage.md)"
+    )
+    raise UsageError(msg)
 
 
 def check_key(key: str, location: str) -> str:
@@ -262,37 +167,6 @@ def _valid_key(key: str) -> bool:
     )
 
 
-def read_file(path: str | os.PathLike[str], *, nofollow: bool = False) -> bytearray:
-    """
-    Read a whole file into a fresh writable buffer (arrays decoded from it are writable);
-    with *nofollow*, a symbolic link is not followed (``OSError`` ELOOP).
-    """
-    return read_file_stamped(path, nofollow=nofollow)[0]
-
-
 def stamp_of(st: os.stat_result) -> Stamp:
     """What identifies one version of a file: a rename or a write changes it."""
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-def read_file_stamped(path: str | os.PathLike[str], *, nofollow: bool = False) -> tuple[bytearray, Stamp]:
-    """:func:`read_file`, also returning the stamp of the version read."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0))
-    try:
-        st = os.fstat(fd)
-        size = st.st_size
-        buf = bytearray(size)
-        done = os.readv(fd, [buf])
-        if done < size:  # a short read (large files, some file systems): go on
-            view = memoryview(buf)
-            while done < size:
-                n = os.readv(fd, [view[done:]])
-                if not n:
-                    break
-                done += n
-            del view
-    finally:
-        os.close(fd)
-    if done < size:
-        del buf[done:]
-    return buf, stamp_of(st)

@@ -1,8 +1,7 @@
-"""Low-level file writing shared by the local store and its output log."""
+"""Low-level file writing for the local store."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 from collections.abc import Sequence
@@ -10,12 +9,6 @@ from collections.abc import Sequence
 from ._base import Buffer
 
 _WRITE_MAX = 1 << 30  # bytes per write() call; Linux caps a single write just below 2 GiB
-ALLOC_STEP = 1024 * 1024
-"""A log is allocated this much at a time: a record written within it leaves the file's size as
-it is, so the fdatasync that makes it durable has only the record to flush."""
-ALLOC_ROOM = 64 * ALLOC_STEP
-"""A log is allocated ahead only while its file system has this much free: near a full disk,
-the space is the user's (and a file system may hold what it allocates while it fails)."""
 
 
 def fsync_dir(path: str) -> None:
@@ -63,30 +56,3 @@ def pwrite_all(fd: int, data: bytes, offset: int) -> None:
         if written <= 0:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         view, offset = view[written:], offset + written
-
-
-def allocate_ahead(fd: int, allocated: int, end: int) -> int:
-    """
-    Allocate the file *fd* (allocated up to *allocated*) at least up to *end*, a step further;
-    return how far it is allocated. Where the file system cannot, or has less than
-    :data:`ALLOC_ROOM` free, nothing is: the records then extend the file as they are written.
-    """
-    fallocate = getattr(os, "posix_fallocate", None)  # not on macOS
-    if fallocate is None:
-        return end
-    upto = max(end, allocated + ALLOC_STEP)
-    try:
-        room = os.fstatvfs(fd)
-        if room.f_bavail * room.f_frsize < ALLOC_ROOM:
-            return end
-        fallocate(fd, allocated, upto - allocated)
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.ftruncate(fd, allocated)  # what a failed allocation kept (ext4 keeps a part)
-        return end
-    return upto
-
-
-def datasync(fd: int) -> None:
-    """Make what was written to *fd* durable, and the metadata needed to read it (not its times)."""
-    getattr(os, "fdatasync", os.fsync)(fd)  # (macOS has no fdatasync)

@@ -25,6 +25,7 @@ missing key and an append then cost no round trip.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import hashlib
@@ -286,9 +287,9 @@ class FsspecStore(SegmentedLogs, Store):
             keys = self._scan(prefix.rpartition("/")[0]).keys()
         return sorted(k for k in keys if k.startswith(prefix))
 
-    def remove_temp_files(self) -> int:
+    def remove_temp_files(self, *, dry_run: bool = False) -> builtins.list[str]:
         """Delete what a killed writer left: temp objects, unfinished S3 multipart uploads."""
-        removed = 0
+        removed: builtins.list[str] = []
         if not self.atomic_put:
             path = self._path("").rstrip("/")
             with contextlib.suppress(AttributeError):
@@ -297,24 +298,26 @@ class FsspecStore(SegmentedLogs, Store):
                 for p in self.fs.find(path):
                     name = p.rpartition("/")[2]
                     if name.startswith(".") and name.endswith(".tmp"):
-                        self._rm([p])
-                        removed += 1
+                        if not dry_run:
+                            self._rm([p])
+                        removed.append(p[len(self._path("")) :])
         if self._s3:
-            removed += self._abort_uploads()
+            removed += self._abort_uploads(dry_run=dry_run)
         return removed
 
-    def _abort_uploads(self) -> int:
+    def _abort_uploads(self, *, dry_run: bool) -> builtins.list[str]:
+        """The keys of unfinished multipart uploads under the prefix, aborted unless *dry_run*."""
         bucket, _, prefix = self._prefix.partition("/")
         try:
             found = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix)
             uploads = found.get("Uploads", [])
-            for up in uploads:
+            for up in uploads if not dry_run else ():
                 self.fs.call_s3(
                     "abort_multipart_upload", Bucket=bucket, Key=up["Key"], UploadId=up["UploadId"]
                 )
         except OSError:
-            return 0  # e.g. not allowed by the bucket policy: a lifecycle rule cleans them up
-        return len(uploads)
+            return []  # e.g. not allowed by the bucket policy: a lifecycle rule cleans them up
+        return [str(up["Key"])[len(prefix) :] for up in uploads]
 
     # the lease ----------------------------------------------------------------------------
 

@@ -2,11 +2,16 @@
 The local directory store: temp file, fsync, rename, directory fsync.
 
 Nothing in the state directory is followed out of it: state files are opened with
-``O_NOFOLLOW``, the lock file and the event log must be plain files with one link, a
-write, append, copy or delete refuses a key whose directories include a symbolic link,
-and listing never descends into one. The run lock is a ``flock`` that forked children
-(process-pool workers) give up at once, so a run killed with its workers still alive
-never blocks the next one.
+``O_NOFOLLOW``, the lock file and the logs must be plain files with one link, a write,
+append, copy or delete refuses a key whose directories include a symbolic link, and
+listing never descends into one. Nothing is read from a file that is not a plain file (a
+FIFO would block). The run lock is a ``flock`` that forked children (process-pool
+workers) give up at once, so a run killed with its workers still alive never blocks the
+next one.
+
+A durable output is fsynced and renamed into place before :meth:`LocalStore.write`
+returns; the fsync of its directory, which makes the new name itself survive a power loss,
+is shared by the outputs stored within :data:`GROUP_WINDOW` (see :meth:`LocalStore.sync`).
 """
 
 from __future__ import annotations
@@ -20,52 +25,28 @@ import json
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
-from .._slots import BATCHES, INTERNAL_DIR, is_output_file
+from .._slots import INTERNAL_DIR, is_output_file
 from ..exceptions import StateDirectoryError, StateLockedError
-from ._base import Buffer, Stamp, Store, check_key, read_file_stamped, stamp_of
-from ._fileio import allocate_ahead, datasync, fsync_dir, fsync_path, pwrite_all, with_path, write_all
-from ._outlog import LOG_KEY, LOG_MAX, OutputLog, recover
+from ._base import Buffer, Stamp, Store, check_key, stamp_of
+from ._fileio import fsync_dir, pwrite_all, with_path, write_all
 
-T = TypeVar("T")
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _counter = itertools.count()
-_MAX_APPEND_FDS = 64  # descriptors kept open between appends (the event log, batch chunk logs)
+GROUP_WINDOW = 0.1
+"""Seconds the directory fsync of a durable output may wait for the outputs stored after it."""
 # link() failing with these means "no hard links here" (another file system, one that has
 # none, or too many links): copy the bytes instead.
 _NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
-
-
-def _temp_path(target: str) -> str:
-    """A new temporary file's path beside *target* (``.<name>.<pid>-<thread>-<n>.tmp``)."""
-    directory, name = os.path.split(target)
-    return os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")
-
-
-def _copy_with_reads(fd_in: int, fd_out: int) -> None:
-    os.lseek(fd_in, 0, os.SEEK_SET)
-    os.lseek(fd_out, 0, os.SEEK_SET)
-    os.ftruncate(fd_out, 0)
-    while data := os.read(fd_in, 1 << 20):
-        write_all(fd_out, [data])
-
-
-def read_file_with(
-    path: str | os.PathLike[str], read: Callable[[int, int], T], *, nofollow: bool
-) -> tuple[T, Stamp]:
-    """
-    Open *path* for reading (with *nofollow*, not through a symbolic link: ``OSError``
-    ELOOP) and return what ``read(descriptor, size)`` returns, with the stamp of the version
-    it read. The descriptor is closed afterwards.
-    """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_NOFOLLOW if nofollow else 0))
-    try:
-        st = os.fstat(fd)
-        return read(fd, st.st_size), stamp_of(st)
-    finally:
-        os.close(fd)
+# errors that mean the state directory itself is unusable here, not that one write failed
+_UNUSABLE = {
+    errno.EROFS: "the file system is read-only",
+    errno.EISDIR: "a directory is in the way",
+    errno.ENOTDIR: "a file is in the way of a directory",
+}
 
 
 # What a state directory resumable creates holds, so that nobody commits it by accident (as
@@ -88,9 +69,22 @@ def _write_gitignore(directory: str) -> None:
         os.close(fd)
 
 
-def _open_nofollow(path: str, flags: int, mode: int = 0o600) -> int:
-    """Open *path* without following a symlink at its last component."""
-    return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+def _temp_path(target: str) -> str:
+    """A new temporary file's path beside *target* (``.<name>.<pid>-<thread>-<n>.tmp``)."""
+    directory, name = os.path.split(target)
+    return os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")
+
+
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+def _copy_with_reads(fd_in: int, fd_out: int) -> None:
+    os.lseek(fd_in, 0, os.SEEK_SET)
+    os.lseek(fd_out, 0, os.SEEK_SET)
+    os.ftruncate(fd_out, 0)
+    while data := os.read(fd_in, 1 << 20):
+        write_all(fd_out, [data])
 
 
 # Descriptors of the run locks this process holds. A forked child shares their open file
@@ -111,78 +105,35 @@ os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 class _FileLock:
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, before_release: Callable[[], None]) -> None:
         self._fd: int | None = fd
         self._pid = os.getpid()
+        self._before_release = before_release
 
     def release(self) -> None:
-        fd, self._fd = self._fd, None
+        fd = self._fd
         if fd is None or os.getpid() != self._pid:
+            self._fd = None
             return  # a forked child: its copy is closed already, and unlocking would free the parent's
-        _held_locks.discard(fd)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
-
-
-class _Appender:
-    """
-    A file kept open between appends. The event log is opened ``O_APPEND`` (each ``write``
-    lands whole at the end). A batch's chunk log (*ahead*) is allocated ahead when appended
-    to durably, as the output log is (:func:`~._fileio.allocate_ahead`): an append is
-    written at the end of what was appended, within the allocation, so the ``fdatasync``
-    that makes it durable has only the bytes to flush, not the file's size.
-    The zeros after the last record are cut when the file is closed, and read
-    after a kill as the end of the log (:func:`resumable._chunklog.scan`), which the next
-    run cuts.
-    """
-
-    __slots__ = ("ahead", "allocated", "end", "fd", "pid")
-
-    def __init__(self, fd: int, *, ahead: bool) -> None:
-        self.fd, self.ahead, self.pid = fd, ahead, os.getpid()
-        self.end = self.allocated = os.fstat(fd).st_size if ahead else 0
-
-    def append(self, data: bytes, *, durable: bool) -> None:
-        """Append all of *data* (synced if *durable*), or raise."""
-        fd = self.fd
-        if not self.ahead:
-            written = os.write(fd, data)  # one write: the usual case
-            if written < len(data):  # a short write (disk full) goes on where it stopped, or raises
-                write_all(fd, [memoryview(data)[max(written, 0) :]])
-            if durable:
-                os.fsync(fd)
-            return
-        end = self.end + len(data)
-        if durable and end > self.allocated:
-            self.allocated = allocate_ahead(fd, self.allocated, end)
         try:
-            pwrite_all(fd, data, self.end)
-        except OSError:
-            self.allocated = max(self.allocated, end)  # part may be there: cut at close
-            raise
-        self.end, self.allocated = end, max(self.allocated, end)
-        if durable:
-            datasync(fd)
-
-    def close(self) -> None:
-        """Close the file, cutting what was allocated past the end (not synced: zeros read as the end)."""
-        if self.allocated > self.end and os.getpid() == self.pid:  # (a forked child's end is stale)
-            with contextlib.suppress(OSError):  # left, the zeros are harmless
-                os.ftruncate(self.fd, self.end)
-        os.close(self.fd)
+            self._before_release()
+            os.ftruncate(fd, 0)  # an empty lock file: its holder left cleanly (see LocalStore.lock)
+        finally:
+            self._fd = None
+            _held_locks.discard(fd)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
 
 class LocalStore(Store):
     """A directory on the local file system; files 0600, directories 0700."""
 
-    cheap_appends = True  # an append is one write() (and one sync when durable)
-
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(root))
-        self.location = self.local_root = self.root
-        self._append_fds: dict[str, _Appender] = {}
-        self._fd_lock = threading.Lock()
-        self._log: OutputLog | None = None  # made at the first durable write of an output
+        self.location = self.root
+        self._sync_lock = threading.Lock()
+        self._unsynced: set[str] = set()  # directories holding renames not fsynced yet
+        self._unsynced_since = 0.0
 
     def __repr__(self) -> str:
         return f"LocalStore({self.root!r})"
@@ -195,9 +146,23 @@ class LocalStore(Store):
         """The error for a state file at *path* that is *what* (and is not followed)."""
         problem = (
             f"{path} is {what}, which resumable does not follow inside a state directory "
-            "(it could make it read or write files elsewhere); remove it"
+            "(it could make it read or write files elsewhere, or block); remove it"
         )
         return StateDirectoryError(self.root, problem, errno=errno.ELOOP)
+
+    def error(self, exc: OSError, path: str) -> OSError:
+        """
+        *exc* naming *path*; a :class:`StateDirectoryError` when the directory itself is
+        unusable (read-only, a directory or file in the way, a symbolic link).
+        """
+        if isinstance(exc, StateDirectoryError):
+            return exc
+        if exc.errno == errno.ELOOP:
+            return self.linked(path)
+        if exc.errno in _UNUSABLE:
+            problem = f"{_UNUSABLE[exc.errno]} at {exc.filename or path}"
+            return StateDirectoryError(self.root, problem, errno=exc.errno)
+        return with_path(exc, path)
 
     def _linked_dir(self, key: str) -> str | None:
         """The first directory on the way to *key* that is a symbolic link, if any."""
@@ -218,20 +183,20 @@ class LocalStore(Store):
         if linked is not None:
             raise self.linked(linked)
 
-    def _open_own(self, path: str, flags: int) -> int:
+    def _open(self, path: str, flags: int, *, own: bool = False) -> int:
         """
-        Open a state file that is changed in place (the lock, the event log): never through a
-        symbolic link, and only a plain file with no other name (a hard link to a file
-        elsewhere would be truncated or appended to).
+        Open a state file: never through a symbolic link, never blocking (a FIFO), and only
+        a plain file; with *own* (a file changed in place: the lock, a log), only one with
+        no other name (a hard link to a file elsewhere would be truncated or appended to).
         """
         try:
             fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise self.linked(path) from None
+        except FileNotFoundError:
             raise
+        except OSError as exc:
+            raise self.error(exc, path) from None
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        if not stat.S_ISREG(st.st_mode) or (own and st.st_nlink != 1):
             os.close(fd)
             what = "not a plain file" if not stat.S_ISREG(st.st_mode) else "a hard link to another file"
             raise self.linked(path, what)
@@ -252,51 +217,24 @@ class LocalStore(Store):
             if durable:
                 fsync_dir(os.path.dirname(d))
 
+    # reading -----------------------------------------------------------------------------
+
     def read(self, key: str) -> bytearray:
-        return self.read_stamped(key)[0]
-
-    def read_stamped(self, key: str) -> tuple[bytearray, Stamp]:
-        """The object and the stamp of the version read (see :meth:`stamp`)."""
         path = self.path(key)
+        fd = self._open(path, os.O_RDONLY)
         try:
-            data, stamp = read_file_stamped(path, nofollow=True)
+            size = os.fstat(fd).st_size
+            buf = bytearray(size)
+            done = 0
+            with memoryview(buf) as view:
+                while done < size and (n := os.readv(fd, [view[done:]])):
+                    done += n
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise self.linked(path) from None
-            raise
-        end = self._appended_end(key)
-        if end is not None:
-            del data[end:]
-        return data, stamp
-
-    def _appended_end(self, key: str) -> int | None:
-        """Where the appends to *key* end, if its file is allocated past them (see :class:`_Appender`)."""
-        appender = self._append_fds.get(key)
-        if appender is None or appender.allocated <= appender.end:
-            return None
-        return appender.end
-
-    def read_with(self, key: str, read: Callable[[int, int], T]) -> tuple[T, Stamp]:
-        """
-        What ``read(descriptor, size)`` returns for *key*, opened without following a
-        symbolic link, and the stamp of the version read: for readers that fill their own
-        buffer (a large output is checksummed while it is read).
-        """
-        path = self.path(key)
-        try:
-            return read_file_with(path, read, nofollow=True)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise self.linked(path) from None
-            raise
-
-    def changed_since(self, key: str, ns: int) -> bool:
-        """True if *key* changed (was written, renamed or linked) at or after *ns*."""
-        try:
-            # ctime: a rename or a hard link (a rollback, a kept version) changes it too
-            return os.stat(self.path(key)).st_ctime_ns >= ns
-        except OSError:
-            return True
+            raise self.error(exc, path) from None
+        finally:
+            os.close(fd)
+        del buf[done:]  # the file got shorter while it was read: what was read
+        return buf
 
     def stamp(self, key: str) -> Stamp:
         """What identifies the current version of *key*; raises FileNotFoundError."""
@@ -304,43 +242,48 @@ class LocalStore(Store):
 
     def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
         path = self.path(key)
+        fd = self._open(path, os.O_RDONLY)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with open(fd, "rb") as f:
+                f.seek(start)
+                return f.read(-1 if end is None else max(0, end - start))
         except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise self.linked(path) from None
-            raise
-        appended = self._appended_end(key)
-        if appended is not None:
-            end = appended if end is None else min(end, appended)
-        with open(fd, "rb") as f:
-            f.seek(start)
-            return f.read(-1 if end is None else max(0, end - start))
+            raise self.error(exc, path) from None
+
+    # writing -----------------------------------------------------------------------------
 
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
         """
-        Replace *key* atomically. A durable write of a small output file goes through the
-        output log (the file is renamed into place before this returns, its bytes are in the
-        fsynced log, and a background thread makes the file durable, see :mod:`._outlog`);
-        anything else is written in place.
+        Write a temp file, fsync it (if *durable*), rename it over *key*, fsync the
+        directory. The directory fsync of an output file is shared with the outputs stored
+        after it within :data:`GROUP_WINDOW` (see :meth:`sync`).
         """
-        if durable and is_output_file(key) and sum(memoryview(c).nbytes for c in chunks) <= LOG_MAX:
-            log = self._log or self._output_log()
-            if log.usable:
-                log.write(key, b"".join(chunks))
-                return
-        self.write_in_place(key, chunks, durable=durable)
+        self._replace(key, lambda fd: write_all(fd, chunks), durable=durable, group=is_output_file(key))
 
-    def _output_log(self) -> OutputLog:
-        with self._fd_lock:  # one log per store, even when threads store their first outputs at once
-            if self._log is None:
-                self._log = OutputLog(self)
-            return self._log
+    def sync(self) -> None:
+        """
+        fsync the directories of the outputs renamed and not yet made durable there. Every
+        other durable change (an append, a delete, a write that is not an output's) and the
+        release of the lock call it first, so that nothing recorded as done reaches the disk
+        before the outputs it describes; a durable output's write calls it once the oldest
+        deferred rename is :data:`GROUP_WINDOW` old.
+        """
+        with self._sync_lock:
+            while self._unsynced:
+                directory = next(iter(self._unsynced))
+                with contextlib.suppress(FileNotFoundError):  # removed since (emptied by deletes)
+                    fsync_dir(directory)
+                self._unsynced.discard(directory)
 
-    def write_in_place(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
-        """Write a temp file, fsync it (if *durable*), rename it over *key*, fsync the directory."""
-        self._forget_append_fd(key)  # an appender must not go on writing the replaced file
-        self._replace(key, lambda fd: write_all(fd, chunks), durable=durable)
+    def _defer_sync(self, directory: str) -> None:
+        now = time.monotonic()
+        with self._sync_lock:
+            if not self._unsynced:
+                self._unsynced_since = now
+            self._unsynced.add(directory)
+            due = now - self._unsynced_since >= GROUP_WINDOW
+        if due:
+            self.sync()
 
     def copy(self, src: str, dst: str, *, durable: bool) -> None:
         """
@@ -350,10 +293,8 @@ class LocalStore(Store):
         target = self.path(dst)
         self._check_dirs(src)
         self._check_dirs(dst)
-        if self._log is not None:
-            if src in self._log.logged and durable:
-                fsync_path(self.path(src))  # a link to a file that may not be durable yet
-            self._log.before_change(dst)
+        if durable:
+            self.sync()  # the link must not outlive, after a power loss, the name it copies
         directory = os.path.dirname(target)
         tmp = _temp_path(target)
         try:
@@ -366,7 +307,7 @@ class LocalStore(Store):
                 os.link(self.path(src), tmp, follow_symlinks=False)
         except OSError as exc:
             if exc.errno not in _NO_LINK:
-                raise
+                raise self.error(exc, target) from None
             self._copy_bytes(src, dst, durable=durable)
             return
         os.replace(tmp, target)
@@ -379,13 +320,7 @@ class LocalStore(Store):
 
     def _copy_bytes(self, src: str, dst: str, *, durable: bool) -> None:
         """Copy *src* to *dst* through a temp file, fsync and rename (for when a link cannot be made)."""
-        source = self.path(src)
-        try:
-            fd_in = _open_nofollow(source, os.O_RDONLY)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise self.linked(source) from None
-            raise
+        fd_in = self._open(self.path(src), os.O_RDONLY)
 
         def fill(fd: int) -> None:
             while True:
@@ -400,76 +335,16 @@ class LocalStore(Store):
                     return
 
         try:
-            self._replace(dst, fill, durable=durable)
+            self._replace(dst, fill, durable=durable, group=False)
         finally:
             os.close(fd_in)
 
-    def _forget_append_fd(self, key: str) -> None:
-        if key in self._append_fds:
-            with self._fd_lock:
-                appender = self._append_fds.pop(key, None)
-                if appender is not None:
-                    appender.close()
-
-    def write_header_last(
-        self,
-        key: str,
-        head_len: int,
-        value_chunks: Sequence[Buffer],
-        header: Callable[[], bytes],
-        *,
-        durable: bool,
-    ) -> None:
-        """
-        Like :meth:`write`, for a file whose first *head_len* bytes are only known once its
-        value is written (its checksum is computed meanwhile): write the value, then the header.
-        """
-
-        def fill(fd: int) -> None:
-            os.lseek(fd, head_len, os.SEEK_SET)
-            write_all(fd, value_chunks)
-            if durable:
-                datasync(fd)  # flush the bulk now, while the checksum may still be computing
-            data = header()
-            if len(data) != head_len:  # pragma: no cover - the codec guarantees it
-                msg = f"header of {len(data)} bytes, expected {head_len}"
-                raise ValueError(msg)
-            pwrite_all(fd, data, 0)
-
-        self._replace(key, fill, durable=durable)
-
-    def _replace(self, key: str, fill: Callable[[int], None], *, durable: bool) -> None:
+    def _replace(self, key: str, fill: Callable[[int], None], *, durable: bool, group: bool) -> None:
         """Write a temp file with *fill*, fsync it, rename it over *key*, fsync the directory."""
-        if self._log is not None:
-            self._log.before_change(key)
-        target, tmp, fd = self.temp_file(key, durable=durable)
-        directory = os.path.dirname(target)
-        try:
-            try:
-                fill(fd)
-                if durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, target)
-        except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise with_path(exc, target) from exc
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        if durable:
-            fsync_dir(directory)
-
-    def temp_file(self, key: str, *, durable: bool) -> tuple[str, str, int]:
-        """
-        Create the temporary file a new version of *key* is written to, beside it (and its
-        directories, fsynced if *durable*): its target path, its own path, and its descriptor.
-        """
         target = self.path(key)
         self._check_dirs(key)
+        if durable and not group:
+            self.sync()
         directory = os.path.dirname(target)
         tmp = _temp_path(target)
         # O_EXCL: never opens an existing file, nor follows a symbolic link planted there
@@ -481,139 +356,70 @@ class LocalStore(Store):
                 self._makedirs(directory, durable=durable)
                 fd = os.open(tmp, flags, 0o600)
         except OSError as exc:
-            raise with_path(exc, target) from exc
-        return target, tmp, fd
-
-    def open_log(self, key: str) -> tuple[int, bool]:
-        """
-        Open the file *key* for the output log, which writes at offsets of its own (a
-        descriptor of its own, not one of :meth:`append`'s); also whether it was created.
-        """
-        path = self.path(key)
-        self._check_dirs(key)
-        flags = os.O_RDWR
+            raise self.error(exc, target) from None
         try:
-            return self._open_own(path, flags), False
-        except FileNotFoundError:
-            self._makedirs(os.path.dirname(path), durable=True)
-            return self._open_own(path, flags | os.O_CREAT), True
-
-    def same_file(self, key: str, data: bytes, *, fsync: bool) -> bool:
-        """Whether *key* is a plain file holding exactly *data* (then fsynced, with *fsync*)."""
-        if self._linked_dir(key) is not None:
-            return False  # not read through a link out of the state directory
-        try:
-            fd = _open_nofollow(self.path(key), os.O_RDONLY)
-        except OSError:
-            return False
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != len(data):
-                return False
-            with open(fd, "rb", closefd=False) as f:
-                if f.read(len(data) + 1) != data:
-                    return False
-            if fsync:
-                os.fsync(fd)
-            return True
-        finally:
-            os.close(fd)
+            try:
+                fill(fd)
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, target)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if isinstance(exc, OSError):
+                raise self.error(exc, target) from exc
+            raise
+        if not durable:
+            return
+        if group:
+            self._defer_sync(directory)
+        else:
+            fsync_dir(directory)
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:
         """
-        Append all of *data* or raise (an ``OSError`` naming the file). With *durable*, the
-        file is synced, and its directory too when this append created it. A batch's file
-        is allocated ahead (see :class:`_Appender`).
+        Append all of *data* in one ``write`` or raise (an ``OSError`` naming the file). With
+        *durable*, the file is synced, and its directory too when this append created it.
         """
         path = self.path(key)
-        if self._log is not None:
-            self._log.before_change(key)
-        with self._fd_lock:
-            appender = self._append_fds.get(key)
-            created = False
-            try:
-                if appender is None:
-                    appender, created = self._open_append(key, path, durable=durable)
-                appender.append(data, durable=durable)
-                if durable and created:
-                    # the new name must survive a power loss too, like a renamed file's
-                    fsync_dir(os.path.dirname(path))
-            except OSError as exc:
-                if isinstance(exc, StateDirectoryError):
-                    raise
-                raise with_path(exc, path) from exc
-
-    def _open_append(self, key: str, path: str, *, durable: bool) -> tuple[_Appender, bool]:
-        """Open *key* for appending, keeping the descriptor; also whether the file was created."""
         self._check_dirs(key)
-        ahead = key.startswith(BATCHES + "/")
-        flags = os.O_WRONLY if ahead else os.O_WRONLY | os.O_APPEND
+        if durable:
+            self.sync()
+        flags = os.O_WRONLY | os.O_APPEND
         created = False
         try:
-            fd = self._open_own(path, flags)
-        except FileNotFoundError:
-            created = True
             try:
-                fd = self._open_own(path, flags | os.O_CREAT)
+                fd = self._open(path, flags, own=True)
             except FileNotFoundError:
-                self._makedirs(os.path.dirname(path), durable=durable)
-                fd = self._open_own(path, flags | os.O_CREAT)
-        if len(self._append_fds) >= _MAX_APPEND_FDS:
-            # a run may append to many batch logs: keep the most recently opened descriptors
-            oldest = next(iter(self._append_fds))
-            self._append_fds.pop(oldest).close()
-        appender = self._append_fds[key] = _Appender(fd, ahead=ahead)
-        return appender, created
-
-    def truncate(self, key: str, size: int, *, durable: bool) -> None:
-        """Cut *key* to its first *size* bytes in place (a log's torn tail); appends go on at the new end."""
-        path = self.path(key)
-        if self._log is not None:
-            self._log.before_change(key)
-        self._check_dirs(key)
-        self._forget_append_fd(key)  # the next append starts from the new end
-        with self._fd_lock:
+                created = True
+                try:
+                    fd = self._open(path, flags | os.O_CREAT, own=True)
+                except FileNotFoundError:
+                    self._makedirs(os.path.dirname(path), durable=durable)
+                    fd = self._open(path, flags | os.O_CREAT, own=True)
             try:
-                fd = self._open_own(path, os.O_WRONLY)
-            except OSError as exc:
-                if isinstance(exc, StateDirectoryError):
-                    raise
-                raise with_path(exc, path) from exc
-            try:
-                if os.fstat(fd).st_size > size:
-                    os.ftruncate(fd, size)
-                    if durable:
-                        os.fsync(fd)
-            except OSError as exc:
-                raise with_path(exc, path) from exc
+                write_all(fd, [data])  # O_APPEND: one write lands whole at the end
+                if durable:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
-
-    def close_appends(self) -> None:
-        """
-        Write the files the output log still holds and empty it, then close the descriptors
-        kept open between appends.
-        """
-        try:
-            if self._log is not None:
-                self._log.close()
-        finally:
-            with self._fd_lock:
-                appenders = list(self._append_fds.values())
-                self._append_fds.clear()
-                for appender in appenders:
-                    appender.close()
+            if durable and created:
+                # the new name must survive a power loss too, like a renamed file's
+                fsync_dir(os.path.dirname(path))
+        except OSError as exc:
+            raise self.error(exc, path) from None
 
     def delete(self, key: str, *, durable: bool) -> None:
         path = self.path(key)
         self._check_dirs(key)  # never deletes through a linked directory, out of the state
-        if self._log is not None:
-            self._log.before_change(key)
-        self._forget_append_fd(key)
         try:
             os.unlink(path)
         except FileNotFoundError:
             return
+        except OSError as exc:
+            raise self.error(exc, path) from None
         directory = os.path.dirname(path)
         if directory != self.root:
             try:
@@ -623,24 +429,25 @@ class LocalStore(Store):
             else:
                 directory = os.path.dirname(directory)
         if durable:
+            self.sync()
             fsync_dir(directory)
 
-    def temp_files(self) -> builtins.list[str]:
-        """The keys of the temporary files killed writers left behind (``.<name>.<pid>-...tmp``)."""
+    # listing -----------------------------------------------------------------------------
+
+    def remove_temp_files(self, *, dry_run: bool = False) -> builtins.list[str]:
+        """
+        Delete the temporary files killed writers left behind (``.<name>.<pid>-...tmp``);
+        return their keys. Call it holding the lock.
+        """
         keys: builtins.list[str] = []
         for directory, _, files in os.walk(self.root):
             prefix = "" if directory == self.root else os.path.relpath(directory, self.root) + "/"
-            keys.extend(prefix + n for n in files if n.startswith(".") and n.endswith(".tmp"))
+            keys.extend(prefix + n for n in files if _is_temp(n))
+        if not dry_run:
+            for key in keys:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(self.root, key))
         return sorted(keys)
-
-    def remove_temp_files(self) -> int:
-        """Delete temporary files a killed writer left behind; call it holding the lock."""
-        removed = 0
-        for key in self.temp_files():
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(self.root, key))
-                removed += 1
-        return removed
 
     def list(self, prefix: str = "") -> list[str]:
         base = prefix.rpartition("/")[0]
@@ -660,18 +467,25 @@ class LocalStore(Store):
                 if entry.is_dir(follow_symlinks=False):
                     stack.append((entry.path, key))
                 elif (
-                    key.startswith(prefix)
-                    and key not in {_LOCK_FILE, LOG_KEY, GITIGNORE}
-                    and not (entry.name.startswith(".") and entry.name.endswith(".tmp"))
+                    key.startswith(prefix) and key not in {_LOCK_FILE, GITIGNORE} and not _is_temp(entry.name)
                 ):
                     keys.append(key)
         return keys
 
+    # the lock ----------------------------------------------------------------------------
+
     def lock(self, holder: Mapping[str, Any]) -> _FileLock:
+        """
+        Take the run lock. A lock file that is not empty was left by a holder that died
+        (a released lock is emptied): what it was writing, its temporary files, is removed.
+        """
         path = self.path(_LOCK_FILE)
         self._check_dirs(_LOCK_FILE)
-        self._makedirs(os.path.dirname(path), durable=False)
-        fd = self._open_own(path, os.O_RDWR | os.O_CREAT)
+        try:
+            self._makedirs(os.path.dirname(path), durable=False)
+        except OSError as exc:
+            raise self.error(exc, path) from None
+        fd = self._open(path, os.O_RDWR | os.O_CREAT, own=True)
         _held_locks.add(fd)  # before flock: a fork right after it must not keep the lock
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -679,22 +493,19 @@ class LocalStore(Store):
             _held_locks.discard(fd)
             os.close(fd)
             if exc.errno not in {errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES}:
-                raise with_path(exc, path) from exc
+                raise self.error(exc, path) from exc
             raise StateLockedError(self.location, self._holder(path)) from None
         # The kernel drops a flock when its process dies, so a crash never blocks the next run.
-        lock = _FileLock(fd)
+        lock = _FileLock(fd, self.sync)
         try:
+            died = os.fstat(fd).st_size > 0
             os.ftruncate(fd, 0)
             pwrite_all(fd, json.dumps(dict(holder)).encode(), 0)
+            if died:
+                self.remove_temp_files()
         except OSError as exc:
             lock.release()
-            raise with_path(exc, path) from exc
-        try:
-            self._log = None  # a log that failed stays failed: the one on disk is applied now
-            recover(self)  # what a killed holder had only in the output log
-        except BaseException:
-            lock.release()
-            raise
+            raise self.error(exc, path) from exc
         return lock
 
     @staticmethod

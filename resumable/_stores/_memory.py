@@ -28,8 +28,6 @@ class MemoryStore(Store):
     as something (a pipeline) holds it: the last one dropped, its objects are freed.
     """
 
-    cheap_appends = True  # an append extends a bytearray in place
-
     _named: ClassVar[weakref.WeakValueDictionary[str, MemoryStore]] = weakref.WeakValueDictionary()
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 

@@ -390,7 +390,7 @@ def test_crash_at_dies_once_when_threads_reach_it_together(tmp_path: Path) -> No
     [("fsync", "os.fsync(fd); os.fdatasync(fd)"), ("write", "os.write(fd, b'a'); os.pwrite(fd, b'b', 1)")],
 )
 def test_crash_at_counts_each_way_of_doing_the_operation(operation: str, calls: str, tmp_path: Path) -> None:
-    """A sync is an fsync or an fdatasync (the output log uses the second), a write a write or a pwrite."""
+    """A sync is an fsync or an fdatasync, a write a write or a pwrite."""
     program = (
         "import os, sys\n"
         "from resumable.testing import crash_at\n"
