@@ -136,7 +136,7 @@ class StoreConformance(abc.ABC):
     # reading and writing -----------------------------------------------------------------
 
     def test_is_a_store(self) -> None:
-        """The store is a :class:`Store` (a subclass, or a protocol backend adapted by open_store)."""
+        """The store is a :class:`Store`."""
         _check(isinstance(self.make_store(), Store), "isinstance(store, Store) is false")
 
     # the optional methods: overridden or not, they keep their contract --------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from resumable import Pipeline, ResumableError, StateLockedError, Store
+from resumable import Pipeline, ResumableError, StateDirectoryError, StateLockedError, Store
 from resumable._stores import _local, open_store
 from resumable._stores._local import LocalStore
 from resumable._stores._memory import MemoryStore
@@ -355,3 +355,70 @@ def test_a_forked_childs_output_survives_a_kill_of_its_parent(tmp_path: Path):
     store.lock({"pid": os.getpid()}).release()
     assert b"new" == store.read("step/k.msgpack")
     assert [] == [p.name for p in (state / "step").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_fifo_in_place_of_a_state_file_is_refused_at_once(tmp_path: Path):
+    """A FIFO where an output or a log should be is refused with a clear error, never read (it would block)."""
+    store = LocalStore(tmp_path)
+    os.mkfifo(tmp_path / "a.msgpack")
+    os.mkfifo(tmp_path / "events.jsonl")
+    for action in (
+        lambda: store.read("a.msgpack"),
+        lambda: store.read_range("a.msgpack", 0, 10),
+        lambda: store.append("events.jsonl", b"x", durable=False),
+    ):
+        with pytest.raises(StateDirectoryError, match="not a plain file"):
+            action()
+
+
+def test_a_directory_in_place_of_an_output_is_a_state_directory_error(tmp_path: Path):
+    """A directory where an output file should be: StateDirectoryError naming the path, no temp file left."""
+    store = LocalStore(tmp_path)
+    (tmp_path / "a.msgpack").mkdir()
+    with pytest.raises(StateDirectoryError, match=r"a\.msgpack") as info:
+        store.write("a.msgpack", [b"x"], durable=True)
+    assert errno.EISDIR == info.value.errno
+    assert [] == [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_read_only_file_system_is_a_state_directory_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """EROFS while saving becomes a StateDirectoryError that says the file system is read-only."""
+    store = LocalStore(tmp_path)
+
+    def read_only(*args: object, **kwargs: object) -> int:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(StateDirectoryError, match="read-only") as info:
+        store.write("a.msgpack", [b"x"], durable=True)
+    assert (errno.EROFS, str(tmp_path)) == (info.value.errno, info.value.path)
+
+
+DIES_HOLDING_THE_LOCK = """
+import os, sys
+from resumable._stores._local import LocalStore
+
+store = LocalStore(sys.argv[1])
+store.lock({"pid": os.getpid()})
+open(os.path.join(sys.argv[1], ".a.msgpack.1-1-1.tmp"), "w").close()  # as a killed write leaves it
+os._exit(137)
+"""
+
+
+def test_temporary_files_of_a_dead_lock_holder_are_removed_by_the_next(tmp_path: Path):
+    """
+    A holder killed with the lock (a run, reset, rollback or clean) leaves temporary files:
+    the next holder removes them. After a clean release nothing is swept.
+    """
+    script, state = tmp_path / "dies.py", tmp_path / "state"
+    script.write_text(DIES_HOLDING_THE_LOCK)
+    assert (
+        137 == subprocess.run([sys.executable, str(script), str(state)], check=False, timeout=60).returncode
+    )
+    assert (state / ".a.msgpack.1-1-1.tmp").exists()
+    store = LocalStore(state)
+    store.lock({"pid": os.getpid()}).release()
+    assert not (state / ".a.msgpack.1-1-1.tmp").exists()
+    (state / ".b.msgpack.1-1-2.tmp").touch()  # not a dead holder's: a clean release came last
+    store.lock({"pid": os.getpid()}).release()
+    assert (state / ".b.msgpack.1-1-2.tmp").exists()

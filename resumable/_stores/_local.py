@@ -194,6 +194,8 @@ class LocalStore(Store):
         except FileNotFoundError:
             raise
         except OSError as exc:
+            if exc.errno == errno.ENXIO:  # a FIFO with no reader, opened to write
+                raise self.linked(path, "not a plain file") from None
             raise self.error(exc, path) from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or (own and st.st_nlink != 1):
