@@ -23,7 +23,6 @@ LAYERS: list[tuple[str, set[str]]] = [
         {
             "_stores",
             "_stores._base",
-            "_stores._fileio",
             "_stores._local",
             "_stores._memory",
             "_stores._fsspec",

@@ -770,12 +770,11 @@ if sys.argv[2] == "pool":
     pool = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("fork"))
     child = pool.submit(os.getpid).result()
     pool.submit(time.sleep, 120)
-else:
-    child = os.fork()
-    if child == 0:
-        time.sleep(120)
-        os._exit(0)
-print(child, flush=True)
+    print(child, flush=True)
+elif os.fork() == 0:  # the child says it runs (its copy of the lock is closed by then)
+    print(os.getpid(), flush=True)
+    time.sleep(120)
+    os._exit(0)
 time.sleep(120)
 """
 

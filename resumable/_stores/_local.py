@@ -32,7 +32,6 @@ from typing import Any
 from .._slots import INTERNAL_DIR, is_output_file
 from ..exceptions import StateDirectoryError, StateLockedError
 from ._base import Buffer, Stamp, Store, check_key, stamp_of
-from ._fileio import fsync_dir, pwrite_all, with_path, write_all
 
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _counter = itertools.count()
@@ -47,6 +46,41 @@ _UNUSABLE = {
     errno.EISDIR: "a directory is in the way",
     errno.ENOTDIR: "a file is in the way of a directory",
 }
+
+
+_WRITE_MAX = 1 << 30  # bytes per write() call; Linux caps a single write just below 2 GiB
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory, so that the names created or renamed in it survive a power loss."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
+    except OSError as exc:
+        raise with_path(exc, path) from exc
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise with_path(exc, path) from exc
+    finally:
+        os.close(fd)
+
+
+def with_path(exc: OSError, path: str) -> OSError:
+    """The same kind of error, naming *path* (os.write errors carry no file name)."""
+    if exc.filename is not None:
+        return exc
+    return type(exc)(exc.errno, exc.strerror, path)
+
+
+def write_all(fd: int, chunks: Sequence[Buffer]) -> None:
+    """Write every byte of *chunks*, going on after short writes; complete or raise."""
+    for chunk in chunks:
+        view = memoryview(chunk).cast("B")
+        while view:
+            written = os.write(fd, view[:_WRITE_MAX])
+            if written <= 0:  # no progress: the disk is full (a regular file never returns 0 else)
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            view = view[written:]
 
 
 # What a state directory resumable creates holds, so that nobody commits it by accident (as
@@ -502,7 +536,7 @@ class LocalStore(Store):
         try:
             died = os.fstat(fd).st_size > 0
             os.ftruncate(fd, 0)
-            pwrite_all(fd, json.dumps(dict(holder)).encode(), 0)
+            write_all(fd, [json.dumps(dict(holder)).encode()])  # at offset 0: just truncated
             if died:
                 self.remove_temp_files()
         except OSError as exc:
