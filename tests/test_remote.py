@@ -220,7 +220,8 @@ def test_temp_objects_removed_by_the_next_run(tmp_path):
     store = FsspecStore(f"file://{tmp_path}/state")
     store.write("a.msgpack", [b"x"], durable=True)
     (tmp_path / "state" / ".a.msgpack.deadbeef.tmp").write_bytes(b"partial")
-    assert 1 == store.remove_temp_files()
+    assert [".a.msgpack.deadbeef.tmp"] == store.remove_temp_files(dry_run=True)
+    assert [".a.msgpack.deadbeef.tmp"] == store.remove_temp_files()
     assert ["a.msgpack"] == sorted(p.name for p in (tmp_path / "state").iterdir())
 
 
@@ -230,7 +231,7 @@ def test_unfinished_multipart_uploads_aborted(s3):
     bucket, _, prefix = store._prefix.partition("/")
     store.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=f"{prefix}big.msgpack")
     other = store.fs.call_s3("create_multipart_upload", Bucket=bucket, Key="elsewhere/big.msgpack")
-    assert 1 == store.remove_temp_files()
+    assert ["big.msgpack"] == store.remove_temp_files()
     left = store.fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
     assert [other["UploadId"]] == [u["UploadId"] for u in left]
     store.fs.call_s3(
