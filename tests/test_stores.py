@@ -422,3 +422,29 @@ def test_temporary_files_of_a_dead_lock_holder_are_removed_by_the_next(tmp_path:
     (state / ".b.msgpack.1-1-2.tmp").touch()  # not a dead holder's: a clean release came last
     store.lock({"pid": os.getpid()}).release()
     assert (state / ".b.msgpack.1-1-2.tmp").exists()
+
+
+def test_a_non_idempotent_step_leaves_no_directory_fsync_pending(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """An idempotent step's output may wait for its directory fsync; an idempotent=False one never does."""
+    monkeypatch.setattr(_local, "GROUP_WINDOW", 3600.0)  # nothing is synced for its age
+    pipe = Pipeline("p", state_dir=tmp_path)
+    pending: list[set[str]] = []
+
+    @pipe.step(key="{i}")
+    def safe(i: int) -> int:
+        return i
+
+    @pipe.step(key="{i}", idempotent=False)
+    def charge(i: int) -> int:
+        return i
+
+    with pipe:
+        store = pipe.store
+        assert isinstance(store, LocalStore)
+        safe(1)
+        pending.append(set(store._unsynced))
+        charge(1)
+        pending.append(set(store._unsynced))
+    assert [{str(tmp_path / "safe")}, set()] == pending
