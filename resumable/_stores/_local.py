@@ -35,6 +35,7 @@ from ._base import Buffer, Stamp, Store, check_key, stamp_of
 
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _counter = itertools.count()
+_MAX_OPEN = 16  # appended files a store keeps open
 GROUP_WINDOW = 0.1
 """Seconds the directory fsync of a durable output may wait for the outputs stored after it."""
 # link() failing with these means "no hard links here" (another file system, one that has
@@ -168,6 +169,11 @@ class LocalStore(Store):
         self._sync_lock = threading.Lock()
         self._unsynced: set[str] = set()  # directories holding renames not fsynced yet
         self._unsynced_since = 0.0
+        # Files appended to are kept open while this store holds the lock (the event log and
+        # the batches' chunk logs are appended to again and again), and closed at its release.
+        self._fds: dict[str, int] = {}
+        self._fd_lock = threading.Lock()
+        self._locked = False
 
     def __repr__(self) -> str:
         return f"LocalStore({self.root!r})"
@@ -329,6 +335,7 @@ class LocalStore(Store):
         target = self.path(dst)
         self._check_dirs(src)
         self._check_dirs(dst)
+        self._forget(dst)
         if durable:
             self.sync()  # the link must not outlive, after a power loss, the name it copies
         directory = os.path.dirname(target)
@@ -378,6 +385,7 @@ class LocalStore(Store):
     def _replace(self, key: str, fill: Callable[[int], None], *, durable: bool, group: bool) -> None:
         """Write a temp file with *fill*, fsync it, rename it over *key*, fsync the directory."""
         target = self.path(key)
+        self._forget(key)
         self._check_dirs(key)
         if durable and not group:
             self.sync()
@@ -420,36 +428,66 @@ class LocalStore(Store):
         *durable*, the file is synced, and its directory too when this append created it.
         """
         path = self.path(key)
-        self._check_dirs(key)
         if durable:
             self.sync()
-        flags = os.O_WRONLY | os.O_APPEND
         created = False
         try:
-            try:
-                fd = self._open(path, flags, own=True)
-            except FileNotFoundError:
-                created = True
+            with self._fd_lock:
+                fd = self._fds.get(key)
+                if fd is None:
+                    fd, created = self._open_append(key, path, durable=durable)
+                    if self._locked:
+                        if len(self._fds) >= _MAX_OPEN:  # many batch logs: keep the newest open
+                            os.close(self._fds.pop(next(iter(self._fds))))
+                        self._fds[key] = fd
                 try:
-                    fd = self._open(path, flags | os.O_CREAT, own=True)
-                except FileNotFoundError:
-                    self._makedirs(os.path.dirname(path), durable=durable)
-                    fd = self._open(path, flags | os.O_CREAT, own=True)
-            try:
-                write_all(fd, [data])  # O_APPEND: one write lands whole at the end
-                if durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
+                    write_all(fd, [data])  # O_APPEND: one write lands whole at the end
+                    if durable:
+                        os.fsync(fd)
+                finally:
+                    if key not in self._fds:
+                        os.close(fd)
             if durable and created:
                 # the new name must survive a power loss too, like a renamed file's
                 fsync_dir(os.path.dirname(path))
         except OSError as exc:
             raise self.error(exc, path) from None
 
+    def _open_append(self, key: str, path: str, *, durable: bool) -> tuple[int, bool]:
+        """Open *key* to append to it (creating it, and its directories); also whether it was created."""
+        self._check_dirs(key)
+        flags = os.O_WRONLY | os.O_APPEND
+        try:
+            return self._open(path, flags, own=True), False
+        except FileNotFoundError:
+            pass
+        try:
+            return self._open(path, flags | os.O_CREAT, own=True), True
+        except FileNotFoundError:
+            self._makedirs(os.path.dirname(path), durable=durable)
+            return self._open(path, flags | os.O_CREAT, own=True), True
+
+    def _forget(self, key: str) -> None:
+        """Close the descriptor kept for appends to *key*: its file is being replaced or removed."""
+        if key in self._fds:
+            with self._fd_lock:
+                fd = self._fds.pop(key, None)
+                if fd is not None:
+                    os.close(fd)
+
+    def _released(self) -> None:
+        """Before the lock goes: close the appended files, fsync the pending directories."""
+        with self._fd_lock:
+            self._locked = False
+            fds, self._fds = list(self._fds.values()), {}
+            for fd in fds:
+                os.close(fd)
+        self.sync()
+
     def delete(self, key: str, *, durable: bool) -> None:
         path = self.path(key)
         self._check_dirs(key)  # never deletes through a linked directory, out of the state
+        self._forget(key)
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -532,7 +570,8 @@ class LocalStore(Store):
                 raise self.error(exc, path) from exc
             raise StateLockedError(self.location, self._holder(path)) from None
         # The kernel drops a flock when its process dies, so a crash never blocks the next run.
-        lock = _FileLock(fd, self.sync)
+        lock = _FileLock(fd, self._released)
+        self._locked = True
         try:
             died = os.fstat(fd).st_size > 0
             os.ftruncate(fd, 0)
