@@ -25,16 +25,19 @@ from __future__ import annotations
 
 import ast
 import copy
+import dataclasses
 import hashlib
 import inspect
 import linecache
+import reprlib
 import textwrap
 import types
 import weakref
 from collections.abc import Callable
+from itertools import islice
 from typing import Any, Literal
 
-import msgpack
+import attrs
 
 from ._codec_types import qualified_name
 from ._fingerprint import _Unhashable, digest_value
@@ -43,6 +46,10 @@ from ._fingerprint import _Unhashable, digest_value
 _SKIP_FIELDS = frozenset({"ctx", "type_comment", "kind"})
 _TOP_SKIP = frozenset({"name", "decorator_list", "returns", "type_params"})
 _MAX_CONSTANT_ITEMS = 10_000
+# what a dispatch table never holds: a container of only these is data
+_PLAIN_DATA = frozenset({
+    type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset,
+})  # fmt: skip
 
 _cache: weakref.WeakKeyDictionary[types.FunctionType, str] = weakref.WeakKeyDictionary()
 # Source lines of modules, as they were when their first step was decorated: a file edited
@@ -275,11 +282,6 @@ def _names(code: types.CodeType) -> set[str]:
 _MISSING = object()
 _MAX_SOURCE = 20_000  # characters of a component's source kept for `resumable why`
 _MAX_REPR = 200
-# Digests of immutable values read by steps (and None for values that cannot be fingerprinted),
-# by identity; the value is held so its id stays its own. A constant that is not reassigned
-# then costs one dict lookup per call.
-_immutable_digests: dict[int, tuple[object, str | None]] = {}
-_IMMUTABLE = (str, bytes, int, float, complex, bool, type(None))
 
 
 class CodeShape:
@@ -325,74 +327,92 @@ def _is_code(value: object) -> bool:
     return isinstance(value, (types.ModuleType, type)) or callable(value)
 
 
-def value_digest(value: object) -> str | None:
+def value_digest(value: object, describe: str | None = None) -> str | None:
     """
-    The digest of a value a step reads, or None if it cannot be fingerprinted. Plain data
-    is digested from its msgpack encoding (C speed); other values as arguments are.
+    The digest of a value a step reads, or None if it cannot be fingerprinted: its
+    fingerprint as an argument (a value of a type the codec stores without pickling but
+    that has no fingerprint, by its encoding). With *describe* (which value of which step),
+    one that takes long to fingerprint is announced.
     """
-    tp = type(value)
-    items: Any = value
-    immutable = tp in _IMMUTABLE or (
-        (tp is tuple or tp is frozenset) and all(type(v) in _IMMUTABLE for v in items)
-    )
-    known = _immutable_digests.get(id(value))
-    if known is not None and known[0] is value:
-        return known[1]
-    digest = _fresh_digest(value)
-    if immutable or digest is None:  # what cannot be fingerprinted never will be
-        if len(_immutable_digests) > 10_000:
-            _immutable_digests.clear()
-        _immutable_digests[id(value)] = (value, digest)
-    return digest
-
-
-# id -> (the value a step read, its msgpack bytes then, their digest): values steps read are
-# module globals and closure cells, alive anyway; at most a thousand are kept
-_packed_digests: dict[int, tuple[object, bytes, str]] = {}
-_PACKED_MAX = 64 * 1024
-
-
-def _refuse(value: object) -> None:
-    raise TypeError(type(value).__name__)
-
-
-def _fresh_digest(value: object) -> str | None:
-    # Plain JSON-like data (exact types: dict, list, str, bytes, int, float, bool, None) is
-    # packed by msgpack's C packer, which is fast and tells them all apart.
     try:
-        packed = msgpack.packb(value, use_bin_type=True, strict_types=True, default=_refuse)
-    except (TypeError, ValueError, OverflowError):
+        return "f" + digest_value(value, describe=describe)[:15]
+    except (_Unhashable, RecursionError):
         pass
-    else:
-        # the same object packing to the same bytes as last time: the same digest, unhashed
-        last = _packed_digests.get(id(value))
-        if last is not None and last[0] is value and last[1] == packed:
-            return last[2]
-        digest = "p" + hashlib.sha256(packed).hexdigest()[:15]
-        if len(packed) <= _PACKED_MAX:  # a large value would be kept twice
-            if len(_packed_digests) > 1_000:
-                _packed_digests.clear()
-            _packed_digests[id(value)] = (value, packed, digest)
-        return digest
     from ._codec import encode, value_checksum  # noqa: PLC0415 - the codec is loaded by then anyway
     from .exceptions import SerializationError  # noqa: PLC0415
 
     try:
         encoded = encode(value, allow_pickle=False)
-    except SerializationError:
-        pass
-    else:
-        return "m" + value_checksum(encoded, [0] * len(encoded.buffers)).partition(":")[2][:15]
-    try:
-        return "f" + digest_value(value)[:15]
-    except (_Unhashable, RecursionError):
+    except (SerializationError, RecursionError):
         return None
+    return "m" + value_checksum(encoded, [0] * len(encoded.buffers)).partition(":")[2][:15]
+
+
+class _ShortRepr(reprlib.Repr):
+    """reprlib's bounded repr, without sorting a whole dict or set to show a few items."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel = 3
+        self.maxdict = self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = 8
+        self.maxstring = self.maxother = 120
+        self.maxlong = 60
+
+    def repr_dict(self, x: dict[Any, Any], level: int) -> str:
+        if not x:
+            return "{}"
+        if level <= 0:
+            return "{...}"
+        items = [
+            f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
+            for k, v in islice(x.items(), self.maxdict)
+        ]
+        return "{" + ", ".join(items) + (", ..." if len(x) > self.maxdict else "") + "}"
+
+    def repr_set(self, x: set[Any], level: int) -> str:
+        return self._elements(x, level, "{", "}", "set()")
+
+    def repr_frozenset(self, x: frozenset[Any], level: int) -> str:
+        return self._elements(x, level, "frozenset({", "})", "frozenset()")
+
+    def _elements(self, x: set[Any] | frozenset[Any], level: int, left: str, right: str, empty: str) -> str:
+        if not x:
+            return empty
+        if level <= 0:
+            return left + "..." + right
+        items = [self.repr1(v, level - 1) for v in islice(x, self.maxset)]
+        return left + ", ".join(items) + (", ..." if len(x) > self.maxset else "") + right
+
+    def repr_instance(self, x: object, level: int) -> str:
+        fields = _fields_for_repr(x)
+        if fields is None:  # the object's own repr (NumPy and pandas shorten theirs)
+            return super().repr_instance(x, level)
+        if level <= 0:
+            return f"{type(x).__name__}(...)"
+        shown = [f"{name}={self.repr1(value, level - 1)}" for name, value in fields[: self.maxlist]]
+        more = ", ..." if len(fields) > self.maxlist else ""
+        return f"{type(x).__name__}({', '.join(shown)}{more})"
+
+
+def _fields_for_repr(obj: object) -> list[tuple[str, Any]] | None:
+    tp = type(obj)
+    if attrs.has(tp):
+        return [(a.name, getattr(obj, a.name, None)) for a in attrs.fields(tp)]
+    if dataclasses.is_dataclass(tp):
+        return [(f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj)]  # type: ignore[arg-type]
+    return None
+
+
+_short = _ShortRepr()
 
 
 def short_repr(value: object) -> str:
-    """A one-line repr of at most a few hundred characters, for `resumable why`."""
+    """
+    A one-line repr of at most a few hundred characters, for `resumable why`: a few items
+    of a container, never the repr of all of it.
+    """
     try:
-        text = repr(value)
+        text = _short.repr(value)
     except Exception as exc:  # noqa: BLE001 - a broken __repr__ must not break a step
         text = f"<{type(value).__name__}: repr failed: {exc!r}>"
     text = " ".join(text.split())
@@ -479,16 +499,16 @@ def _helper(value: object, module: str) -> types.FunctionType | None:
 
 def _functions_inside(value: object, module: str) -> list[tuple[str, types.FunctionType]] | None:
     """The same-module functions held by a dict, list or tuple (a dispatch table), or None."""
-    items: list[tuple[str, object]]
-    if type(value) is dict:
-        items = [(repr(k), v) for k, v in value.items()]
-    elif type(value) is list or type(value) is tuple:
-        items = [(str(i), v) for i, v in enumerate(value)]
-    else:
+    table: Any = value
+    tp = type(table)
+    if not (tp is dict or tp is list or tp is tuple) or len(table) > _MAX_CONSTANT_ITEMS:
+        return None  # data, not a table: looking through a large value would cost every first call
+    if set(map(type, table.values() if tp is dict else table)) <= _PLAIN_DATA:
         return None
-    if len(items) > _MAX_CONSTANT_ITEMS:
-        return None
-    found = [(label, fn) for label, v in items if (fn := _helper(v, module)) is not None]
+    pairs = (
+        [(repr(k), v) for k, v in table.items()] if tp is dict else [(str(i), v) for i, v in enumerate(table)]
+    )
+    found = [(label, fn) for label, v in pairs if (fn := _helper(v, module)) is not None]
     return found or None
 
 
@@ -567,17 +587,22 @@ def code_shape(fn: types.FunctionType, step_identity: Callable[[object], str | N
     return shape
 
 
-def read_values(shape: CodeShape) -> tuple[dict[str, str], dict[str, str]]:
-    """The digests of the values *shape* reads, as they are now, and those left out (by type)."""
+def read_values(shape: CodeShape, step: str | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """
+    The digests of the values *shape* reads, as they are now, and those left out (by type).
+    *step* names the step in the message about a value that takes long to fingerprint.
+    """
     digests: dict[str, str] = {}
     left_out: dict[str, str] = {}
     for label, getter in shape.reads:
         value = getter()
         if value is _MISSING:
             continue
-        digest = value_digest(value)
+        name = label.removeprefix("const ")
+        describe = None if step is None else f"step {step!r}: value {name!r} its code reads"
+        digest = value_digest(value, describe)
         if digest is None:
-            left_out[label.removeprefix("const ")] = qualified_name(type(value))
+            left_out[name] = qualified_name(type(value))
         else:
             digests[label] = digest
     return digests, left_out

@@ -1,11 +1,13 @@
 """
 Argument digests: equal arguments give equal digests in every process.
 
-A value is fed into SHA-256 as a tagged, length-prefixed byte string. Dicts and sets
-are order-free (their encoded items are sorted), floats are hashed by their bits, and
-NumPy arrays by dtype, shape and raw bytes. An object returned by an earlier step is
-known by the checksum of its stored output as long as it still encodes to the stored bytes
-(see :class:`_Provenance`).
+A value is turned into a canonical byte stream, hashed with BLAKE3. Plain scalars are
+written as msgpack writes them; dicts and sets are order-free (their keys and elements in a
+canonical order), floats are hashed by their bits, NumPy arrays by dtype, shape and raw
+bytes. Lists of plain rows and records go through msgpack's C packer a level at a time, so
+a million small dicts cost about what packing them costs. An object returned by an earlier
+step is known by the checksum of its stored output as long as it still encodes to the
+stored bytes (see :class:`_Provenance`).
 Anything without a stable meaning raises :class:`FingerprintError` rather than being
 hashed by identity or by pickled bytes.
 """
@@ -16,27 +18,30 @@ import dataclasses
 import datetime as dt
 import decimal
 import enum
-import hashlib
+import logging
+import math
 import pathlib
 import struct
 import sys
 import threading
+import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
+from itertools import chain
+from operator import itemgetter
 from typing import Any, NamedTuple
 
 import attrs
+import blake3
+import msgpack
 
 from ._codec_types import qualified_name
 from ._files import file_digests
 from .exceptions import FingerprintError, SerializationError
 
-_PACK_LEN = struct.Struct("<Q").pack
-_PACK_FLOAT = struct.Struct("<d").pack
-_PACK_COMPLEX = struct.Struct("<dd").pack
-_PATH_TAGS: dict[type, bytes] = {pathlib.PurePosixPath: b"pp", pathlib.PureWindowsPath: b"pw"}
+log = logging.getLogger("resumable")
 
 
 class _Unhashable(Exception):  # noqa: N818 - internal signal turned into FingerprintError
@@ -44,6 +49,8 @@ class _Unhashable(Exception):  # noqa: N818 - internal signal turned into Finger
         self.where = where
         self.obj = obj
         self.detail = detail
+        # where in the value it is, innermost first: "[i]" for an item (an int), ".name", "['key']"
+        self.path: list[str | int] = []
         super().__init__(where)
 
 
@@ -77,7 +84,7 @@ class StoredOutput:
         """What this output contributes to the fingerprint of a step it is passed to."""
         if self.plain_digest is not None:
             return self.plain_digest
-        return hashlib.sha256(b"@" + self.digest.encode()).hexdigest()
+        return stored_argument_digest(self.digest)
 
     def get(self) -> Any:
         """Load (once) and return the value."""
@@ -221,144 +228,442 @@ _PLAIN: frozenset[type] = _SCALARS | {str, bytes}
 _MAX_PLAIN_ITEMS = 256
 
 
-class _Feeder:
-    """Turns a value into the canonical byte string that is hashed."""
+# --------------------------------------------------------------------------------------
+# the canonical stream
+#
+# Plain scalars (exact None, bool, int of up to 64 bits, float, str, bytes) are written as
+# msgpack writes them, so that a list of them is one call of msgpack's C packer. Everything
+# else starts with 0xC1, the one byte msgpack never writes, and a tag. Every encoding ends
+# where its own header says, so the concatenation of encodings can be read back one way only.
 
-    __slots__ = ("active",)
+_LEAVES: frozenset[type] = frozenset({type(None), bool, int, float, str, bytes})
+# Types whose natural order is total: the order of dict keys and set elements made of one of them.
+_NATURAL: frozenset[type] = frozenset({str, int, bytes})
+_RECURSIVE = (list, tuple, dict)
+
+_LIST, _TUPLE = b"\xc1l", b"\xc1t"
+_SEQ_TAGS: dict[type, bytes] = {list: _LIST, tuple: _TUPLE}
+_ROWS = b"\xc1r"  # a list or tuple of lists (or of tuples) of plain scalars: one msgpack array
+_RECORDS = b"\xc1k"  # a list or tuple of dicts with the same keys: one column per key
+_DICT, _SET = b"\xc1d", b"\xc1S"
+_BIG_INT = b"\xc1I"
+_STORED = b"\xc1@"  # a step output passed on unchanged: its stored checksum
+_CHANGED = b"\xc1#"  # a step output changed in place that has no digest of its own: its encoding
+_LAZY = b"\xc1&"  # a StoredOutput (the runner's unloaded output)
+
+_CHUNK = 1 << 16  # items packed per call of msgpack: the stream is hashed as it is made
+_LARGE = 1 << 20  # bytes written straight to the hasher rather than buffered
+_PIECE = 1 << 26  # bytes hashed between two looks at the clock
+_CHECK_EVERY = 4096  # containers walked one by one between two looks at the clock
+
+SLOW_AFTER = 1.0
+"""Seconds after which a fingerprint still going is announced (one INFO line)."""
+_clock = time.monotonic
+
+
+def _header_size(n: int) -> int:
+    """Bytes of msgpack's array header for *n* items."""
+    return 1 if n < 16 else 3 if n < 1 << 16 else 5
+
+
+def stored_argument_digest(digest: str) -> str:
+    """The argument digest (hex) of a step output passed on unchanged, stored with *digest*."""
+    return blake3.blake3(_STORED + msgpack.packb(digest)).hexdigest()
+
+
+class _Feeder:
+    """
+    Turns values into the canonical byte stream that is hashed (BLAKE3).
+
+    Containers are looked at a whole level at a time (the types of all items at once), so
+    that lists of plain scalars, of tuples of them and of dicts with the same keys (rows
+    and records) are written by msgpack's C packer, column by column for records; other
+    values are walked item by item. Which way a value takes depends only on what it holds.
+    """
+
+    __slots__ = (
+        "_deadline",
+        "_describe",
+        "_hasher",
+        "_header",
+        "_pack",
+        "_visits",
+        "active",
+        "capturing",
+        "out",
+    )
 
     def __init__(self) -> None:
-        self.active: set[int] = set()
+        self.active: set[int] = set()  # ids of the containers being walked, to refuse cycles
+        self.out = bytearray()
+        # a small first buffer: msgpack's default (256 KiB) costs page faults at every call
+        packer = msgpack.Packer(use_bin_type=True, unicode_errors="surrogatepass", buf_size=1024)
+        self._pack: Callable[[Any], bytes] = packer.pack
+        self._header: Callable[[int], bytes] = packer.pack_array_header
+        self._hasher: Any = None  # a BLAKE3 hasher, once the stream is large
+        self.capturing = 0  # > 0 while encodings are made to be sorted: nothing goes to the hasher
+        self._visits = 0
+        self._deadline = math.inf
+        self._describe: Callable[[], str] | None = None
 
-    def feed(self, out: bytearray, obj: Any, where: str) -> None:
-        tp = type(obj)
-        simple = _SIMPLE.get(tp)
-        if simple is not None:
-            out += simple(obj)
+    # the stream -------------------------------------------------------------------------
+
+    def name(self, text: str) -> bytes:
+        """*text* as msgpack writes it."""
+        return self._pack(text)
+
+    def start(self, describe: Callable[[], str] | None = None) -> None:
+        """Begin a new stream; *describe* says what is fingerprinted, if it ever takes long."""
+        self.out = bytearray()
+        self._hasher = None
+        self.active.clear()
+        self._describe = describe
+        self._deadline = _clock() + SLOW_AFTER if describe is not None else math.inf
+
+    def digest(self) -> bytes:
+        """The BLAKE3 digest (32 bytes) of the stream."""
+        if self._hasher is None:
+            return blake3.blake3(self.out).digest()
+        self._hasher.update(self.out)
+        return bytes(self._hasher.digest())
+
+    def _write(self, data: bytes | memoryview) -> None:
+        if len(data) < _LARGE or self.capturing:
+            self.out += data
             return
-        if isinstance(obj, pathlib.Path):  # a file by its contents, a directory by its files
-            contents = file_digests.digest(obj)
-            out += (
-                _PATH_TAGS[pathlib.PurePosixPath] + _text(str(obj)) if contents is None else b"F" + contents
+        hasher = self._hasher
+        if hasher is None:
+            hasher = self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
+        hasher.update(self.out)
+        self.out = bytearray()
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), _PIECE):
+            hasher.update(view[start : start + _PIECE])
+            self._tick()
+
+    def _tick(self) -> None:
+        """Announce (once) a fingerprint that has been going on for over SLOW_AFTER seconds."""
+        if _clock() > self._deadline and self._describe is not None:
+            self._deadline = math.inf
+            log.info(
+                "%s has taken over %s s to fingerprint so far; it is fingerprinted at every "
+                "call, skips included",
+                self._describe(),
+                f"{SLOW_AFTER:g}",
             )
+
+    # values -----------------------------------------------------------------------------
+
+    def feed(self, obj: Any) -> None:
+        tp = type(obj)
+        if tp in _LEAVES:
+            try:
+                self.out += self._pack(obj)
+            except OverflowError:  # an int beyond 64 bits
+                self.out += _BIG_INT + self._pack(str(obj))
             return
-        if tp is StoredOutput:
-            out += b"&" + bytes.fromhex(obj.arg_digest)
+        scalar = _OTHER_SCALARS.get(tp)
+        if scalar is not None:
+            self.out += scalar(obj, self._pack)
             return
+        if tp not in _SEQ_TAGS and tp is not dict:
+            if isinstance(obj, pathlib.Path):  # a file by its contents, a directory by its files
+                contents = file_digests.digest(obj)
+                self.out += (
+                    _PURE_POSIX + self._pack(str(obj)) if contents is None else _FILE + self._pack(contents)
+                )
+                return
+            if tp is StoredOutput:
+                self.out += _LAZY + bytes.fromhex(obj.arg_digest)
+                return
         entry = provenance.entry(obj)
         if entry is None:
-            self._content(out, obj, where)
+            self._content(obj)
             return
         unchanged, digest = provenance.check(obj, entry)
         if unchanged:  # a step output passed on as it was stored: its stored checksum
-            out += b"@" + digest.encode()
+            self.out += _STORED + self._pack(digest)
             return
         # Changed in place, or a new object at a dead output's address: by its content, as
         # any value; and if it has no digest of its own, by the checksum of its encoding.
-        item = bytearray()
+        mark = len(self.out)
+        self.capturing += 1
         try:
-            self._content(item, obj, where)
+            self._content(obj)
         except _Unhashable:
-            out += b"#" + digest.encode()
-        else:
-            out += item
+            del self.out[mark:]
+            self.out += _CHANGED + self._pack(digest)
+        finally:
+            self.capturing -= 1
 
-    def _content(self, out: bytearray, obj: Any, where: str) -> None:  # noqa: C901
-        """Feed what *obj* holds (its type is not a simple one)."""
+    def _content(self, obj: Any) -> None:
+        """Feed what *obj* holds (its type is not a plain scalar)."""
         tp = type(obj)
-        if tp is list or tp is tuple:
-            out += (b"l" if tp is list else b"t") + _PACK_LEN(len(obj))
-            self._enter(obj, where)
-            for i, item in enumerate(obj):
-                self.feed(out, item, f"{where}[{i}]")
-            self.active.discard(id(obj))
+        self._visits += 1
+        if not self._visits % _CHECK_EVERY:
+            self._tick()
+        tag = _SEQ_TAGS.get(tp)
+        if tag is not None:
+            self._sequence(obj, tag)
         elif tp is dict:
-            self._enter(obj, where)
-            items = []
-            for k, v in obj.items():
-                item = bytearray()
-                self.feed(item, k, f"{where} key {k!r}")
-                self.feed(item, v, f"{where}[{k!r}]")
-                items.append(bytes(item))
-            self.active.discard(id(obj))
-            self._sorted(out, b"d", items)
+            self._dict(obj)
         elif tp is set or tp is frozenset:
-            items = []
-            for v in obj:
-                item = bytearray()
-                self.feed(item, v, f"{where} element {v!r}")
-                items.append(bytes(item))
-            self._sorted(out, b"S", items)
+            items = self._ordered(list(obj), " element ")
+            self.out += _SET
+            self._listed(items, " element {!r}", items)
         elif isinstance(obj, enum.Enum):
-            out += b"E" + _text(qualified_name(tp))
-            self.feed(out, obj.value, f"{where}.value")
+            self.out += _ENUM + self._pack(qualified_name(tp))
+            self._inside(obj.value, ".value")
         elif getattr(tp, "__resumable_fingerprint__", None) is not None and not isinstance(obj, type):
             try:
                 stable = obj.__resumable_fingerprint__()
             except Exception as exc:
-                raise _Unhashable(where, obj, f"its __resumable_fingerprint__() raised {exc!r}") from exc
-            out += b"R" + _text(qualified_name(tp))
-            self.feed(out, stable, f"{where}.__resumable_fingerprint__()")
+                raise _Unhashable("", obj, f"its __resumable_fingerprint__() raised {exc!r}") from exc
+            self.out += _METHOD + self._pack(qualified_name(tp))
+            self._inside(stable, ".__resumable_fingerprint__()")
         else:
             fields = _fields_of(obj)
             if fields is None:
-                self._special(out, obj, where)
+                self._special(obj)
                 return
-            out += b"O" + _text(qualified_name(tp))
-            self._enter(obj, where)
+            self._enter(obj)
+            self.out += _OBJECT + self._pack(qualified_name(tp)) + self._header(len(fields))
             for name, value in fields:
-                out += _text(name)
-                self.feed(out, value, f"{where}.{name}")
+                self.out += self._pack(name)
+                self._inside(value, f".{name}")
             self.active.discard(id(obj))
 
-    def _enter(self, obj: object, where: str) -> None:
+    def _inside(self, obj: object, where: str) -> None:
+        try:
+            self.feed(obj)
+        except _Unhashable as exc:
+            exc.path.append(where)
+            raise
+
+    def _enter(self, obj: object) -> None:
         if id(obj) in self.active:
-            raise _Unhashable(where, obj, "it contains itself")
+            raise _Unhashable("", obj, "it contains itself")
         self.active.add(id(obj))
 
-    @staticmethod
-    def _sorted(out: bytearray, tag: bytes, items: list[bytes]) -> None:
-        items.sort()
-        out += tag + _PACK_LEN(len(items))
-        for item in items:
-            out += _PACK_LEN(len(item)) + item
+    # containers -------------------------------------------------------------------------
 
-    def _special(self, out: bytearray, obj: Any, where: str) -> None:
-        np = sys.modules.get("numpy")
-        if np is not None and isinstance(obj, np.ndarray):
-            if obj.dtype.hasobject:
-                out += b"a" + _text(str(obj.shape))
-                self.feed(out, obj.tolist(), where)
-                return
-            data = np.ascontiguousarray(obj)
-            body = hashlib.sha256(memoryview(data.reshape(-1).view("uint8"))).digest()
-            descr = str(np.lib.format.dtype_to_descr(obj.dtype))  # structured dtypes in full
-            out += b"A" + _text(descr) + _text(str(obj.shape)) + body
+    def _sequence(self, obj: list[Any] | tuple[Any, ...], tag: bytes) -> None:
+        types = set(map(type, obj))
+        if types <= _LEAVES:  # the same bytes as item by item, one call of the packer per chunk
+            self.out += tag
+            self._scalars(obj)
             return
-        if np is not None and isinstance(obj, np.generic):
-            out += b"n" + _text(obj.dtype.str) + obj.tobytes()
+        if len(types) == 1:
+            (inner,) = types
+            if (inner is tuple or inner is list) and set(map(type, chain.from_iterable(obj))) <= _LEAVES:
+                self.out += _ROWS + tag + _SEQ_TAGS[inner]
+                self._rows(obj)
+                return
+            if inner is dict and self._records(obj, tag):
+                return
+        self._enter(obj)
+        self.out += tag
+        self._items(obj)
+        self.active.discard(id(obj))
+
+    def _items(self, items: list[Any] | tuple[Any, ...]) -> None:
+        """The items of a sequence one by one, after its header."""
+        self.out += self._header(len(items))
+        feed = self.feed
+        i = 0
+        try:
+            for i, item in enumerate(items):  # noqa: B007 - i says which item failed
+                feed(item)
+        except _Unhashable as exc:
+            exc.path.append(i)
+            raise
+
+    def _listed(self, items: list[Any], where: str, names: list[Any]) -> None:
+        """
+        A list made here (of keys, values, elements); its i-th item is called
+        ``where.format(names[i])`` in messages.
+        """
+        if len(items) <= _CHUNK and set(map(type, items)) <= _LEAVES:  # the common case, at once
+            try:
+                self.out += _LIST + self._pack(items)
+            except OverflowError:
+                pass
+            else:
+                return
+        try:
+            self._sequence(items, _LIST)
+        except _Unhashable as exc:
+            if exc.path and type(exc.path[-1]) is int:
+                exc.path[-1] = where.format(names[exc.path[-1]])
+            raise
+
+    def _scalars(self, items: list[Any] | tuple[Any, ...]) -> None:
+        """Plain scalars: an array header, then each as msgpack writes it."""
+        n = len(items)
+        if n <= _CHUNK:
+            try:
+                self._write(self._pack(items))
+            except OverflowError:  # an int beyond 64 bits: one by one
+                self._items(items)
+            return
+        self.out += self._header(n)
+        for start in range(0, n, _CHUNK):
+            part = items[start : start + _CHUNK]
+            try:
+                packed = self._pack(part)
+            except OverflowError:
+                for item in part:
+                    self.feed(item)
+                continue
+            self._write(memoryview(packed)[_header_size(len(part)) :])
+            self._tick()
+
+    def _rows(self, rows: list[Any] | tuple[Any, ...]) -> None:
+        """Rows (lists or tuples) of plain scalars: as one msgpack array of arrays."""
+        n = len(rows)
+        self.out += self._header(n)
+        for start in range(0, n, _CHUNK):
+            part = rows[start : start + _CHUNK]
+            try:
+                packed = self._pack(part)
+            except OverflowError:  # an int beyond 64 bits
+                for row in part:
+                    self.out += self._header(len(row))
+                    for item in row:
+                        self.feed(item)
+                continue
+            self._write(memoryview(packed)[_header_size(len(part)) :])
+            self._tick()
+
+    def _records(self, rows: list[dict[Any, Any]] | tuple[dict[Any, Any], ...], tag: bytes) -> bool:
+        """
+        Dicts that all have the same keys, all plain scalars: the keys in canonical order,
+        then one column per key (a list, fed as any list). False if they do not.
+        """
+        lengths = set(map(len, rows))
+        if len(lengths) != 1:
+            return False
+        keys = list(rows[0])
+        if not set(map(type, keys)) <= _LEAVES:
+            return False
+        keys = self._ordered(keys, " key ")
+        try:
+            columns = [list(map(itemgetter(key), rows)) for key in keys]
+        except KeyError:
+            return False
+        self._enter(rows)
+        self.out += _RECORDS + tag + self._header(len(rows))
+        self._sequence(keys, _LIST)
+        for key, column in zip(keys, columns, strict=True):
+            try:
+                self._sequence(column, _LIST)
+            except _Unhashable as exc:
+                if exc.path and type(exc.path[-1]) is int:  # row i: rows[i][key]
+                    exc.path[-1:] = [f"[{key!r}]", exc.path[-1]]
+                raise
+            self._tick()
+        self.active.discard(id(rows))
+        return True
+
+    def _dict(self, obj: dict[Any, Any]) -> None:
+        """A dict: its keys in canonical order, then its values in that order (two lists)."""
+        keys = list(obj)
+        if len(keys) > 1:
+            types = set(map(type, keys))
+            if len(types) == 1 and types <= _NATURAL:
+                keys.sort()
+            else:
+                keys = self._ordered(keys, " key ")
+        values = list(map(obj.__getitem__, keys))
+        self._enter(obj)
+        self.out += _DICT
+        self._listed(keys, " key {!r}", keys)
+        self._listed(values, "[{!r}]", keys)
+        self.active.discard(id(obj))
+
+    def _ordered(self, items: list[Any], label: str) -> list[Any]:
+        """
+        Dict keys or set elements in their canonical order: the natural order when they are
+        all str, all int or all bytes, else the order of their encodings.
+        """
+        if len(items) < 2:
+            return items
+        types = set(map(type, items))
+        if len(types) == 1 and types <= _NATURAL:
+            return sorted(items)
+        encoded = []
+        self.capturing += 1
+        try:
+            for item in items:
+                mark = len(self.out)
+                try:
+                    self.feed(item)
+                except _Unhashable as exc:
+                    exc.path.append(f"{label}{item!r}")
+                    raise
+                encoded.append(bytes(self.out[mark:]))
+                del self.out[mark:]
+        finally:
+            self.capturing -= 1
+        order = sorted(range(len(items)), key=encoded.__getitem__)
+        return [items[i] for i in order]
+
+    # other values -----------------------------------------------------------------------
+
+    def _special(self, obj: Any) -> None:
+        np = sys.modules.get("numpy")
+        if np is not None and self._numpy(np, obj):
             return
         pd = sys.modules.get("pandas")
         if pd is not None and isinstance(obj, (pd.DataFrame, pd.Series, pd.Index)):
-            self._pandas(out, pd, obj, where)
+            self._pandas(pd, obj)
             return
         if pd is not None and isinstance(obj, (pd.Timestamp, pd.Timedelta)):
             # nanoseconds and the zone, which the datetime/timedelta digests would drop
-            out += b"t" + _text(type(obj).__name__) + _text(str(obj.value))
-            out += _text(str(getattr(obj, "tz", None)))
+            tz = str(getattr(obj, "tz", None))
+            self.out += _PANDAS_TIME + self._pack([type(obj).__name__, str(obj.value), tz])
             return
-        if isinstance(obj, (str, bytes, int, float, dt.date, dt.time, dt.timedelta, pathlib.PurePath)):
-            # subclasses of supported scalars (e.g. a str subclass): hash as the base type
-            base = next(b for b in type(obj).__mro__ if b in _SIMPLE)
-            out += b"~" + _SIMPLE[base](obj)
+        if isinstance(obj, (str, bytes, int, float)):  # subclasses of plain scalars: as their base
+            try:
+                self.out += _SUBCLASS + self._pack(obj)
+            except OverflowError:
+                self.out += _SUBCLASS + _BIG_INT + self._pack(str(int(obj)))
             return
-        raise _Unhashable(where, obj)
+        if isinstance(obj, (dt.date, dt.time, dt.timedelta, pathlib.PurePath)):
+            base = next(b for b in type(obj).__mro__ if b in _OTHER_SCALARS)
+            self.out += _SUBCLASS + _OTHER_SCALARS[base](obj, self._pack)
+            return
+        raise _Unhashable("", obj)
 
-    def _pandas(self, out: bytearray, pd: Any, obj: Any, where: str) -> None:
+    def _numpy(self, np: Any, obj: Any) -> bool:
+        if isinstance(obj, np.ndarray):
+            if obj.dtype.hasobject:
+                self.out += _OBJECT_ARRAY + self._pack(list(obj.shape))
+                self.feed(obj.tolist())
+                return True
+            data = np.ascontiguousarray(obj)
+            descr = str(np.lib.format.dtype_to_descr(obj.dtype))  # structured dtypes in full
+            self.out += _ARRAY + self._pack([descr, list(obj.shape), data.nbytes])
+            self._write(memoryview(data.reshape(-1).view("uint8")))
+            return True
+        if isinstance(obj, np.generic):
+            self.out += _NUMPY_SCALAR + self._pack([obj.dtype.str, obj.tobytes()])
+            return True
+        if isinstance(obj, np.dtype):
+            self.out += _DTYPE + self._pack(str(np.lib.format.dtype_to_descr(obj)))
+            return True
+        if isinstance(obj, type) and issubclass(obj, np.generic):  # np.float32 itself
+            self.out += _NUMPY_TYPE + self._pack(qualified_name(obj))
+            return True
+        return False
+
+    def _pandas(self, pd: Any, obj: Any) -> None:
         try:
             hashed = pd.util.hash_pandas_object(obj, index=True).to_numpy()
         except TypeError as exc:
-            raise _Unhashable(where, obj, str(exc)) from None
-        out += b"P" + _text(type(obj).__name__) + hashlib.sha256(hashed.tobytes()).digest()
+            raise _Unhashable("", obj, str(exc)) from None
+        self.out += _PANDAS + self._pack([type(obj).__name__, hashed.nbytes])
+        self._write(memoryview(hashed.tobytes()))
         frame = isinstance(obj, pd.DataFrame)
         index = obj if isinstance(obj, pd.Index) else obj.index
         labels = {
@@ -368,7 +673,7 @@ class _Feeder:
             "name": None if frame else obj.name,
             "dtypes": [_dtype_label(pd, d) for d in (obj.dtypes if frame else [obj.dtype])],
         }
-        self.feed(out, labels, where)
+        self.feed(labels)
 
 
 def _dtype_label(pd: Any, dtype: Any) -> object:
@@ -377,7 +682,7 @@ def _dtype_label(pd: Any, dtype: Any) -> object:
     return str(dtype)
 
 
-def _fields_of(obj: object) -> Iterable[tuple[str, Any]] | None:
+def _fields_of(obj: object) -> list[tuple[str, Any]] | None:
     tp = type(obj)
     if attrs.has(tp):
         return [(a.name, getattr(obj, a.name)) for a in attrs.fields(tp)]
@@ -389,41 +694,60 @@ def _fields_of(obj: object) -> Iterable[tuple[str, Any]] | None:
     return None
 
 
-def _text(s: str) -> bytes:
-    b = s.encode("utf-8", "surrogatepass")
-    return _PACK_LEN(len(b)) + b
+_ENUM, _METHOD, _OBJECT, _SUBCLASS = b"\xc1E", b"\xc1R", b"\xc1O", b"\xc1~"
+_ARRAY, _OBJECT_ARRAY, _NUMPY_SCALAR = b"\xc1A", b"\xc1a", b"\xc1n"
+_DTYPE, _NUMPY_TYPE = b"\xc1y", b"\xc1Y"
+_PANDAS, _PANDAS_TIME = b"\xc1P", b"\xc1T"
+_PURE_POSIX, _PURE_WINDOWS, _FILE = b"\xc1p", b"\xc1w", b"\xc1F"
+_PACK_COMPLEX = struct.Struct("<dd").pack
 
 
-def _tz(value: dt.datetime | dt.time) -> bytes:
+def _tz(value: dt.datetime | dt.time) -> str:
     key = getattr(value.tzinfo, "key", None)
-    return _text(key if isinstance(key, str) else "")
+    return key if isinstance(key, str) else ""
 
 
-_SIMPLE: dict[type, Callable[[Any], bytes]] = {
-    type(None): lambda _o: b"N",
-    bool: lambda o: b"T" if o else b"F",
-    int: lambda o: b"i" + _text(str(o)),
-    float: lambda o: b"f" + _PACK_FLOAT(o),
-    complex: lambda o: b"c" + _PACK_COMPLEX(o.real, o.imag),
-    str: lambda o: b"s" + _text(o),
-    bytes: lambda o: b"b" + _PACK_LEN(len(o)) + o,
-    bytearray: lambda o: b"b" + _PACK_LEN(len(o)) + bytes(o),
-    memoryview: lambda o: b"b" + _PACK_LEN(o.nbytes) + o.tobytes(),
-    dt.datetime: lambda o: b"D" + _text(o.isoformat()) + _tz(o) + bytes([o.fold]),
-    dt.date: lambda o: b"a" + _text(o.isoformat()),
-    dt.time: lambda o: b"h" + _text(o.isoformat()) + _tz(o) + bytes([o.fold]),
-    dt.timedelta: lambda o: b"e" + _text(f"{o.days},{o.seconds},{o.microseconds}"),
-    decimal.Decimal: lambda o: b"m" + _text(str(o)),
-    uuid.UUID: lambda o: b"u" + o.bytes,
-    **dict.fromkeys(_PATH_TAGS, lambda o: _PATH_TAGS[type(o)] + _text(str(o))),
+Pack = Callable[[Any], bytes]
+
+# Scalars other than the plain ones, by exact type: their encodings.
+_OTHER_SCALARS: dict[type, Callable[[Any, Pack], bytes]] = {
+    complex: lambda o, _p: b"\xc1c" + _PACK_COMPLEX(o.real, o.imag),
+    bytearray: lambda o, p: b"\xc1b" + p(bytes(o)),
+    memoryview: lambda o, p: b"\xc1b" + p(o.tobytes()),
+    dt.datetime: lambda o, p: b"\xc1D" + p([o.isoformat(), _tz(o), o.fold]),
+    dt.date: lambda o, p: b"\xc1j" + p(o.isoformat()),
+    dt.time: lambda o, p: b"\xc1h" + p([o.isoformat(), _tz(o), o.fold]),
+    dt.timedelta: lambda o, p: b"\xc1e" + p([o.days, o.seconds, o.microseconds]),
+    decimal.Decimal: lambda o, p: b"\xc1m" + p(str(o)),
+    uuid.UUID: lambda o, _p: b"\xc1u" + o.bytes,
+    pathlib.PurePosixPath: lambda o, p: _PURE_POSIX + p(str(o)),
+    pathlib.PureWindowsPath: lambda o, p: _PURE_WINDOWS + p(str(o)),
 }
 
 
-def digest_value(value: object) -> str:
-    """Digest of one value (raises ``_Unhashable`` for unsupported values)."""
-    out = bytearray()
-    _Feeder().feed(out, value, "value")
-    return hashlib.sha256(out).hexdigest()
+def _size(value: object) -> str:
+    """How big *value* is, for a message: its type and length (or bytes)."""
+    name = qualified_name(type(value))
+    nbytes = getattr(value, "nbytes", None)
+    if isinstance(nbytes, int):
+        return f"{name} of {nbytes:,} bytes"
+    try:
+        n = len(value)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - only for a message
+        return name
+    return f"{name} of {n:,} items"
+
+
+def digest_value(value: object, *, describe: str | None = None) -> str:
+    """
+    Digest of one value (hex; raises ``_Unhashable`` for unsupported values). With
+    *describe* (what the value is, e.g. "step 'a': global 'ROWS'"), a fingerprint taking
+    longer than :data:`SLOW_AFTER` seconds is announced.
+    """
+    feeder = _Feeder()
+    feeder.start(None if describe is None else lambda: f"{describe} ({_size(value)})")
+    feeder.feed(value)
+    return feeder.digest().hex()
 
 
 def is_fingerprintable(value: object) -> bool:
@@ -437,7 +761,7 @@ def is_fingerprintable(value: object) -> bool:
 
 def argument_digest(step: str, name: str, value: object, feeder: _Feeder | None = None) -> bytes:
     """
-    The digest of one argument (32 bytes): the SHA-256 of its canonical bytes, which for a
+    The digest of one argument (32 bytes): the BLAKE3 of its canonical bytes, which for a
     stored output is what :attr:`StoredOutput.arg_digest` says without loading it.
 
     Raises:
@@ -445,15 +769,17 @@ def argument_digest(step: str, name: str, value: object, feeder: _Feeder | None 
     """
     if type(value) is StoredOutput:
         return bytes.fromhex(value.arg_digest)
-    item = bytearray()
+    feeder = feeder or _Feeder()
+    feeder.start(lambda: f"step {step!r}: argument {name!r} ({_size(value)})")
     try:
-        (feeder or _Feeder()).feed(item, value, name)
+        feeder.feed(value)
     except _Unhashable as exc:
         tp = qualified_name(type(exc.obj))
-        raise FingerprintError(step, name, exc.where, tp, exc.detail) from None
+        where = name + "".join(f"[{p}]" if type(p) is int else str(p) for p in reversed(exc.path))
+        raise FingerprintError(step, name, where, tp, exc.detail) from None
     except RecursionError:
         raise FingerprintError(step, name, name, qualified_name(type(value)), "nested too deeply") from None
-    return hashlib.sha256(item).digest()
+    return feeder.digest()
 
 
 def digest_arguments(step: str, arguments: Mapping[str, Any], ignore: frozenset[str]) -> str:
@@ -484,6 +810,6 @@ def digest_parameters(
             continue
         digest = argument_digest(step, name, value, feeder)
         params[name] = digest[:8].hex()
-        out += _text(name)
+        out += feeder.name(name)
         out += digest
-    return hashlib.sha256(out).hexdigest()[:32], params
+    return blake3.blake3(out).hexdigest()[:32], params

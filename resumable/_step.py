@@ -245,7 +245,7 @@ class StepSpec(Generic[P, R]):
             if ident is None:
                 ident = self._identity = self._make_identity(shape, {}, {})
             return ident
-        values, left_out = _codehash_module().read_values(shape)
+        values, left_out = _codehash_module().read_values(shape, self.name)
         current = self._current  # one tuple: threads see a consistent pair
         if current is not None and current[0] == (values, left_out):
             return current[1]
