@@ -599,7 +599,7 @@ def read_values(shape: CodeShape, step: str | None = None) -> tuple[dict[str, st
         if value is _MISSING:
             continue
         name = label.removeprefix("const ")
-        describe = None if step is None else f"step {step!r}: value {name!r} its code reads"
+        describe = None if step is None else f"step {step!r}: value {name!r} read by its code"
         digest = value_digest(value, describe)
         if digest is None:
             left_out[name] = qualified_name(type(value))

@@ -323,9 +323,12 @@ class _Feeder:
     def digest(self) -> bytes:
         """The BLAKE3 digest (32 bytes) of the stream."""
         if self._hasher is None:
-            return blake3.blake3(self.out).digest()
-        self._hasher.update(self.out)
-        return bytes(self._hasher.digest())
+            digest = blake3.blake3(self.out).digest()
+        else:
+            self._hasher.update(self.out)
+            digest = self._hasher.digest()
+        self._tick()  # a value that took long without a pause to look at the clock is announced now
+        return bytes(digest)
 
     def _write(self, data: bytes | memoryview) -> None:
         if len(data) < _LARGE or self.capturing:
@@ -346,8 +349,8 @@ class _Feeder:
         if _clock() > self._deadline and self._describe is not None:
             self._deadline = math.inf
             log.info(
-                "%s has taken over %s s to fingerprint so far; it is fingerprinted at every "
-                "call, skips included",
+                "%s takes over %s s to fingerprint; arguments and the values a step reads are "
+                "fingerprinted at every call, skips included",
                 self._describe(),
                 f"{SLOW_AFTER:g}",
             )
@@ -358,9 +361,13 @@ class _Feeder:
         tp = type(obj)
         if tp in _LEAVES:
             try:
-                self.out += self._pack(obj)
+                packed = self._pack(obj)
             except OverflowError:  # an int beyond 64 bits
-                self.out += _BIG_INT + self._pack(str(obj))
+                packed = _BIG_INT + self._pack(str(obj))
+            if len(packed) < _LARGE:
+                self.out += packed
+            else:  # a large str or bytes: hashed where it is
+                self._write(packed)
             return
         scalar = _OTHER_SCALARS.get(tp)
         if scalar is not None:
@@ -379,7 +386,11 @@ class _Feeder:
         entry = provenance.entry(obj)
         if entry is None:
             self._content(obj)
-            return
+        else:
+            self._output(obj, entry)
+
+    def _output(self, obj: object, entry: _Entry) -> None:
+        """A value that is (or is at the address of) a step output."""
         unchanged, digest = provenance.check(obj, entry)
         if unchanged:  # a step output passed on as it was stored: its stored checksum
             self.out += _STORED + self._pack(digest)

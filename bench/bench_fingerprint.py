@@ -1,0 +1,362 @@
+"""
+Fingerprint benchmarks: big arguments and big values a step reads, against msgpack +
+SHA-256 and joblib.hash of the same data, in the same run.
+
+Run from the repository root::
+
+    python bench/bench_fingerprint.py            # everything, several minutes
+    python bench/bench_fingerprint.py --quick    # 100,000 rows instead of 1,000,000, a smoke test
+    python bench/bench_fingerprint.py --only dicts,tuples --json results.json
+
+Rows (see bench/README.md for exactly what each side does):
+
+- dicts: the argument fingerprint of a list of 1,000,000 small dicts (target: at most twice
+  msgpack.packb + SHA-256 of the same list; pickle + MD5 and joblib.hash for information);
+- tuples: the same for a list of 1,000,000 tuples;
+- global: a step whose code reads a module-level list of 1,000,000 dicts: a skip in the
+  same process, and the first call (a skip) in a fresh process, both against msgpack +
+  SHA-256 of the list (target: at most twice); storing that list as a step's output
+  against msgpack + write + fsync (information);
+- example: the example of docs/batches.md with 1,000,000 rows, rerun with everything
+  stored, against the same script run with ``RESUMABLE_DISABLE=1`` (target: at most 0.5).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+from benchlib import Row, drive, fsync_dir, interleave, ms, quiet, ratios
+
+from resumable import Pipeline, step
+from resumable._fingerprint import digest_parameters
+
+HERE = Path(__file__).resolve()
+ROWS = 1_000_000
+QUICK_ROWS = 100_000
+
+# The example of docs/batches.md: `enrich` maps a function over the rows with row
+# checkpoints, `load` inserts them into a database (SQLite in memory here).
+EXAMPLE = """
+import sqlite3
+import sys
+
+from resumable import checkpointed, checkpointed_map, step
+
+db = sqlite3.connect(":memory:")
+db.execute("create table customers (id integer, name text, score real, label text)")
+
+
+def call_api(row: dict) -> dict:
+    return {**row, "label": "high" if row["score"] > 50 else "low"}
+
+
+@step
+def enrich(rows: list[dict]) -> list[dict]:
+    return checkpointed_map(call_api, rows, every=100)
+
+
+@step
+def load(rows: list[dict]) -> int:
+    for row in checkpointed(rows, every=500):
+        db.execute("insert into customers values (?, ?, ?, ?)", (row["id"], row["name"], row["score"], row["label"]))
+    return len(rows)
+
+
+rows = [{"id": i, "name": f"customer {i}", "score": (i * 37 % 1000) / 10} for i in range(int(sys.argv[1]))]
+print(load(enrich(rows)))
+"""
+
+
+def small_dicts(n: int) -> list[dict[str, Any]]:
+    return [{"id": i, "name": f"customer {i}", "score": i * 0.5} for i in range(n)]
+
+
+def tuples(n: int) -> list[tuple[int, str, float]]:
+    return [(i, f"customer {i}", i * 0.5) for i in range(n)]
+
+
+# --- the steps reading a module-level value -------------------------------------------------
+
+TABLE: list[dict[str, Any]] = []  # filled before the steps are called
+
+
+def count_rows(n: int) -> int:
+    return len(TABLE) + n
+
+
+def keep_rows(i: int) -> list[dict[str, Any]]:  # noqa: ARG001 - i picks the slot
+    return TABLE
+
+
+read_table = step(name="read_table")(count_rows)
+store_table = step(name="store_table", key="{i}")(keep_rows)
+
+
+# --- measuring ------------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], object]) -> Callable[[], float]:
+    def block() -> float:
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    return block
+
+
+def msgpack_sha256(value: object) -> bytes:
+    return hashlib.sha256(msgpack.packb(value)).digest()
+
+
+def pickle_md5(value: object) -> bytes:
+    return hashlib.md5(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()  # noqa: S324 - a baseline
+
+
+def joblib_hash(value: object) -> str:
+    import joblib  # type: ignore[import-untyped]
+
+    return str(joblib.hash(value))
+
+
+def fingerprint(value: object) -> str:
+    return digest_parameters("bench", {"rows": value}, frozenset())[0]
+
+
+def argument_rows(label: str, data: object, rounds: int) -> list[Row]:
+    res = interleave(
+        {
+            "library": timed(lambda: fingerprint(data)),
+            "msgpack": timed(lambda: msgpack_sha256(data)),
+            "pickle": timed(lambda: pickle_md5(data)),
+        },
+        rounds,
+    )
+    # joblib.hash pickles with the pure-Python pickler (to sort dicts): one round is enough
+    res |= interleave(
+        {"library_once": timed(lambda: fingerprint(data)), "joblib": timed(lambda: joblib_hash(data))}, 1
+    )
+    details = {k: statistics.median(v) for k, v in res.items()}
+    lib = details["library"]
+    vs_msgpack = ratios(res["library"], res["msgpack"])
+    return [
+        Row(
+            f"fingerprint an argument: {label}, vs msgpack.packb + SHA-256",
+            ms(lib),
+            ms(details["msgpack"]),
+            vs_msgpack,
+            "library / msgpack",
+            "≤ 2.0",
+            vs_msgpack <= 2.0,
+            details,
+        ),
+        Row(
+            f"fingerprint an argument: {label}, vs pickle.dumps + MD5 (C pickler; dict order counts)",
+            ms(lib),
+            ms(details["pickle"]),
+            ratios(res["library"], res["pickle"]),
+            "library / pickle",
+            "(information)",
+            None,
+            details,
+        ),
+        Row(
+            f"fingerprint an argument: {label}, vs joblib.hash (one round)",
+            ms(details["library_once"]),
+            ms(details["joblib"]),
+            ratios(res["library_once"], res["joblib"]),
+            "library / joblib",
+            "(information)",
+            None,
+            details,
+        ),
+    ]
+
+
+def bench_dicts(base: Path, quick: bool) -> list[Row]:  # noqa: ARG001 - no state
+    n = QUICK_ROWS if quick else ROWS
+    return argument_rows(f"{n:,} small dicts", small_dicts(n), 3 if quick else 5)
+
+
+def bench_tuples(base: Path, quick: bool) -> list[Row]:  # noqa: ARG001 - no state
+    n = QUICK_ROWS if quick else ROWS
+    return argument_rows(f"{n:,} tuples", tuples(n), 3 if quick else 5)
+
+
+def bench_global(base: Path, quick: bool) -> list[Row]:
+    n = QUICK_ROWS if quick else ROWS
+    rounds = 3 if quick else 5
+    TABLE[:] = small_dicts(n)
+    state = base / "global-state"
+    with Pipeline("bench", state_dir=state):
+        read_table(1)  # runs once, then every call is a skip that digests TABLE
+        res = interleave(
+            {
+                "skip": timed(lambda: read_table(1)),
+                "argument": timed(lambda: fingerprint(TABLE)),
+                "msgpack": timed(lambda: msgpack_sha256(TABLE)),
+            },
+            rounds,
+        )
+    fresh = [_child("first", state, n) for _ in range(rounds)]
+    # storing the list as a step's output, a fresh slot each time, against a bare durable write
+    counter = iter(range(1_000_000))
+    bare_dir = base / "bare"
+    bare_dir.mkdir()
+
+    def bare_store() -> None:
+        path = bare_dir / f"{next(counter)}.msgpack"
+        with open(path, "wb") as f:
+            f.write(msgpack.packb(TABLE))
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(str(bare_dir))
+
+    with Pipeline("bench", state_dir=base / "store-state"):
+        stores = interleave(
+            {"store": timed(lambda: store_table(next(counter))), "bare": timed(bare_store)},
+            max(2, rounds // 2),
+        )
+    TABLE.clear()
+    details = {k: statistics.median(v) for k, v in (res | stores).items()}
+    details["fresh_first_call"] = statistics.median(f["first"] for f in fresh)
+    details["fresh_msgpack"] = statistics.median(f["msgpack"] for f in fresh)
+    skip = ratios(res["skip"], res["msgpack"])
+    first = statistics.median(f["first"] / f["msgpack"] for f in fresh)
+    return [
+        Row(
+            f"skip of a step reading a global list of {n:,} dicts, vs msgpack.packb + SHA-256 of it",
+            ms(details["skip"]),
+            ms(details["msgpack"]),
+            skip,
+            "library / msgpack",
+            "≤ 2.0",
+            skip <= 2.0,
+            details,
+        ),
+        Row(
+            "the same skip, vs fingerprinting the list as an argument",
+            ms(details["skip"]),
+            ms(details["argument"]),
+            ratios(res["skip"], res["argument"]),
+            "library / argument",
+            "(≈ 1)",
+            None,
+            details,
+        ),
+        Row(
+            "first call of that step in a fresh process (a skip), vs msgpack.packb + SHA-256 there",
+            ms(details["fresh_first_call"]),
+            ms(details["fresh_msgpack"]),
+            first,
+            "library / msgpack",
+            "≤ 2.0",
+            first <= 2.0,
+            details,
+        ),
+        Row(
+            "store that list as a step's output, durably, vs msgpack.packb + write + fsync",
+            ms(details["store"]),
+            ms(details["bare"]),
+            ratios(stores["store"], stores["bare"]),
+            "library / bare",
+            "(information)",
+            None,
+            details,
+        ),
+    ]
+
+
+def _child(mode: str, state: Path, n: int) -> dict[str, float]:
+    done = subprocess.run(
+        [sys.executable, str(HERE), "--child", mode, f"{state}:{n}"],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(HERE.parent.parent)},
+    )
+    result: dict[str, float] = json.loads(done.stdout)
+    return result
+
+
+def child(mode: str, arg: str) -> None:
+    """In a fresh process: the first call of read_table (a skip), then msgpack + SHA-256 of TABLE."""
+    quiet()
+    state, _, n = arg.rpartition(":")
+    if mode != "first":
+        msg = f"unknown child mode {mode!r}"
+        raise SystemExit(msg)
+    TABLE[:] = small_dicts(int(n))
+    with Pipeline("bench", state_dir=state):
+        t0 = time.perf_counter()
+        read_table(1)
+        first = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    msgpack_sha256(TABLE)
+    print(json.dumps({"first": first, "msgpack": time.perf_counter() - t0}))
+
+
+def bench_example(base: Path, quick: bool) -> list[Row]:
+    n = QUICK_ROWS if quick else ROWS
+    rounds = 2 if quick else 3
+    script = base / "batches_example.py"
+    script.write_text(EXAMPLE)
+    env = {**os.environ, "PYTHONPATH": str(HERE.parent.parent), "RESUMABLE_PROGRESS": "0"}
+    env.pop("RESUMABLE_DISABLE", None)
+
+    def run(**extra: str) -> float:
+        t0 = time.perf_counter()
+        subprocess.run(
+            [sys.executable, str(script), str(n)],
+            cwd=base,
+            env={**env, **extra},
+            check=True,
+            capture_output=True,
+        )
+        return time.perf_counter() - t0
+
+    first = run()  # computes and stores everything
+    res = interleave({"cached": run, "disabled": lambda: run(RESUMABLE_DISABLE="1")}, rounds)
+    details = {k: statistics.median(v) for k, v in res.items()} | {"first_run": first}
+    ratio = ratios(res["cached"], res["disabled"])
+    return [
+        Row(
+            f"docs/batches.md example, {n:,} rows, rerun with everything stored, vs RESUMABLE_DISABLE=1",
+            f"{details['cached']:.2f} s",
+            f"{details['disabled']:.2f} s",
+            ratio,
+            "cached / disabled",
+            "≤ 0.5",
+            ratio <= 0.5,
+            details,
+        )
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    return drive(
+        argv,
+        description=__doc__,
+        benches={
+            "dicts": bench_dicts,
+            "tuples": bench_tuples,
+            "global": bench_global,
+            "example": bench_example,
+        },
+        child=child,
+        prefix="resumable-bench-fp-",
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
