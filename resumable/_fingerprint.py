@@ -338,7 +338,7 @@ class _Feeder:
         if hasher is None:
             hasher = self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
         hasher.update(self.out)
-        self.out = bytearray()
+        self.out.clear()  # the same buffer: callers hold it
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _PIECE):
             hasher.update(view[start : start + _PIECE])
@@ -369,20 +369,33 @@ class _Feeder:
             else:  # a large str or bytes: hashed where it is
                 self._write(packed)
             return
+        if tp is dict or tp is list or tp is tuple:
+            entry = provenance.entry(obj)
+            if entry is not None:
+                self._output(obj, entry)
+            elif tp is dict:
+                self._dict(obj)
+            else:
+                self._sequence(obj, _LIST if tp is list else _TUPLE)
+            return
+        self._other(obj, tp)
+
+    def _other(self, obj: Any, tp: type) -> None:
+        """A value other than a plain scalar, a list, a tuple or a dict."""
         scalar = _OTHER_SCALARS.get(tp)
         if scalar is not None:
             self.out += scalar(obj, self._pack)
             return
-        if tp not in _SEQ_TAGS and tp is not dict:
-            if isinstance(obj, pathlib.Path):  # a file by its contents, a directory by its files
-                contents = file_digests.digest(obj)
-                self.out += (
-                    _PURE_POSIX + self._pack(str(obj)) if contents is None else _FILE + self._pack(contents)
-                )
-                return
-            if tp is StoredOutput:
-                self.out += _LAZY + bytes.fromhex(obj.arg_digest)
-                return
+        if isinstance(obj, pathlib.Path):  # a file by its contents, a directory by its files
+            contents = file_digests.digest(obj)
+            if contents is None:  # nothing there: by its name
+                self.out += _PURE_POSIX + self._pack(str(obj))
+            else:
+                self.out += _FILE + self._pack(contents)
+            return
+        if tp is StoredOutput:
+            self.out += _LAZY + bytes.fromhex(obj.arg_digest)
+            return
         entry = provenance.entry(obj)
         if entry is None:
             self._content(obj)
@@ -410,9 +423,6 @@ class _Feeder:
     def _content(self, obj: Any) -> None:
         """Feed what *obj* holds (its type is not a plain scalar)."""
         tp = type(obj)
-        self._visits += 1
-        if not self._visits % _CHECK_EVERY:
-            self._tick()
         tag = _SEQ_TAGS.get(tp)
         if tag is not None:
             self._sequence(obj, tag)
@@ -458,8 +468,10 @@ class _Feeder:
 
     # containers -------------------------------------------------------------------------
 
-    def _sequence(self, obj: list[Any] | tuple[Any, ...], tag: bytes) -> None:
-        types = set(map(type, obj))
+    def _sequence(self, obj: list[Any] | tuple[Any, ...], tag: bytes, types: set[type] | None = None) -> None:
+        """A list or tuple (*types*: those of its items, if known)."""
+        if types is None:
+            types = set(map(type, obj))
         if types <= _LEAVES:  # the same bytes as item by item, one call of the packer per chunk
             self.out += tag
             self._scalars(obj)
@@ -472,6 +484,9 @@ class _Feeder:
                 return
             if inner is dict and self._records(obj, tag):
                 return
+        self._visits += 1
+        if not self._visits % _CHECK_EVERY:
+            self._tick()
         self._enter(obj)
         self.out += tag
         self._items(obj)
@@ -479,12 +494,19 @@ class _Feeder:
 
     def _items(self, items: list[Any] | tuple[Any, ...]) -> None:
         """The items of a sequence one by one, after its header."""
-        self.out += self._header(len(items))
-        feed = self.feed
+        out = self.out
+        out += self._header(len(items))
+        pack, feed = self._pack, self.feed
         i = 0
         try:
             for i, item in enumerate(items):  # noqa: B007 - i says which item failed
-                feed(item)
+                if type(item) in _LEAVES:
+                    try:
+                        out += pack(item)
+                    except OverflowError:
+                        feed(item)
+                else:
+                    feed(item)
         except _Unhashable as exc:
             exc.path.append(i)
             raise
@@ -494,7 +516,8 @@ class _Feeder:
         A list made here (of keys, values, elements); its i-th item is called
         ``where.format(names[i])`` in messages.
         """
-        if len(items) <= _CHUNK and set(map(type, items)) <= _LEAVES:  # the common case, at once
+        types = set(map(type, items))
+        if types <= _LEAVES and len(items) <= _CHUNK:  # the common case, at once
             try:
                 self.out += _LIST + self._pack(items)
             except OverflowError:
@@ -502,7 +525,7 @@ class _Feeder:
             else:
                 return
         try:
-            self._sequence(items, _LIST)
+            self._sequence(items, _LIST, types)
         except _Unhashable as exc:
             if exc.path and type(exc.path[-1]) is int:
                 exc.path[-1] = where.format(names[exc.path[-1]])
