@@ -37,10 +37,13 @@ from typing import Any
 import msgpack
 from benchlib import Row, drive, fsync_dir, interleave, ms, quiet, ratios
 
+import resumable
 from resumable import Pipeline, step
 from resumable._fingerprint import digest_parameters
 
 HERE = Path(__file__).resolve()
+# child processes import the resumable this process imported (a checkout given by PYTHONPATH too)
+CODE = str(Path(resumable.__file__).resolve().parent.parent)
 ROWS = 1_000_000
 QUICK_ROWS = 100_000
 
@@ -285,7 +288,7 @@ def _child(mode: str, state: Path, n: int) -> float:
         capture_output=True,
         text=True,
         check=True,
-        env={**os.environ, "PYTHONPATH": str(HERE.parent.parent)},
+        env={**os.environ, "PYTHONPATH": CODE},
     )
     return float(done.stdout)
 
@@ -311,7 +314,7 @@ def bench_example(base: Path, quick: bool) -> list[Row]:
     rounds = 2 if quick else 3
     script = base / "batches_example.py"
     script.write_text(EXAMPLE)
-    env = {**os.environ, "PYTHONPATH": str(HERE.parent.parent), "RESUMABLE_PROGRESS": "0"}
+    env = {**os.environ, "PYTHONPATH": CODE, "RESUMABLE_PROGRESS": "0"}
     env.pop("RESUMABLE_DISABLE", None)
 
     def run(**extra: str) -> float:

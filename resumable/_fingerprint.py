@@ -243,15 +243,16 @@ _RECURSIVE = (list, tuple, dict)
 
 _LIST, _TUPLE = b"\xc1l", b"\xc1t"
 _SEQ_TAGS: dict[type, bytes] = {list: _LIST, tuple: _TUPLE}
-_ROWS = b"\xc1r"  # a list or tuple of lists (or of tuples) of plain scalars: one msgpack array
-_RECORDS = b"\xc1k"  # a list or tuple of dicts with the same keys: one column per key
+_ROWS = b"\xc1r"  # a list or tuple of lists (or of tuples): arrays of plain scalars, part by part
+_RECORDS = b"\xc1k"  # a list or tuple of dicts: tables of their columns, part by part
 _DICT, _SET = b"\xc1d", b"\xc1S"
 _BIG_INT = b"\xc1I"
 _STORED = b"\xc1@"  # a step output passed on unchanged: its stored checksum
 _CHANGED = b"\xc1#"  # a step output changed in place that has no digest of its own: its encoding
 _LAZY = b"\xc1&"  # a StoredOutput (the runner's unloaded output)
 
-_CHUNK = 1 << 16  # items packed per call of msgpack: the stream is hashed as it is made
+_CHUNK = 8192  # items packed per call of msgpack: the stream is hashed as it is made
+_PART = 8192  # dicts of a list taken as one table: part of the format (the columns of each part)
 _LARGE = 1 << 20  # bytes written straight to the hasher rather than buffered
 _PIECE = 1 << 26  # bytes hashed between two looks at the clock
 _CHECK_EVERY = 4096  # containers walked one by one between two looks at the clock
@@ -478,11 +479,11 @@ class _Feeder:
             return
         if len(types) == 1:
             (inner,) = types
-            if (inner is tuple or inner is list) and set(map(type, chain.from_iterable(obj))) <= _LEAVES:
-                self.out += _ROWS + tag + _SEQ_TAGS[inner]
-                self._rows(obj)
+            if inner is tuple or inner is list:
+                self._rows(obj, tag, _SEQ_TAGS[inner])
                 return
-            if inner is dict and self._records(obj, tag):
+            if inner is dict:
+                self._records(obj, tag)
                 return
         self._visits += 1
         if not self._visits % _CHECK_EVERY:
@@ -552,52 +553,82 @@ class _Feeder:
             self._write(memoryview(packed)[_header_size(len(part)) :])
             self._tick()
 
-    def _rows(self, rows: list[Any] | tuple[Any, ...]) -> None:
-        """Rows (lists or tuples) of plain scalars: as one msgpack array of arrays."""
-        n = len(rows)
-        self.out += self._header(n)
-        for start in range(0, n, _CHUNK):
-            part = rows[start : start + _CHUNK]
+    def _rows(self, rows: list[Any] | tuple[Any, ...], tag: bytes, inner: bytes) -> None:
+        """
+        Lists or tuples (all of one type, *inner*), in parts of _PART: a part holding only
+        plain scalars is one msgpack array of arrays, others are sequence by sequence.
+        """
+        self._enter(rows)
+        self.out += _ROWS + tag + inner + self._header(len(rows))
+        for start in range(0, len(rows), _PART):
+            part = rows[start : start + _PART]
+            if not set(map(type, chain.from_iterable(part))) <= _LEAVES:
+                self.out += b"g"
+                for i, row in enumerate(part):
+                    try:
+                        self._sequence(row, inner)
+                    except _Unhashable as exc:
+                        exc.path.append(start + i)
+                        raise
+                continue
+            self.out += b"r"
             try:
                 packed = self._pack(part)
-            except OverflowError:  # an int beyond 64 bits
+            except OverflowError:  # an int beyond 64 bits: the same bytes, row by row
                 for row in part:
-                    self.out += self._header(len(row))
-                    for item in row:
-                        self.feed(item)
+                    self._items(row)
                 continue
             self._write(memoryview(packed)[_header_size(len(part)) :])
             self._tick()
+        self.active.discard(id(rows))
 
-    def _records(self, rows: list[dict[Any, Any]] | tuple[dict[Any, Any], ...], tag: bytes) -> bool:
+    def _records(self, rows: list[dict[Any, Any]] | tuple[dict[Any, Any], ...], tag: bytes) -> None:
         """
-        Dicts that all have the same keys, all plain scalars: the keys in canonical order,
-        then one column per key (a list, fed as any list). False if they do not.
+        Dicts, in parts of _PART: a part whose dicts have the same keys is a table (its keys
+        in canonical order, then one column per key, fed as any list), others dict by dict.
+        Parts keep the columns small enough to stay in the CPU's caches.
         """
-        lengths = set(map(len, rows))
-        if len(lengths) != 1:
-            return False
-        keys = list(rows[0])
-        if not set(map(type, keys)) <= _LEAVES:
-            return False
-        keys = self._ordered(keys, " key ")
-        try:
-            columns = [list(map(itemgetter(key), rows)) for key in keys]
-        except KeyError:
-            return False
         self._enter(rows)
         self.out += _RECORDS + tag + self._header(len(rows))
-        self._sequence(keys, _LIST)
-        for key, column in zip(keys, columns, strict=True):
-            try:
-                self._sequence(column, _LIST)
-            except _Unhashable as exc:
-                if exc.path and type(exc.path[-1]) is int:  # row i: rows[i][key]
-                    exc.path[-1:] = [f"[{key!r}]", exc.path[-1]]
-                raise
+        for start in range(0, len(rows), _PART):
+            part = rows[start : start + _PART]
+            table = self._table(part)
+            if table is None:
+                self.out += b"g"
+                for i, row in enumerate(part):
+                    try:
+                        self._dict(row)
+                    except _Unhashable as exc:
+                        exc.path.append(start + i)
+                        raise
+                continue
+            keys, columns = table
+            self.out += b"k"
+            self._sequence(keys, _LIST)
+            for key, column in zip(keys, columns, strict=True):
+                try:
+                    self._sequence(column, _LIST)
+                except _Unhashable as exc:
+                    if exc.path and type(exc.path[-1]) is int:  # row i of the part: rows[start + i][key]
+                        exc.path[-1:] = [f"[{key!r}]", start + exc.path[-1]]
+                    raise
             self._tick()
         self.active.discard(id(rows))
-        return True
+
+    def _table(
+        self, part: list[dict[Any, Any]] | tuple[dict[Any, Any], ...]
+    ) -> tuple[list[Any], list[list[Any]]] | None:
+        """The keys (in canonical order) and columns of dicts that all have the same plain keys, or None."""
+        if len(set(map(len, part))) != 1:
+            return None
+        keys = list(part[0])
+        if not set(map(type, keys)) <= _LEAVES:
+            return None
+        keys = self._ordered(keys, " key ")
+        try:
+            return keys, [list(map(itemgetter(key), part)) for key in keys]
+        except KeyError:
+            return None
 
     def _dict(self, obj: dict[Any, Any]) -> None:
         """A dict: its keys in canonical order, then its values in that order (two lists)."""
