@@ -247,14 +247,18 @@ _ROWS = b"\xc1r"  # a list or tuple of lists (or of tuples): arrays of plain sca
 _RECORDS = b"\xc1k"  # a list or tuple of dicts: tables of their columns, part by part
 _DICT, _SET = b"\xc1d", b"\xc1S"
 _BIG_INT = b"\xc1I"
+_SURROGATES = b"\xc1z"  # a str holding lone surrogates, which msgpack writes only when told to
+_UNPACKABLE = (OverflowError, UnicodeEncodeError)
 _STORED = b"\xc1@"  # a step output passed on unchanged: its stored checksum
 _CHANGED = b"\xc1#"  # a step output changed in place that has no digest of its own: its encoding
 _LAZY = b"\xc1&"  # a StoredOutput (the runner's unloaded output)
 
 _CHUNK = 8192  # items packed per call of msgpack: the stream is hashed as it is made
 _PART = 8192  # dicts of a list taken as one table: part of the format (the columns of each part)
-_LARGE = 1 << 20  # bytes written straight to the hasher rather than buffered
+_DIRECT = 1 << 16  # bytes hashed where they are rather than copied to the buffer
+_LARGE = 1 << 20  # bytes buffered before they are hashed
 _PIECE = 1 << 26  # bytes hashed between two looks at the clock
+_THREADED = 1 << 23  # arrays this large are hashed by BLAKE3 on several threads
 _CHECK_EVERY = 4096  # containers walked one by one between two looks at the clock
 
 SLOW_AFTER = 1.0
@@ -288,6 +292,7 @@ class _Feeder:
         "_hasher",
         "_header",
         "_pack",
+        "_text",
         "_visits",
         "active",
         "capturing",
@@ -298,9 +303,11 @@ class _Feeder:
         self.active: set[int] = set()  # ids of the containers being walked, to refuse cycles
         self.out = bytearray()
         # a small first buffer: msgpack's default (256 KiB) costs page faults at every call
-        packer = msgpack.Packer(use_bin_type=True, unicode_errors="surrogatepass", buf_size=1024)
-        self._pack: Callable[[Any], bytes] = packer.pack
+        packer = msgpack.Packer(use_bin_type=True, buf_size=1024)
+        self._pack: Callable[[Any], bytes] = packer.pack  # values: strict UTF-8 (the fast one)
         self._header: Callable[[int], bytes] = packer.pack_array_header
+        # names, tags and the text of other scalars (a path may hold lone surrogates)
+        self._text: Callable[[Any], bytes] = msgpack.Packer(unicode_errors="surrogatepass", buf_size=256).pack
         self._hasher: Any = None  # a BLAKE3 hasher, once the stream is large
         self.capturing = 0  # > 0 while encodings are made to be sorted: nothing goes to the hasher
         self._visits = 0
@@ -311,7 +318,16 @@ class _Feeder:
 
     def name(self, text: str) -> bytes:
         """*text* as msgpack writes it."""
-        return self._pack(text)
+        return self._text(text)
+
+    def _leaf(self, obj: Any) -> bytes:
+        """A plain scalar msgpack cannot write as it is: an int beyond 64 bits, a str with lone surrogates."""
+        try:
+            return self._pack(obj)
+        except OverflowError:
+            return _BIG_INT + self._pack(str(obj))
+        except UnicodeEncodeError:
+            return _SURROGATES + self._text(obj)
 
     def start(self, describe: Callable[[], str] | None = None) -> None:
         """Begin a new stream; *describe* says what is fingerprinted, if it ever takes long."""
@@ -332,18 +348,24 @@ class _Feeder:
         return bytes(digest)
 
     def _write(self, data: bytes | memoryview) -> None:
-        if len(data) < _LARGE or self.capturing:
+        """Append *data* to the stream: a large piece is hashed where it is, the buffer once it is large."""
+        if self.capturing or len(data) < _DIRECT:
             self.out += data
+            if len(self.out) >= _LARGE and not self.capturing:
+                self._flush()
             return
-        hasher = self._hasher
-        if hasher is None:
-            hasher = self._hasher = blake3.blake3(max_threads=blake3.blake3.AUTO)
-        hasher.update(self.out)
-        self.out.clear()  # the same buffer: callers hold it
+        self._flush()
         view = memoryview(data).cast("B")
         for start in range(0, len(view), _PIECE):
-            hasher.update(view[start : start + _PIECE])
+            self._hasher.update(view[start : start + _PIECE])
             self._tick()
+
+    def _flush(self) -> None:
+        """Hash what the buffer holds and empty it (the same buffer: callers hold it)."""
+        if self._hasher is None:
+            self._hasher = blake3.blake3()
+        self._hasher.update(self.out)
+        self.out.clear()
 
     def _tick(self) -> None:
         """Announce (once) a fingerprint that has been going on for over SLOW_AFTER seconds."""
@@ -363,9 +385,9 @@ class _Feeder:
         if tp in _LEAVES:
             try:
                 packed = self._pack(obj)
-            except OverflowError:  # an int beyond 64 bits
-                packed = _BIG_INT + self._pack(str(obj))
-            if len(packed) < _LARGE:
+            except _UNPACKABLE:
+                packed = self._leaf(obj)
+            if len(packed) < _DIRECT:
                 self.out += packed
             else:  # a large str or bytes: hashed where it is
                 self._write(packed)
@@ -385,14 +407,14 @@ class _Feeder:
         """A value other than a plain scalar, a list, a tuple or a dict."""
         scalar = _OTHER_SCALARS.get(tp)
         if scalar is not None:
-            self.out += scalar(obj, self._pack)
+            self.out += scalar(obj, self._text)
             return
         if isinstance(obj, pathlib.Path):  # a file by its contents, a directory by its files
             contents = file_digests.digest(obj)
             if contents is None:  # nothing there: by its name
-                self.out += _PURE_POSIX + self._pack(str(obj))
+                self.out += _PURE_POSIX + self._text(str(obj))
             else:
-                self.out += _FILE + self._pack(contents)
+                self.out += _FILE + self._text(contents)
             return
         if tp is StoredOutput:
             self.out += _LAZY + bytes.fromhex(obj.arg_digest)
@@ -407,7 +429,7 @@ class _Feeder:
         """A value that is (or is at the address of) a step output."""
         unchanged, digest = provenance.check(obj, entry)
         if unchanged:  # a step output passed on as it was stored: its stored checksum
-            self.out += _STORED + self._pack(digest)
+            self.out += _STORED + self._text(digest)
             return
         # Changed in place, or a new object at a dead output's address: by its content, as
         # any value; and if it has no digest of its own, by the checksum of its encoding.
@@ -417,7 +439,7 @@ class _Feeder:
             self._content(obj)
         except _Unhashable:
             del self.out[mark:]
-            self.out += _CHANGED + self._pack(digest)
+            self.out += _CHANGED + self._text(digest)
         finally:
             self.capturing -= 1
 
@@ -434,14 +456,14 @@ class _Feeder:
             self.out += _SET
             self._listed(items, " element {!r}", items)
         elif isinstance(obj, enum.Enum):
-            self.out += _ENUM + self._pack(qualified_name(tp))
+            self.out += _ENUM + self._text(qualified_name(tp))
             self._inside(obj.value, ".value")
         elif getattr(tp, "__resumable_fingerprint__", None) is not None and not isinstance(obj, type):
             try:
                 stable = obj.__resumable_fingerprint__()
             except Exception as exc:
                 raise _Unhashable("", obj, f"its __resumable_fingerprint__() raised {exc!r}") from exc
-            self.out += _METHOD + self._pack(qualified_name(tp))
+            self.out += _METHOD + self._text(qualified_name(tp))
             self._inside(stable, ".__resumable_fingerprint__()")
         else:
             fields = _fields_of(obj)
@@ -449,9 +471,9 @@ class _Feeder:
                 self._special(obj)
                 return
             self._enter(obj)
-            self.out += _OBJECT + self._pack(qualified_name(tp)) + self._header(len(fields))
+            self.out += _OBJECT + self._text(qualified_name(tp)) + self._header(len(fields))
             for name, value in fields:
-                self.out += self._pack(name)
+                self.out += self._text(name)
                 self._inside(value, f".{name}")
             self.active.discard(id(obj))
 
@@ -504,8 +526,8 @@ class _Feeder:
                 if type(item) in _LEAVES:
                     try:
                         out += pack(item)
-                    except OverflowError:
-                        feed(item)
+                    except _UNPACKABLE:
+                        out += self._leaf(item)
                 else:
                     feed(item)
         except _Unhashable as exc:
@@ -521,7 +543,7 @@ class _Feeder:
         if types <= _LEAVES and len(items) <= _CHUNK:  # the common case, at once
             try:
                 self.out += _LIST + self._pack(items)
-            except OverflowError:
+            except _UNPACKABLE:
                 pass
             else:
                 return
@@ -538,7 +560,7 @@ class _Feeder:
         if n <= _CHUNK:
             try:
                 self._write(self._pack(items))
-            except OverflowError:  # an int beyond 64 bits: one by one
+            except _UNPACKABLE:  # one by one
                 self._items(items)
             return
         self.out += self._header(n)
@@ -546,7 +568,7 @@ class _Feeder:
             part = items[start : start + _CHUNK]
             try:
                 packed = self._pack(part)
-            except OverflowError:
+            except _UNPACKABLE:
                 for item in part:
                     self.feed(item)
                 continue
@@ -574,7 +596,7 @@ class _Feeder:
             self.out += b"r"
             try:
                 packed = self._pack(part)
-            except OverflowError:  # an int beyond 64 bits: the same bytes, row by row
+            except _UNPACKABLE:  # the same bytes, row by row
                 for row in part:
                     self._items(row)
                 continue
@@ -686,39 +708,39 @@ class _Feeder:
         if pd is not None and isinstance(obj, (pd.Timestamp, pd.Timedelta)):
             # nanoseconds and the zone, which the datetime/timedelta digests would drop
             tz = str(getattr(obj, "tz", None))
-            self.out += _PANDAS_TIME + self._pack([type(obj).__name__, str(obj.value), tz])
+            self.out += _PANDAS_TIME + self._text([type(obj).__name__, str(obj.value), tz])
             return
         if isinstance(obj, (str, bytes, int, float)):  # subclasses of plain scalars: as their base
-            try:
-                self.out += _SUBCLASS + self._pack(obj)
-            except OverflowError:
-                self.out += _SUBCLASS + _BIG_INT + self._pack(str(int(obj)))
+            self.out += _SUBCLASS + self._leaf(obj)
             return
         if isinstance(obj, (dt.date, dt.time, dt.timedelta, pathlib.PurePath)):
             base = next(b for b in type(obj).__mro__ if b in _OTHER_SCALARS)
-            self.out += _SUBCLASS + _OTHER_SCALARS[base](obj, self._pack)
+            self.out += _SUBCLASS + _OTHER_SCALARS[base](obj, self._text)
             return
         raise _Unhashable("", obj)
 
     def _numpy(self, np: Any, obj: Any) -> bool:
         if isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
-                self.out += _OBJECT_ARRAY + self._pack(list(obj.shape))
+                self.out += _OBJECT_ARRAY + self._text(list(obj.shape))
                 self.feed(obj.tolist())
                 return True
             data = np.ascontiguousarray(obj)
             descr = str(np.lib.format.dtype_to_descr(obj.dtype))  # structured dtypes in full
-            self.out += _ARRAY + self._pack([descr, list(obj.shape), data.nbytes])
-            self._write(memoryview(data.reshape(-1).view("uint8")))
+            # its own BLAKE3 (on several threads when large), then in the stream
+            threads = blake3.blake3.AUTO if data.nbytes >= _THREADED else 1
+            body = blake3.blake3(memoryview(data.reshape(-1).view("uint8")), max_threads=threads)
+            self.out += _ARRAY + self._text([descr, list(obj.shape)]) + body.digest()
+            self._tick()
             return True
         if isinstance(obj, np.generic):
-            self.out += _NUMPY_SCALAR + self._pack([obj.dtype.str, obj.tobytes()])
+            self.out += _NUMPY_SCALAR + self._text([obj.dtype.str, obj.tobytes()])
             return True
         if isinstance(obj, np.dtype):
-            self.out += _DTYPE + self._pack(str(np.lib.format.dtype_to_descr(obj)))
+            self.out += _DTYPE + self._text(str(np.lib.format.dtype_to_descr(obj)))
             return True
         if isinstance(obj, type) and issubclass(obj, np.generic):  # np.float32 itself
-            self.out += _NUMPY_TYPE + self._pack(qualified_name(obj))
+            self.out += _NUMPY_TYPE + self._text(qualified_name(obj))
             return True
         return False
 
@@ -727,7 +749,7 @@ class _Feeder:
             hashed = pd.util.hash_pandas_object(obj, index=True).to_numpy()
         except TypeError as exc:
             raise _Unhashable("", obj, str(exc)) from None
-        self.out += _PANDAS + self._pack([type(obj).__name__, hashed.nbytes])
+        self.out += _PANDAS + self._text([type(obj).__name__, hashed.nbytes])
         self._write(memoryview(hashed.tobytes()))
         frame = isinstance(obj, pd.DataFrame)
         index = obj if isinstance(obj, pd.Index) else obj.index

@@ -367,3 +367,19 @@ def test_globals_of_a_step_are_fingerprinted_at_every_call(state_dir):
 def test_value_digest_matches_digest_value(value):
     """Property: for plain values, the digest of a value read equals its argument digest (prefixed)."""
     assert "f" + digest_value(value)[:15] == _codehash.value_digest(value)
+
+
+def test_lone_surrogates_are_fingerprinted_alike_everywhere():
+    """A str holding a lone surrogate (a file name from os.fsdecode) has one digest alone, in lists, rows and tables."""
+    odd = "name-\udcff"
+    assert digest(odd) == digest("name-\udcff")
+    assert digest(odd) != digest("name-\udcfe")
+    assert digest(odd) != digest("name-")
+    assert digest([odd, 1]) == digest(["name-\udcff", 1])
+    assert digest([(odd, 1)] * 3) != digest([("name-", 1)] * 3)
+    assert digest([{"a": odd}] * 3) == digest([{"a": "name-\udcff"}] * 3)
+    assert digest({odd: 1}) != digest({"name-": 1})
+    expected = digest([*range(5), odd])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_fingerprint, "_CHUNK", 2)
+        assert expected == digest([0, 1, 2, 3, 4, "name-\udcff"])
