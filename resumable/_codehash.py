@@ -39,7 +39,7 @@ import linecache
 import textwrap
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import msgpack
@@ -512,23 +512,25 @@ _NO_NEXT = frozenset({
 })  # fmt: skip
 _JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
 
-# What the simulated stack holds: None, or (root name, last attribute) for a value reached
-# from a global or closure name by attributes and subscripts (``D["k"].items``).
-_Label = tuple[str, str | None] | None
+# What the simulated stack holds: None, or (root, first attribute, last attribute) for a
+# value reached from a global or closure name (or a method's ``self``) by attributes and
+# subscripts: ``D["k"].items`` is ("D", None, "items"), ``self.rows.append`` ("self", "rows", "append").
+_Label = tuple[str, str | None, str | None] | None
 
 
 def changed_names(code: types.CodeType) -> set[str]:
     """
     Global and closure names whose values the code changes (``global X`` assigned, ``X[k] =
-    v``, ``X.a += 1``, ``del X[k]``, ``X.append(...)``, ``heapq.heappush(X, ...)``): state
-    the step writes, not an input it reads. Read from the bytecode, so it holds whether or
-    not the source can be read; a pattern it cannot follow leaves the name an input.
+    v``, ``X.a += 1``, ``del X[k]``, ``X.append(...)``, ``heapq.heappush(X, ...)``), and a
+    method's ``self.NAME`` attributes it changes: state the step writes, not an input it
+    reads. Read from the bytecode, so it holds whether or not the source can be read; a
+    pattern it cannot follow leaves the name an input.
     """
     names: set[str] = set()
     _changes(code, names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):  # less the locals it shares with nested code
-            names |= changed_names(const) - set(code.co_cellvars)
+            names |= {n for n in changed_names(const) if n.partition(".")[0] not in code.co_cellvars}
     return names
 
 
@@ -542,11 +544,23 @@ def _at(stack: list[_Label], depth: int) -> _Label:
     return stack[-depth] if 0 < depth <= len(stack) else None
 
 
+def _name(label: _Label, attribute: str | None = None) -> str | None:
+    """The name a change of the value *label* stands for (of its *attribute*, if given) changes."""
+    if label is None:
+        return None
+    root, first, _ = label
+    if root != "self":
+        return root
+    first = first or attribute
+    return f"self.{first}" if first is not None else None
+
+
 def _changes(code: types.CodeType, names: set[str]) -> None:  # noqa: C901, PLR0912, PLR0915 - one opcode per branch
     """Add to *names* what one code object changes (a linear walk of a simulated stack)."""
     stack: list[_Label] = []
     at_target: dict[int, list[_Label]] = {}  # the stack a forward jump arrives with
     reached = True
+    this = code.co_varnames[0] if code.co_argcount and code.co_varnames[0] == "self" else None
     for ins in dis.get_instructions(code):
         op, arg = ins.opname, ins.arg
         if ins.offset in at_target:
@@ -558,66 +572,77 @@ def _changes(code: types.CodeType, names: set[str]) -> None:  # noqa: C901, PLR0
         elif not reached:
             stack = []  # an exception handler, or dead code: nothing known
         reached = op not in _NO_NEXT
+        changed: str | None = None
         if op in {"LOAD_GLOBAL", "LOAD_NAME"} or (
             op in {"LOAD_DEREF", "LOAD_CLASSDEREF"} and ins.argval in code.co_freevars
         ):
             if op == "LOAD_GLOBAL" and arg is not None and dis.stack_effect(ins.opcode, arg) == 2:
                 stack.append(None)  # the NULL of a call
-            stack.append((ins.argval, None))
+            stack.append((ins.argval, None, None))
+        elif op == "LOAD_FAST" and ins.argval == this:
+            stack.append(("self", None, None))
         elif op in {"STORE_GLOBAL", "DELETE_GLOBAL"} or (
             op in {"STORE_DEREF", "DELETE_DEREF"} and ins.argval in code.co_freevars
         ):
-            names.add(ins.argval)
+            changed = ins.argval
             if op.startswith("STORE"):
                 _pop(stack)
         elif op in {"LOAD_ATTR", "LOAD_METHOD"}:
             (obj,) = _pop(stack)
-            label = (obj[0], ins.argval) if obj is not None else None
-            stack.append(label)
+            stack.append((obj[0], obj[1] or ins.argval, ins.argval) if obj is not None else None)
             if dis.stack_effect(ins.opcode, arg) == 1:  # a method: the function, then self
                 stack.append(obj)
         elif op == "BINARY_SUBSCR":
             container, _ = _pop(stack, 2)
-            stack.append((container[0], None) if container is not None else None)
-        elif op in {"STORE_SUBSCR", "DELETE_SUBSCR", "STORE_ATTR", "DELETE_ATTR"}:
-            target = _at(stack, 1 if op.endswith("ATTR") else 2)
-            if target is not None:
-                names.add(target[0])
-            _pop(stack, {"STORE_SUBSCR": 3, "DELETE_SUBSCR": 2, "STORE_ATTR": 2, "DELETE_ATTR": 1}[op])
+            stack.append(container)
+        elif op in {"STORE_SUBSCR", "DELETE_SUBSCR"}:
+            changed = _name(_at(stack, 2))
+            _pop(stack, 3 if op == "STORE_SUBSCR" else 2)
+        elif op in {"STORE_ATTR", "DELETE_ATTR"}:
+            changed = _name(_at(stack, 1), ins.argval)
+            _pop(stack, 2 if op == "STORE_ATTR" else 1)
         elif op == "COPY" and arg is not None:
             stack.append(_at(stack, arg))
         elif op == "SWAP" and arg is not None and arg <= len(stack):
             stack[-1], stack[-arg] = stack[-arg], stack[-1]
         elif op == "CALL" and arg is not None:
-            _note_call(stack, arg, names)
+            names.update(_call_changes(stack, arg))
             _pop(stack, arg + 2)
             stack.append(None)
         elif op not in _NO_STACK:
-            effect = dis.stack_effect(
-                ins.opcode, arg if ins.opcode >= dis.HAVE_ARGUMENT else None, jump=False
-            )
-            if effect < 0:
-                _pop(stack, -effect)
-            else:
-                stack.extend([None] * effect)
-            if stack:
-                stack[-1] = None  # what the operation made is not a name's value
+            if ins.opcode in _JUMPS and isinstance(ins.argval, int) and ins.argval > ins.offset:
+                at_target.setdefault(ins.argval, _after(list(stack), ins, jump=True))
+            stack = _after(stack, ins, jump=False)
+            continue
+        if changed is not None:
+            names.add(changed)
         if ins.opcode in _JUMPS and isinstance(ins.argval, int) and ins.argval > ins.offset:
             at_target.setdefault(ins.argval, list(stack))
 
 
-def _note_call(stack: list[_Label], count: int, names: set[str]) -> None:
-    """A call of *count* arguments: a mutating method of a value, or a function changing its first."""
+def _after(stack: list[_Label], ins: dis.Instruction, *, jump: bool) -> list[_Label]:
+    """*stack* after an operation making new values from those it takes (*jump*: if it jumps)."""
+    arg = ins.arg if ins.opcode >= dis.HAVE_ARGUMENT else None
+    effect = dis.stack_effect(ins.opcode, arg, jump=jump)
+    if effect < 0:
+        _pop(stack, -effect)
+    else:
+        stack.extend([None] * effect)
+    if stack:
+        stack[-1] = None  # what the operation made is not a name's value
+    return stack
+
+
+def _call_changes(stack: list[_Label], count: int) -> Iterator[str]:
+    """What a call of *count* arguments changes: a mutating method's value, a function's first argument."""
     for func in (_at(stack, count + 1), _at(stack, count + 2)):  # the callable and self (or NULL)
         if func is None:
             continue
-        root, attr = func
-        if attr in _MUTATORS:
-            names.add(root)
-        if (attr or root) in _CHANGES_FIRST and count >= 1:
-            first = _at(stack, count)
-            if first is not None:
-                names.add(first[0])
+        attr = func[2]
+        if attr in _MUTATORS and (name := _name(func if func[1] != attr else (func[0], None, None))):
+            yield name
+        if (attr or func[0]) in _CHANGES_FIRST and count >= 1 and (name := _name(_at(stack, count))):
+            yield name
 
 
 def normalized_source(node: ast.AST) -> str | None:
@@ -766,15 +791,19 @@ class _Builder:
             raise NoIdentity(type(obj).__name__)
 
     def instance(self, obj: object, name: str, home: dict[str, Any]) -> None:
-        """The object a method or a callable object runs with: its value, else its attributes."""
+        """
+        The object a method or a callable object runs with: its attributes, each like a
+        value the code reads (those the code changes, such as a cache it fills, left out);
+        an object without attributes of its own by its value.
+        """
         if isinstance(obj, (type, types.ModuleType)):  # a classmethod's class: code
-            return
-        if value_digest(obj) is not None:
-            self.shape.reads.append((f"const {name}", lambda: obj))
             return
         attributes = getattr(obj, "__dict__", None)
         if type(attributes) is not dict:
-            self.shape.left_out[name] = qualified_name(type(obj))
+            if value_digest(obj) is None:
+                self.shape.left_out[name] = qualified_name(type(obj))
+            else:
+                self.shape.reads.append((f"const {name}", lambda: obj))
             return
         self.shape.others.append((functools.partial(_names_of, attributes), _names_of(attributes)))
         for attr, value in attributes.items():
