@@ -362,21 +362,12 @@ class CodeShape:
         for namespace, name, value in self.globals:
             if namespace.get(name, _MISSING) is not value:
                 return False
-        for cell, value in self.cells:
-            try:
-                now = cell.cell_contents
-            except ValueError:  # an empty cell
-                now = _MISSING
-            if now is not value:
+        for fn, code, defaults, kwargs in self.functions:
+            if fn.__code__ is not code or fn.__defaults__ is not defaults or fn.__kwdefaults__ is not kwargs:
                 return False
-        for fn, code, defaults, kwdefaults in self.functions:
-            if (
-                fn.__code__ is not code
-                or fn.__defaults__ is not defaults
-                or fn.__kwdefaults__ is not kwdefaults
-            ):
-                return False
-        return all(read() == value for read, value in self.others)
+        return (not self.cells or all(_cell(cell)() is value for cell, value in self.cells)) and (
+            not self.others or all(read() == value for read, value in self.others)
+        )
 
     def values(
         self, owner: object, within: tuple[object, ...]
