@@ -768,9 +768,9 @@ class _Builder:
             self.callable(obj.func, label, main=main)
             home = _home(obj.func)
             for i, arg in enumerate(obj.args):
-                self.reference(f"{label}.args[{i}]", arg, _item(obj.args, i), home)
+                self.reference(f"partial[{i}]", arg, _item(obj.args, i), home)
             for key, arg in obj.keywords.items():
-                self.reference(f"{label}.{key}=", arg, _key(obj.keywords, key), home)
+                self.reference(f"partial({key}=)", arg, _key(obj.keywords, key), home)
         elif isinstance(obj, types.MethodType):
             self.callable(obj.__func__, label, main=main)
             self.instance(obj.__self__, "self", _home(obj.__func__))
