@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
+from . import _codehash
 from ._context import Host, current_pipeline, disabled, register
 from ._fingerprint import digest_parameters
 from ._plan import Identity, Plan
@@ -143,19 +144,6 @@ class Step(Protocol[P, R_co]):
         ...
 
 
-def _codehash_module() -> Any:
-    """:mod:`resumable._codehash`, imported on first use (not by an import statement run at every call)."""
-    global _codehash_ref  # noqa: PLW0603 - a lazily filled module reference
-    if _codehash_ref is None:
-        from . import _codehash  # noqa: PLC0415 - code digests only matter once steps run
-
-        _codehash_ref = _codehash
-    return _codehash_ref
-
-
-_codehash_ref: Any = None
-
-
 class StepSpec(Generic[P, R]):
     """Everything known about one step; shared by all its calls."""
 
@@ -190,8 +178,6 @@ class StepSpec(Generic[P, R]):
         self._identity_lock = threading.Lock()
         module, qualname = getattr(fn, "__module__", "?"), getattr(fn, "__qualname__", self.name)
         self.qualname = f"{module}.{qualname}"
-        from . import _codehash  # noqa: PLC0415 - code digests only matter once steps exist
-
         self._identifiable = True
         try:
             _codehash.check_identity(fn)
@@ -293,8 +279,6 @@ class StepSpec(Generic[P, R]):
             return shape
 
     def _code_shape(self) -> Any:
-        from . import _codehash  # noqa: PLC0415 - see __init__
-
         if not self._identifiable:  # pinned by its version: only that ties its code down
             shape = _codehash.CodeShape()
             shape.static["code"] = hashlib.sha256(self.qualname.encode()).hexdigest()[:16]
@@ -302,8 +286,6 @@ class StepSpec(Generic[P, R]):
         return _codehash.code_shape(self.fn, _step_of, self)
 
     def _make_identity(self, shape: Any, values: dict[str, str], left_out: dict[str, str]) -> Identity:
-        from . import _codehash  # noqa: PLC0415 - see __init__
-
         components = {**shape.static, **values}
         code = _codehash.combine(components)
         label = f"version:{self.version}" if self.version is not None else f"code:{code}"

@@ -576,7 +576,7 @@ def test_tasks_replaying_conversations_never_rerun_a_turn(tmp_path):
         return _reply(t, user)
 
     async def serve(user: int) -> None:
-        for _ in range(10):
+        for _ in range(20):
             with Pipeline(f"user{user}", state_dir=tmp_path / str(user), durable=False) as pipe:
                 history: list[dict[str, str]] = []
                 for t in range(5):
