@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
-from . import _codehash
+from . import _codehash, _codeshape
 from ._context import Host, current_pipeline, disabled, register
 from ._fingerprint import digest_parameters
 from ._plan import Identity, Plan
@@ -173,15 +173,15 @@ class StepSpec(Generic[P, R]):
             raise StepDefinitionError(msg, step=self.name)
         self.key = self._check_key(options.key, params)
         self._binding = self._binding_of(self.signature)
-        self._shape: Any = None  # the _codehash.CodeShape of the step, once known
+        self._shape: Any = None  # the _codeshape.CodeShape of the step, once known
         self._plans: dict[tuple[object, ...], tuple[str, str | None, str, str, dict[str, str]]] = {}
         self._identity_lock = threading.Lock()
         module, qualname = getattr(fn, "__module__", "?"), getattr(fn, "__qualname__", self.name)
         self.qualname = f"{module}.{qualname}"
         self._identifiable = True
         try:
-            _codehash.check_identity(fn)
-        except _codehash.NoIdentity as exc:
+            _codeshape.check_identity(fn)
+        except _codeshape.NoIdentity as exc:
             if self.version is None:
                 msg = (
                     f"step {self.name!r}: cannot tell when the code of {fn!r} changes ({exc}); "
@@ -189,7 +189,7 @@ class StepSpec(Generic[P, R]):
                 )
                 raise StepDefinitionError(msg, step=self.name) from None
             self._identifiable = False
-        _codehash.snapshot_source(fn)
+        _codeshape.snapshot_source(fn)
 
     def _signature(self) -> inspect.Signature:
         try:
@@ -280,10 +280,10 @@ class StepSpec(Generic[P, R]):
 
     def _code_shape(self) -> Any:
         if not self._identifiable:  # pinned by its version: only that ties its code down
-            shape = _codehash.CodeShape()
+            shape = _codeshape.CodeShape()
             shape.static["code"] = hashlib.sha256(self.qualname.encode()).hexdigest()[:16]
             return shape
-        return _codehash.code_shape(self.fn, _step_of, self)
+        return _codeshape.code_shape(self.fn, _step_of, self)
 
     def _make_identity(self, shape: Any, values: dict[str, str], left_out: dict[str, str]) -> Identity:
         components = {**shape.static, **values}

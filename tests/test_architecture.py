@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_files",
             "_fingerprint",
             "_codehash",
+            "_codeshape",
             "_plan",
         },
     ),

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import pytest
 
-from resumable import Pipeline, _codehash
-from resumable._codehash import code_components, combine, describe_change, function_digest, snapshot_source
+from resumable import Pipeline, _codehash, _codeshape
+from resumable._codehash import combine, describe_change, function_digest
+from resumable._codeshape import code_components, snapshot_source
 from resumable._step import _step_of
 
 ModuleFactory = Callable[..., types.ModuleType]
@@ -395,13 +396,13 @@ def test_state_the_step_writes_is_not_an_input(modules):
     mod.step_fn(3)
     assert {"code"} == set(before)
     assert before == components_of(mod.step_fn)
-    shape = _codehash.code_shape(mod.step_fn, _step_of)
+    shape = _codeshape.code_shape(mod.step_fn, _step_of)
     assert {
         "CALLS": "changed by the step",
         "CACHE": "changed by the step",
         "TOTAL": "changed by the step",
     } == shape.left_out
-    _, left_out = _codehash.read_values(shape)
+    _, left_out = _codeshape.read_values(shape)
     assert {"LOCK": "_thread.lock"} == left_out
 
 
@@ -832,9 +833,9 @@ def test_the_sources_why_shows_are_made_only_when_asked(monkeypatch: pytest.Monk
         return helper(x) + 1
 
     made: list[ast.AST] = []
-    real = _codehash.normalized_source
-    monkeypatch.setattr(_codehash, "normalized_source", lambda node: made.append(node) or real(node))
-    shape = _codehash.code_shape(fn, _step_of)
+    real = _codeshape.normalized_source
+    monkeypatch.setattr(_codeshape, "normalized_source", lambda node: made.append(node) or real(node))
+    shape = _codeshape.code_shape(fn, _step_of)
     assert [] == made
     sources = shape.sources()
     assert {"code", "fn helper"} == set(sources)
@@ -887,7 +888,7 @@ def _changed_by_definition(node: ast.AST) -> set[str]:
         elif (
             isinstance(sub, ast.Call)
             and isinstance(sub.func, ast.Attribute)
-            and sub.func.attr in _codehash._MUTATORS
+            and sub.func.attr in _codeshape._MUTATORS
         ):
             root = _root_name(sub.func.value)
             if root is not None:
@@ -960,8 +961,8 @@ def test_the_names_code_changes_are_read_from_its_bytecode_as_its_syntax_tree_sa
             # what the header holds (defaults, annotations) runs outside the function
             node.decorator_list, node.returns = [], None
             node.args = ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[], defaults=[])
-            names = _codehash._global_names(code) | set(code.co_freevars)
-            changed = {n for n in _codehash.changed_names(code) if not n.startswith("self.")}
+            names = _codeshape._global_names(code) | set(code.co_freevars)
+            changed = {n for n in _codeshape.changed_names(code) if not n.startswith("self.")}
             assert {n for n in _changed_by_definition(node) if n in names} == changed
             compared += 1
     assert compared > 400
@@ -998,6 +999,6 @@ def test_what_code_changes_is_seen_in_every_form():
     exec(compile(source, "<no source>", "exec"), namespace)  # noqa: S102 - code with no file behind it
     fn = namespace["f"]
     assert isinstance(fn, types.FunctionType)
-    assert {"A", "CALLS", "D", "E", "ERRORS", "G", "H", "K", "Q", "R", "S", "X"} == _codehash.changed_names(
+    assert {"A", "CALLS", "D", "E", "ERRORS", "G", "H", "K", "Q", "R", "S", "X"} == _codeshape.changed_names(
         fn.__code__
     )
