@@ -3,11 +3,12 @@ Argument digests: equal arguments give equal digests in every process.
 
 A value is fed into SHA-256 as a tagged, length-prefixed byte string. Dicts and sets
 are order-free (their encoded items are sorted), floats are hashed by their bits, and
-NumPy arrays by dtype, shape and raw bytes. An object returned by an earlier step is
-known by the checksum of its stored output as long as it still encodes to the stored bytes
-(see :class:`_Provenance`).
-Anything without a stable meaning raises :class:`FingerprintError` rather than being
-hashed by identity or by pickled bytes.
+NumPy arrays by dtype, shape and raw bytes. A value's digest depends on what it holds,
+never on where it came from: a step's output passed back gives the digest its content
+gives. Only an earlier step's output that has no digest of its own (an object stored by
+pickle) is known by the checksum of its stored output, as long as it still encodes to the
+stored bytes (see :class:`_Provenance`). Anything else without a stable meaning raises
+:class:`FingerprintError` rather than being hashed by identity or by pickled bytes.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class StoredOutput:
     A skipped step's output that has not been loaded (the pipeline runner's lazy value).
 
     A step taking it as an argument gets the same fingerprint as with the loaded value,
-    without loading or rehashing it: an output passed on unchanged is known by its stored
-    checksum, exactly as when a step is called with the value another step returned.
+    without loading or rehashing it: the digest of its content, stored with it (or, for a
+    value that has none, the checksum of the stored value).
     """
 
     __slots__ = ("_load", "_loaded", "_value", "digest", "plain_digest", "slot")
@@ -63,7 +64,7 @@ class StoredOutput:
     ) -> None:
         self.slot = slot
         self.digest = digest
-        # for a value always hashed by content (see trackable), that digest, stored with it
+        # the digest of the value's content, stored with it (None if it has none)
         self.plain_digest = plain_digest
         self._load = load
         self._loaded = False
@@ -102,8 +103,8 @@ class _Entry(NamedTuple):
 
 class _Provenance:
     """
-    Remembers which live objects were returned by steps (or loaded from their outputs), and
-    the checksum of the stored value each one was.
+    Remembers which live objects were returned by steps (or loaded from their outputs) that
+    have no digest of their own, and the checksum of the stored value each one was.
 
     Nothing is held alive: objects are known by ``id`` (and a weak reference where their type
     allows one). A stored checksum is only ever used after the object has been encoded again
@@ -125,8 +126,6 @@ class _Provenance:
         bytes holding a pickle (*loaded_pickle*) is encoded once more now: pickles are not
         byte-stable across processes, and later checks compare with what it encodes to here.
         """
-        if not trackable(obj):
-            return
         ref: weakref.ref[Any] | None = None  # lists, dicts, tuples: known by id, checked by content
         if type(obj) not in _NO_WEAKREF:
             try:
@@ -195,39 +194,24 @@ class _Provenance:
         with self._lock:
             self._entries.clear()
 
-
-def trackable(obj: object) -> bool:
-    """
-    False for values that may be shared with code that never saw a step (numbers, short
-    strings, short tuples of such constants): passed on, those are always fingerprinted by
-    their content, which is cheap; every other step output by its stored checksum.
-    """
-    tp = type(obj)
-    if tp in _SCALARS:
-        return False
-    if tp is str or tp is bytes:
-        return len(obj) >= _MIN_REMEMBERED  # type: ignore[arg-type]
-    if tp is tuple or tp is frozenset:
-        items: Any = obj
-        return len(items) > _MAX_PLAIN_ITEMS or not all(type(item) in _PLAIN for item in items)
-    return True
+    def __bool__(self) -> bool:
+        return bool(self._entries)
 
 
 provenance = _Provenance()
-# str/bytes outputs shorter than this are rehashed (cheap); short ones may be interned or shared
-_MIN_REMEMBERED = 4096
-_SCALARS: frozenset[type] = frozenset({type(None), bool, int, float, complex})
-_PLAIN: frozenset[type] = _SCALARS | {str, bytes}
-_MAX_PLAIN_ITEMS = 256
 
 
 class _Feeder:
     """Turns a value into the canonical byte string that is hashed."""
 
-    __slots__ = ("active",)
+    __slots__ = ("active", "outputs", "paths")
 
-    def __init__(self) -> None:
+    def __init__(self, *, outputs: bool = False) -> None:
         self.active: set[int] = set()
+        self.paths = False  # True once a Path was fed: the digest then depends on its files
+        # a second pass, for a value that has no digest of its own: step outputs that cannot
+        # be fingerprinted are known by their stored checksum (see _Provenance)
+        self.outputs = outputs
 
     def feed(self, out: bytearray, obj: Any, where: str) -> None:
         tp = type(obj)
@@ -236,6 +220,7 @@ class _Feeder:
             out += simple(obj)
             return
         if isinstance(obj, pathlib.Path):  # a file by its contents, a directory by its files
+            self.paths = True
             contents = file_digests.digest(obj)
             out += (
                 _PATH_TAGS[pathlib.PurePosixPath] + _text(str(obj)) if contents is None else b"F" + contents
@@ -244,23 +229,14 @@ class _Feeder:
         if tp is StoredOutput:
             out += b"&" + bytes.fromhex(obj.arg_digest)
             return
-        entry = provenance.entry(obj)
-        if entry is None:
-            self._content(out, obj, where)
-            return
-        unchanged, digest = provenance.check(obj, entry)
-        if unchanged:  # a step output passed on as it was stored: its stored checksum
-            out += b"@" + digest.encode()
-            return
-        # Changed in place, or a new object at a dead output's address: by its content, as
-        # any value; and if it has no digest of its own, by the checksum of its encoding.
-        item = bytearray()
-        try:
-            self._content(item, obj, where)
-        except _Unhashable:
-            out += b"#" + digest.encode()
-        else:
-            out += item
+        if self.outputs:
+            entry = provenance.entry(obj)
+            if entry is not None and not is_fingerprintable(obj):
+                # as stored: the stored checksum; changed in place since: that of its encoding now
+                unchanged, digest = provenance.check(obj, entry)
+                out += (b"@" if unchanged else b"#") + digest.encode()
+                return
+        self._content(out, obj, where)
 
     def _content(self, out: bytearray, obj: Any, where: str) -> None:  # noqa: C901
         """Feed what *obj* holds (its type is not a simple one)."""
@@ -322,20 +298,33 @@ class _Feeder:
         for item in items:
             out += _PACK_LEN(len(item)) + item
 
-    def _special(self, out: bytearray, obj: Any, where: str) -> None:
+    def _special(self, out: bytearray, obj: Any, where: str) -> None:  # noqa: PLR0911 - one return per kind
         np = sys.modules.get("numpy")
         if np is not None and isinstance(obj, np.ndarray):
             if obj.dtype.hasobject:
                 out += b"a" + _text(str(obj.shape))
                 self.feed(out, obj.tolist(), where)
                 return
+            import blake3  # noqa: PLC0415 - loaded with the first array, as NumPy is
+
             data = np.ascontiguousarray(obj)
-            body = hashlib.sha256(memoryview(data.reshape(-1).view("uint8"))).digest()
+            # BLAKE3, threaded for large arrays: an array passed on is hashed at every call
+            flat = memoryview(data.reshape(-1).view("uint8"))
+            body = blake3.blake3(flat, max_threads=blake3.blake3.AUTO).digest()
             descr = str(np.lib.format.dtype_to_descr(obj.dtype))  # structured dtypes in full
             out += b"A" + _text(descr) + _text(str(obj.shape)) + body
             return
         if np is not None and isinstance(obj, np.generic):
             out += b"n" + _text(obj.dtype.str) + obj.tobytes()
+            return
+        if np is not None and (
+            isinstance(obj, np.dtype) or (isinstance(obj, type) and issubclass(obj, np.generic))
+        ):
+            try:  # np.float32 and np.dtype("f4") alike (they compare equal)
+                descr = str(np.lib.format.dtype_to_descr(np.dtype(obj)))
+            except (TypeError, ValueError) as exc:  # an abstract type (np.floating)
+                raise _Unhashable(where, obj, str(exc)) from None
+            out += b"y" + _text(descr)
             return
         pd = sys.modules.get("pandas")
         if pd is not None and isinstance(obj, (pd.DataFrame, pd.Series, pd.Index)):
@@ -426,6 +415,20 @@ def digest_value(value: object) -> str:
     return hashlib.sha256(out).hexdigest()
 
 
+def content_digest(value: object) -> str | None:
+    """
+    The digest of *value* as an argument (:func:`digest_value`), kept with a stored output:
+    None if it has none, or if it holds a ``Path`` (whose files may change after it is stored).
+    """
+    out = bytearray()
+    feeder = _Feeder()
+    try:
+        feeder.feed(out, value, "value")
+    except (_Unhashable, RecursionError):
+        return None
+    return None if feeder.paths else hashlib.sha256(out).hexdigest()
+
+
 def is_fingerprintable(value: object) -> bool:
     """True if :func:`digest_value` accepts *value*."""
     try:
@@ -447,7 +450,13 @@ def argument_digest(step: str, name: str, value: object, feeder: _Feeder | None 
         return bytes.fromhex(value.arg_digest)
     item = bytearray()
     try:
-        (feeder or _Feeder()).feed(item, value, name)
+        try:
+            (feeder or _Feeder()).feed(item, value, name)
+        except _Unhashable:
+            if not provenance:
+                raise
+            item.clear()  # a step output that has no digest of its own may be in it
+            _Feeder(outputs=True).feed(item, value, name)
     except _Unhashable as exc:
         tp = qualified_name(type(exc.obj))
         raise FingerprintError(step, name, exc.where, tp, exc.detail) from None
