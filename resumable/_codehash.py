@@ -9,12 +9,16 @@ a global or closure name is part of the digest too:
 - plain functions defined in the same module (transitively), also behind decorators
   (``functools.lru_cache`` and anything setting ``__wrapped__``) and inside dicts, lists
   and tuples the code uses (dispatch tables),
-- other steps (their version if pinned, else their code digest),
+- other steps (their version if pinned, else their identity, as of each call),
 - every other value it reads that can be fingerprinted like an argument (strings,
   numbers, containers, dataclasses ...), read again at every call, so editing
   ``PROMPT = "..."`` or ``WEATHER = {...}``, or reassigning a global during the run,
   reruns the steps that use it. Values that cannot be fingerprinted (clients, locks,
-  modules) are left out, and ``resumable why`` lists them.
+  modules) are left out, and ``resumable why`` lists them; so is what the code changes
+  itself (``CALLS.append(x)``, ``CACHE[k] = v``), read from its bytecode.
+
+How a step's identity is put together from these digests, and kept current in a live
+process, is :mod:`._codeshape`.
 
 Code from other modules and installed packages is not; pin ``version=`` when such a
 change should rerun a step. When the source is unavailable the bytecode is hashed
@@ -33,13 +37,11 @@ import reprlib
 import textwrap
 import types
 import weakref
-from collections.abc import Callable
 from itertools import islice
 from typing import Any, Literal
 
 import attrs
 
-from ._codec_types import qualified_name
 from ._fingerprint import _Unhashable, digest_value
 
 # AST fields that never change what code does.
@@ -51,22 +53,22 @@ _PLAIN_DATA = frozenset({
     type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset,
 })  # fmt: skip
 
-_cache: weakref.WeakKeyDictionary[types.FunctionType, str] = weakref.WeakKeyDictionary()
+# each function's code and the digest of its logic (a function whose __code__ is replaced
+# gets another; equal code objects can come from sources differing in default values)
+_cache: weakref.WeakKeyDictionary[types.FunctionType, tuple[types.CodeType, str]] = (
+    weakref.WeakKeyDictionary()
+)
 # Source lines of modules, as they were when their first step was decorated: a file edited
 # while the script runs must not change the digest of the code that is running.
 _snapshots: dict[str, list[str]] = {}
 
 
-def snapshot_source(fn: object) -> None:
-    """Keep the source file of *fn* as it is now (called when a step is decorated)."""
-    code = getattr(inspect.unwrap(fn), "__code__", None)  # type: ignore[arg-type]
-    if isinstance(code, types.CodeType):
-        # decorating runs while the module executes: the file now is the code now (a module
-        # reloaded after an edit is snapshotted again)
-        linecache.checkcache(code.co_filename)
-        lines = linecache.getlines(code.co_filename, getattr(fn, "__globals__", None))
-        if lines:
-            _snapshots[code.co_filename] = list(lines)
+def _snapshot(fn: types.FunctionType) -> None:
+    filename = fn.__code__.co_filename
+    linecache.checkcache(filename)
+    lines = linecache.getlines(filename, fn.__globals__)
+    if lines:
+        _snapshots[filename] = list(lines)
 
 
 def _source(fn: types.FunctionType) -> str | None:
@@ -260,71 +262,23 @@ def _bytecode_digest(code: types.CodeType, doc: str | None, extra: bytes) -> str
 
 
 def function_digest(fn: types.FunctionType, node: ast.AST | Literal[False] | None = False) -> str:
-    """Digest of one function's own logic (not of what it calls); *node*: its syntax tree, if known."""
-    digest = _cache.get(fn)
+    """
+    Digest of one function's own logic (not of what it calls); *node*: its syntax tree, if
+    known. Its default values are not part of it: they are arguments, or values it reads.
+    """
+    code = fn.__code__
+    known = _cache.get(fn)
+    if known is not None and known[0] is code:  # the code is held: it cannot be another one
+        return known[1]
+    digest = _source_digest(_function_node(fn) if node is False else node)
     if digest is None:
-        digest = _source_digest(_function_node(fn) if node is False else node)
-        if digest is None:
-            defaults = repr((fn.__defaults__, fn.__kwdefaults__)).encode()
-            digest = "bytecode:" + _bytecode_digest(fn.__code__, fn.__doc__, defaults)
-        _cache[fn] = digest
+        digest = "bytecode:" + _bytecode_digest(code, fn.__doc__, b"")
+    _cache[fn] = (code, digest)
     return digest
 
 
-def _names(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names(const)
-    return names
-
-
-_MISSING = object()
 _MAX_SOURCE = 20_000  # characters of a component's source kept for `resumable why`
 _MAX_REPR = 200
-
-
-class CodeShape:
-    """
-    What a step's code identity is made of: digests fixed when it is first called (its own
-    code, same-module helpers, other steps) and the values it reads by name, which are
-    read again at every call (a global reassigned or changed in place between calls counts).
-    """
-
-    __slots__ = ("_sources", "left_out", "nodes", "reads", "static")
-
-    def __init__(self) -> None:
-        self.static: dict[str, str] = {}
-        self.nodes: dict[str, ast.AST] = {}  # component label -> syntax tree
-        self.reads: list[tuple[str, Callable[[], object]]] = []  # ("const NAME", getter)
-        self.left_out: dict[str, str] = {}  # names whose values cannot be fingerprinted -> type
-        self._sources: dict[str, str] | None = None
-
-    def sources(self) -> dict[str, str]:
-        """Component label -> normalized source, for `why`: made when first asked (a skip never asks)."""
-        if self._sources is None:
-            found = {label: normalized_source(node) for label, node in self.nodes.items()}
-            self._sources = {label: source for label, source in found.items() if source is not None}
-        return self._sources
-
-
-def _global(namespace: dict[str, Any], name: str) -> Callable[[], object]:
-    return lambda: namespace.get(name, _MISSING)
-
-
-def _cell(cell: types.CellType) -> Callable[[], object]:
-    def read() -> object:
-        try:
-            return cell.cell_contents
-        except ValueError:  # an empty cell (the closure variable is not assigned yet)
-            return _MISSING
-
-    return read
-
-
-def _is_code(value: object) -> bool:
-    """Modules, classes and functions: code, not data (other modules' code is not followed)."""
-    return isinstance(value, (types.ModuleType, type)) or callable(value)
 
 
 def value_digest(value: object, describe: str | None = None) -> str | None:
@@ -419,60 +373,6 @@ def short_repr(value: object) -> str:
     return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."
 
 
-# Methods that change the container they are called on.
-_MUTATORS = frozenset({
-    "append", "extend", "insert", "pop", "popitem", "remove", "clear", "add", "discard",
-    "update", "setdefault", "sort", "reverse", "appendleft", "extendleft", "popleft",
-    "difference_update", "intersection_update", "symmetric_difference_update",
-})  # fmt: skip
-
-
-def _root_name(node: ast.AST) -> str | None:
-    while isinstance(node, (ast.Subscript, ast.Attribute)):
-        node = node.value
-    return node.id if isinstance(node, ast.Name) else None
-
-
-_CHANGING = (ast.Global, ast.Nonlocal, ast.Call, ast.Assign, ast.Delete, ast.AugAssign, ast.AnnAssign)
-
-
-def changed_names(node: ast.AST) -> set[str]:
-    """
-    Names whose values the code changes (``global``/``nonlocal`` assignments, ``X[k] = v``,
-    ``X.a += 1``, ``X.append(...)``): state the step writes, not an input it reads.
-    """
-    names: set[str] = set()
-    stack = [node]
-    while stack:  # every node below (as ast.walk, without its generators: a step's first call pays this)
-        sub = stack.pop()
-        for field in _fields_of(type(sub))[0]:
-            value = getattr(sub, field, None)
-            if isinstance(value, ast.AST):
-                stack.append(value)
-            elif type(value) is list:
-                stack.extend(item for item in value if isinstance(item, ast.AST))
-        if isinstance(sub, _CHANGING):
-            _note_change(sub, names)
-    return names
-
-
-def _note_change(sub: ast.AST, names: set[str]) -> None:
-    if isinstance(sub, (ast.Global, ast.Nonlocal)):
-        names.update(sub.names)
-    elif isinstance(sub, ast.Call):
-        if isinstance(sub.func, ast.Attribute) and sub.func.attr in _MUTATORS:
-            root = _root_name(sub.func.value)
-            if root is not None:
-                names.add(root)
-    else:
-        targets = list(sub.targets) if isinstance(sub, (ast.Assign, ast.Delete)) else [sub.target]  # type: ignore[attr-defined]
-        for target in targets:
-            if isinstance(target, (ast.Subscript, ast.Attribute)):
-                root = _root_name(target)
-                if root is not None:
-                    names.add(root)
-
-
 def normalized_source(node: ast.AST) -> str | None:
     """A function's source as the digest sees it (no docstring, comments or decorators)."""
     node = copy.deepcopy(node)
@@ -485,19 +385,23 @@ def normalized_source(node: ast.AST) -> str | None:
         return None
 
 
-def _helper(value: object, module: str) -> types.FunctionType | None:
-    """*value* as a plain function of *module*, looking through decorators (``__wrapped__``)."""
-    if not isinstance(value, types.FunctionType) and hasattr(value, "__wrapped__"):
-        try:
-            value = inspect.unwrap(value)  # type: ignore[arg-type]
-        except ValueError:  # a cycle of __wrapped__
+def _helper(value: object, home: dict[str, Any]) -> types.FunctionType | None:
+    """
+    *value* as a plain function of the module whose globals are *home*, looking through
+    decorators (``__wrapped__``): the outermost such function, or None.
+    """
+    seen: set[int] = set()
+    while id(value) not in seen:
+        if isinstance(value, types.FunctionType) and value.__globals__ is home:
+            return value
+        seen.add(id(value))
+        value = getattr(value, "__wrapped__", None)
+        if value is None:
             return None
-    if isinstance(value, types.FunctionType) and value.__module__ == module:
-        return value
-    return None
+    return None  # a cycle of __wrapped__
 
 
-def _functions_inside(value: object, module: str) -> list[tuple[str, types.FunctionType]] | None:
+def _functions_inside(value: object, module: dict[str, Any]) -> list[tuple[str, types.FunctionType]] | None:
     """The same-module functions held by a dict, list or tuple (a dispatch table), or None."""
     table: Any = value
     tp = type(table)
@@ -505,114 +409,12 @@ def _functions_inside(value: object, module: str) -> list[tuple[str, types.Funct
         return None  # data, not a table: looking through a large value would cost every first call
     if set(map(type, table.values() if tp is dict else table)) <= _PLAIN_DATA:
         return None
-    pairs = (
-        [(repr(k), v) for k, v in table.items()] if tp is dict else [(str(i), v) for i, v in enumerate(table)]
-    )
+    if tp is dict:
+        pairs = [(repr(k), v) for k, v in table.items()]
+    else:
+        pairs = [(str(i), v) for i, v in enumerate(table)]
     found = [(label, fn) for label, v in pairs if (fn := _helper(v, module)) is not None]
     return found or None
-
-
-def _references(func: types.FunctionType) -> list[tuple[str, object, Callable[[], object]]]:
-    """The globals and closure variables *func* refers to: name, value now, and how to read it."""
-    namespace = func.__globals__
-    refs = [(n, namespace[n], _global(namespace, n)) for n in sorted(_names(func.__code__)) if n in namespace]
-    for name, cell in zip(func.__code__.co_freevars, func.__closure__ or (), strict=False):
-        getter = _cell(cell)
-        value = getter()
-        if value is not _MISSING:
-            refs.append((name, value, getter))
-    return [ref for ref in refs if not ref[0].startswith("__")]
-
-
-def _classify(  # noqa: PLR0913, PLR0917 - one reference, and where it goes
-    shape: CodeShape,
-    name: str,
-    value: object,
-    getter: Callable[[], object],
-    module: str,
-    visit: Callable[[types.FunctionType, str], None],
-) -> None:
-    """Put one name a step's code refers to (not a step) where it belongs in *shape*."""
-    helper = _helper(value, module)
-    if helper is not None:
-        visit(helper, f"fn {name}")
-        return
-    inside = _functions_inside(value, module)
-    if inside is not None:  # a dispatch table: its functions are code
-        keys = repr([entry for entry, _ in inside]).encode()
-        shape.static[f"table {name}"] = hashlib.sha256(keys).hexdigest()[:16]
-        for entry, func in inside:
-            visit(func, f"fn {name}[{entry}]")
-    elif isinstance(value, types.ModuleType):
-        shape.left_out[name] = "module"
-    elif not _is_code(value):
-        shape.reads.append((f"const {name}", getter))
-
-
-def code_shape(fn: types.FunctionType, step_identity: Callable[[object], str | None]) -> CodeShape:
-    """
-    The components of a step's code identity (see :class:`CodeShape`).
-
-    ``code`` is the function itself; ``fn NAME``, ``step NAME``, ``table NAME`` and
-    ``const NAME`` are what it refers to. *step_identity* returns the identity of an object
-    if it is a step.
-    """
-    shape = CodeShape()
-    seen: set[types.CodeType] = set()
-    module = fn.__module__
-
-    def visit(func: types.FunctionType, label: str) -> None:
-        if func.__code__ in seen:
-            return
-        seen.add(func.__code__)
-        node = _function_node(func)
-        shape.static[label] = function_digest(func, node)[:16]
-        if node is not None:
-            changed.update(changed_names(node))
-            shape.nodes[label] = node
-        for name, value, getter in _references(func):
-            identity = step_identity(value)
-            if identity is not None:
-                shape.static[f"step {name}"] = identity[:16]
-            else:
-                _classify(shape, name, value, getter, module, visit)
-
-    changed: set[str] = set()
-    visit(fn, "code")
-    # What the step changes itself (a call counter, a cache it fills) is state it writes:
-    # counting it would make every call a change.
-    for read in [r for r in shape.reads if r[0].removeprefix("const ") in changed]:
-        shape.reads.remove(read)
-        shape.left_out[read[0].removeprefix("const ")] = "changed by the step"
-    return shape
-
-
-def read_values(shape: CodeShape, step: str | None = None) -> tuple[dict[str, str], dict[str, str]]:
-    """
-    The digests of the values *shape* reads, as they are now, and those left out (by type).
-    *step* names the step in the message about a value that takes long to fingerprint.
-    """
-    digests: dict[str, str] = {}
-    left_out: dict[str, str] = {}
-    for label, getter in shape.reads:
-        value = getter()
-        if value is _MISSING:
-            continue
-        name = label.removeprefix("const ")
-        describe = None if step is None else f"step {step!r}: value {name!r} read by its code"
-        digest = value_digest(value, describe)
-        if digest is None:
-            left_out[name] = qualified_name(type(value))
-        else:
-            digests[label] = digest
-    return digests, left_out
-
-
-def code_components(fn: types.FunctionType, step_identity: Callable[[object], str | None]) -> dict[str, str]:
-    """All the digests of a step's code identity as of now: its shape and the values it reads."""
-    shape = code_shape(fn, step_identity)
-    values, _ = read_values(shape)
-    return {**shape.static, **values}
 
 
 def combine(components: dict[str, str]) -> str:

@@ -4,12 +4,14 @@ Argument digests: equal arguments give equal digests in every process.
 A value is turned into a canonical byte stream, hashed with BLAKE3. Plain scalars are
 written as msgpack writes them; dicts and sets are order-free (their keys and elements in a
 canonical order), floats are hashed by their bits, NumPy arrays by dtype, shape and raw
-bytes. Lists of plain rows and records go through msgpack's C packer a level at a time, so
-a million small dicts cost about what packing them costs. An object returned by an earlier
-step is known by the checksum of its stored output as long as it still encodes to the
-stored bytes (see :class:`_Provenance`).
-Anything without a stable meaning raises :class:`FingerprintError` rather than being
-hashed by identity or by pickled bytes.
+bytes. Lists of plain rows and records go through msgpack's C packer a part at a time, so
+a million small dicts cost about what packing them costs. A value's digest depends on what
+it holds, never on where it came from: a step's output passed back gives the digest its
+content gives. Only an earlier step's output that has no digest of its own (an object
+stored by pickle) is known by the checksum of its stored output, as long as it still
+encodes to the stored bytes (see :class:`_Provenance`). Anything else without a stable
+meaning raises :class:`FingerprintError` rather than being hashed by identity or by
+pickled bytes.
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ class StoredOutput:
     A skipped step's output that has not been loaded (the pipeline runner's lazy value).
 
     A step taking it as an argument gets the same fingerprint as with the loaded value,
-    without loading or rehashing it: an output passed on unchanged is known by its stored
-    checksum, exactly as when a step is called with the value another step returned.
+    without loading or rehashing it: the digest of its content, stored with it (or, for a
+    value that has none, the checksum of the stored value).
     """
 
     __slots__ = ("_load", "_loaded", "_value", "digest", "plain_digest", "slot")
@@ -70,7 +72,7 @@ class StoredOutput:
     ) -> None:
         self.slot = slot
         self.digest = digest
-        # for a value always hashed by content (see trackable), that digest, stored with it
+        # the digest of the value's content, stored with it (None if it has none)
         self.plain_digest = plain_digest
         self._load = load
         self._loaded = False
@@ -109,8 +111,8 @@ class _Entry(NamedTuple):
 
 class _Provenance:
     """
-    Remembers which live objects were returned by steps (or loaded from their outputs), and
-    the checksum of the stored value each one was.
+    Remembers which live objects were returned by steps (or loaded from their outputs) that
+    have no digest of their own, and the checksum of the stored value each one was.
 
     Nothing is held alive: objects are known by ``id`` (and a weak reference where their type
     allows one). A stored checksum is only ever used after the object has been encoded again
@@ -132,8 +134,6 @@ class _Provenance:
         bytes holding a pickle (*loaded_pickle*) is encoded once more now: pickles are not
         byte-stable across processes, and later checks compare with what it encodes to here.
         """
-        if not trackable(obj):
-            return
         ref: weakref.ref[Any] | None = None  # lists, dicts, tuples: known by id, checked by content
         if type(obj) not in _NO_WEAKREF:
             try:
@@ -202,30 +202,11 @@ class _Provenance:
         with self._lock:
             self._entries.clear()
 
-
-def trackable(obj: object) -> bool:
-    """
-    False for values that may be shared with code that never saw a step (numbers, short
-    strings, short tuples of such constants): passed on, those are always fingerprinted by
-    their content, which is cheap; every other step output by its stored checksum.
-    """
-    tp = type(obj)
-    if tp in _SCALARS:
-        return False
-    if tp is str or tp is bytes:
-        return len(obj) >= _MIN_REMEMBERED  # type: ignore[arg-type]
-    if tp is tuple or tp is frozenset:
-        items: Any = obj
-        return len(items) > _MAX_PLAIN_ITEMS or not all(type(item) in _PLAIN for item in items)
-    return True
+    def __bool__(self) -> bool:
+        return bool(self._entries)
 
 
 provenance = _Provenance()
-# str/bytes outputs shorter than this are rehashed (cheap); short ones may be interned or shared
-_MIN_REMEMBERED = 4096
-_SCALARS: frozenset[type] = frozenset({type(None), bool, int, float, complex})
-_PLAIN: frozenset[type] = _SCALARS | {str, bytes}
-_MAX_PLAIN_ITEMS = 256
 
 
 # --------------------------------------------------------------------------------------
@@ -297,10 +278,16 @@ class _Feeder:
         "active",
         "capturing",
         "out",
+        "outputs",
+        "paths",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, *, outputs: bool = False) -> None:
         self.active: set[int] = set()  # ids of the containers being walked, to refuse cycles
+        # a second pass, for a value that has no digest of its own: step outputs that cannot
+        # be fingerprinted are known by their stored checksum (see _Provenance)
+        self.outputs = outputs
+        self.paths = False  # True once a Path was fed: the digest then depends on its files
         self.out = bytearray()
         # a small first buffer: msgpack's default (256 KiB) costs page faults at every call
         packer = msgpack.Packer(use_bin_type=True, buf_size=1024)
@@ -334,6 +321,7 @@ class _Feeder:
         self.out = bytearray()
         self._hasher = None
         self.active.clear()
+        self.paths = False
         self._describe = describe
         self._deadline = _clock() + SLOW_AFTER if describe is not None else math.inf
 
@@ -392,16 +380,14 @@ class _Feeder:
             else:  # a large str or bytes: hashed where it is
                 self._write(packed)
             return
-        if tp is dict or tp is list or tp is tuple:
-            entry = provenance.entry(obj)
-            if entry is not None:
-                self._output(obj, entry)
-            elif tp is dict:
-                self._dict(obj)
-            else:
-                self._sequence(obj, _LIST if tp is list else _TUPLE)
+        if self.outputs and self._output(obj):
             return
-        self._other(obj, tp)
+        if tp is dict:
+            self._dict(obj)
+        elif tp is list or tp is tuple:
+            self._sequence(obj, _LIST if tp is list else _TUPLE)
+        else:
+            self._other(obj, tp)
 
     def _other(self, obj: Any, tp: type) -> None:
         """A value other than a plain scalar, a list, a tuple or a dict."""
@@ -410,6 +396,7 @@ class _Feeder:
             self.out += scalar(obj, self._text)
             return
         if isinstance(obj, pathlib.Path):  # a file by its contents, a directory by its files
+            self.paths = True
             contents = file_digests.digest(obj)
             if contents is None:  # nothing there: by its name
                 self.out += _PURE_POSIX + self._text(str(obj))
@@ -419,29 +406,19 @@ class _Feeder:
         if tp is StoredOutput:
             self.out += _LAZY + bytes.fromhex(obj.arg_digest)
             return
-        entry = provenance.entry(obj)
-        if entry is None:
-            self._content(obj)
-        else:
-            self._output(obj, entry)
+        self._content(obj)
 
-    def _output(self, obj: object, entry: _Entry) -> None:
-        """A value that is (or is at the address of) a step output."""
+    def _output(self, obj: object) -> bool:
+        """
+        In the second pass, a step output that has no digest of its own: its stored checksum
+        if it is as stored, else the checksum of its encoding now. False for anything else.
+        """
+        entry = provenance.entry(obj)
+        if entry is None or is_fingerprintable(obj):
+            return False
         unchanged, digest = provenance.check(obj, entry)
-        if unchanged:  # a step output passed on as it was stored: its stored checksum
-            self.out += _STORED + self._text(digest)
-            return
-        # Changed in place, or a new object at a dead output's address: by its content, as
-        # any value; and if it has no digest of its own, by the checksum of its encoding.
-        mark = len(self.out)
-        self.capturing += 1
-        try:
-            self._content(obj)
-        except _Unhashable:
-            del self.out[mark:]
-            self.out += _CHANGED + self._text(digest)
-        finally:
-            self.capturing -= 1
+        self.out += (_STORED if unchanged else _CHANGED) + self._text(digest)
+        return True
 
     def _content(self, obj: Any) -> None:
         """Feed what *obj* holds (its type is not a plain scalar)."""
@@ -736,11 +713,12 @@ class _Feeder:
         if isinstance(obj, np.generic):
             self.out += _NUMPY_SCALAR + self._text([obj.dtype.str, obj.tobytes()])
             return True
-        if isinstance(obj, np.dtype):
-            self.out += _DTYPE + self._text(str(np.lib.format.dtype_to_descr(obj)))
-            return True
-        if isinstance(obj, type) and issubclass(obj, np.generic):  # np.float32 itself
-            self.out += _NUMPY_TYPE + self._text(qualified_name(obj))
+        if isinstance(obj, np.dtype) or (isinstance(obj, type) and issubclass(obj, np.generic)):
+            try:  # np.float32 and np.dtype("f4") alike (they compare equal)
+                descr = str(np.lib.format.dtype_to_descr(np.dtype(obj)))
+            except (TypeError, ValueError) as exc:  # an abstract type (np.floating)
+                raise _Unhashable("", obj, str(exc)) from None
+            self.out += _DTYPE + self._text(descr)
             return True
         return False
 
@@ -783,7 +761,7 @@ def _fields_of(obj: object) -> list[tuple[str, Any]] | None:
 
 _ENUM, _METHOD, _OBJECT, _SUBCLASS = b"\xc1E", b"\xc1R", b"\xc1O", b"\xc1~"
 _ARRAY, _OBJECT_ARRAY, _NUMPY_SCALAR = b"\xc1A", b"\xc1a", b"\xc1n"
-_DTYPE, _NUMPY_TYPE = b"\xc1y", b"\xc1Y"
+_DTYPE = b"\xc1y"
 _PANDAS, _PANDAS_TIME = b"\xc1P", b"\xc1T"
 _PURE_POSIX, _PURE_WINDOWS, _FILE = b"\xc1p", b"\xc1w", b"\xc1F"
 _PACK_COMPLEX = struct.Struct("<dd").pack
@@ -837,6 +815,20 @@ def digest_value(value: object, *, describe: str | None = None) -> str:
     return feeder.digest().hex()
 
 
+def content_digest(value: object) -> str | None:
+    """
+    The digest of *value* as an argument (:func:`digest_value`), kept with a stored output:
+    None if it has none, or if it holds a ``Path`` (whose files may change after it is stored).
+    """
+    feeder = _Feeder()
+    feeder.start()
+    try:
+        feeder.feed(value)
+    except (_Unhashable, RecursionError):
+        return None
+    return None if feeder.paths else feeder.digest().hex()
+
+
 def is_fingerprintable(value: object) -> bool:
     """True if :func:`digest_value` accepts *value*."""
     try:
@@ -856,10 +848,21 @@ def argument_digest(step: str, name: str, value: object, feeder: _Feeder | None 
     """
     if type(value) is StoredOutput:
         return bytes.fromhex(value.arg_digest)
+
+    def describe() -> str:
+        return f"step {step!r}: argument {name!r} ({_size(value)})"
+
     feeder = feeder or _Feeder()
-    feeder.start(lambda: f"step {step!r}: argument {name!r} ({_size(value)})")
+    feeder.start(describe)
     try:
-        feeder.feed(value)
+        try:
+            feeder.feed(value)
+        except _Unhashable:
+            if not provenance:
+                raise
+            feeder = _Feeder(outputs=True)  # a step output that has no digest of its own may be in it
+            feeder.start(describe)
+            feeder.feed(value)
     except _Unhashable as exc:
         tp = qualified_name(type(exc.obj))
         where = name + "".join(f"[{p}]" if type(p) is int else str(p) for p in reversed(exc.path))

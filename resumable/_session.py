@@ -42,7 +42,7 @@ from ._codec import (
 )
 from ._codec_types import qualified_name
 from ._files import file_digests
-from ._fingerprint import StoredOutput, digest_value, provenance, trackable
+from ._fingerprint import StoredOutput, content_digest, provenance
 from ._journal import Journal, read_header
 from ._plan import Plan, StepView
 from ._slots import STEP_BATCHES, batch_dir, slot_file
@@ -110,8 +110,11 @@ current_execution: contextvars.ContextVar[Execution | None] = contextvars.Contex
 
 
 def _remember(value: object, header: dict[str, Any], *, loaded: bool = True) -> None:
-    # Passed to another step, the value is known by the stored checksum as long as it still
-    # encodes to the stored bytes (provenance checks that at every use).
+    # A value with no digest of its own, passed to another step, is known by the stored
+    # checksum as long as it still encodes to the stored bytes (provenance checks that at
+    # every use). Any other value is fingerprinted by its content, wherever it came from.
+    if "pdigest" in header:
+        return
     buffers = header["buffers"]
     pads = tuple(pad for pad, _ in buffers) if buffers else ()
     pickled = loaded and header["encoding"] == "msgpack+pickle"
@@ -608,8 +611,10 @@ class Session:
             "args": plan.args,
             "params": plan.params,
         }
-        if not trackable(value):  # hashed by content when passed on: cheap, and known unloaded
-            meta["pdigest"] = plan.output_plain_digest = digest_value(value)
+        # passed on unloaded (the runner), the output counts as its content does
+        plain = plan.output_plain_digest = content_digest(value)
+        if plain is not None:
+            meta["pdigest"] = plain
         framed = frame(encoded, meta, secret=self.secret)
         header, size = framed.header, framed.size
         if size > LARGE_OUTPUT:

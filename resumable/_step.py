@@ -14,10 +14,10 @@ import inspect
 import re
 import string
 import threading
-import types
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
+from . import _codehash, _codeshape
 from ._context import Host, current_pipeline, disabled, register
 from ._fingerprint import digest_parameters
 from ._plan import Identity, Plan
@@ -144,19 +144,6 @@ class Step(Protocol[P, R_co]):
         ...
 
 
-def _codehash_module() -> Any:
-    """:mod:`resumable._codehash`, imported on first use (not by an import statement run at every call)."""
-    global _codehash_ref  # noqa: PLW0603 - a lazily filled module reference
-    if _codehash_ref is None:
-        from . import _codehash  # noqa: PLC0415 - code digests only matter once steps run
-
-        _codehash_ref = _codehash
-    return _codehash_ref
-
-
-_codehash_ref: Any = None
-
-
 class StepSpec(Generic[P, R]):
     """Everything known about one step; shared by all its calls."""
 
@@ -177,11 +164,7 @@ class StepSpec(Generic[P, R]):
         self.idempotent = options.idempotent
         self.pipeline = pipeline
         self.is_async = inspect.iscoroutinefunction(fn)
-        try:
-            self.signature = inspect.signature(fn)
-        except (TypeError, ValueError) as exc:
-            msg = f"step {self.name!r}: cannot read the signature of {fn!r} ({exc})"
-            raise StepDefinitionError(msg, step=self.name) from None
+        self.signature = self._signature()
         params = self.signature.parameters
         self.ignore = options.ignore
         unknown = sorted(self.ignore - set(params))
@@ -189,22 +172,50 @@ class StepSpec(Generic[P, R]):
             msg = f"step {self.name!r}: ignore= names {unknown}, which are not parameters of it"
             raise StepDefinitionError(msg, step=self.name)
         self.key = self._check_key(options.key, params)
-        kinds = {p.kind for p in params.values()}
-        self._fast = kinds <= {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD}
-        self._names = tuple(params)
-        self._defaults = tuple(p.default for p in params.values())
-        self._identity: Identity | None = None
-        self._shape: Any = None  # the _codehash.CodeShape of the step, once known
-        # the values the identity was last made with, and that identity
-        self._current: tuple[tuple[dict[str, str], dict[str, str]], Identity] | None = None
+        self._binding = self._binding_of(self.signature)
+        self._shape: Any = None  # the _codeshape.CodeShape of the step, once known
         self._plans: dict[tuple[object, ...], tuple[str, str | None, str, str, dict[str, str]]] = {}
-        self._identity_lock = threading.RLock()
-        self._computing = False
+        self._identity_lock = threading.Lock()
         module, qualname = getattr(fn, "__module__", "?"), getattr(fn, "__qualname__", self.name)
         self.qualname = f"{module}.{qualname}"
-        from . import _codehash  # noqa: PLC0415 - code digests only matter once steps exist
+        self._identifiable = True
+        try:
+            _codeshape.check_identity(fn)
+        except _codeshape.NoIdentity as exc:
+            if self.version is None:
+                msg = (
+                    f"step {self.name!r}: cannot tell when the code of {fn!r} changes ({exc}); "
+                    "pass version='1' to @step, and change it when the step should rerun"
+                )
+                raise StepDefinitionError(msg, step=self.name) from None
+            self._identifiable = False
+        _codeshape.snapshot_source(fn)
 
-        _codehash.snapshot_source(fn)
+    def _signature(self) -> inspect.Signature:
+        try:
+            return inspect.signature(self.fn)
+        except (TypeError, ValueError) as exc:
+            msg = f"step {self.name!r}: cannot read the signature of {self.fn!r} ({exc})"
+            raise StepDefinitionError(msg, step=self.name) from None
+
+    def _binding_of(
+        self, signature: inspect.Signature
+    ) -> tuple[bool, tuple[str, ...], tuple[Any, ...], bool]:
+        """
+        What binding a call needs, in one tuple (a thread sees all of it or none): whether
+        arguments can be bound by position alone, the parameter names and defaults, and
+        whether a call whose defaults are applied may be memoized (they are immutable).
+        """
+        params = signature.parameters
+        kinds = {p.kind for p in params.values()}
+        fast = kinds <= {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD}
+        defaults = tuple(p.default for p in params.values())
+        # a mutable default changed in place must be fingerprinted as it is at the call
+        memo = all(
+            p.default is inspect.Parameter.empty or name in self.ignore or type(p.default) in _MEMO_TYPES
+            for name, p in params.items()
+        )
+        return fast, tuple(params), defaults, memo
 
     def _check_key(self, key: KeySpec | None, params: Any) -> KeySpec | None:
         if key is None or callable(key):
@@ -229,48 +240,52 @@ class StepSpec(Generic[P, R]):
 
     # identity ----------------------------------------------------------------------------
 
-    def identity(self) -> Identity:
+    def identity(self, within: tuple[object, ...] = ()) -> Identity:
         """
-        The step's identity for a call now: its code's shape is worked out once per process
-        (code digests need the source), the values it reads are read at every call.
+        The step's identity for a call now. Its code's shape is worked out on the first call
+        (code digests need the source) and again whenever a name it followed is bound to
+        something else (a helper or step defined again, a function's code replaced); the
+        values and steps it reads are read at every call. *within*: the steps whose identity
+        asks for this one's (a step calling itself through others).
         """
         shape = self._shape
-        if shape is None:
-            with self._identity_lock:
-                if self._shape is None:
-                    self._shape = self._code_shape()
-                shape = self._shape
-        if not shape.reads:
-            ident = self._identity
-            if ident is None:
-                ident = self._identity = self._make_identity(shape, {}, {})
-            return ident
-        values, left_out = _codehash_module().read_values(shape, self.name)
-        current = self._current  # one tuple: threads see a consistent pair
-        if current is not None and current[0] == (values, left_out):
-            return current[1]
+        if shape is None or not shape.current():
+            shape = self._reshape(shape)
+        last = shape.last  # one tuple: threads see a consistent triple
+        if last is not None and not shape.reads and not shape.steps:  # all its digests are fixed
+            return last[2]  # type: ignore[no-any-return]
+        found = shape.values(self, within)
+        if found is None:  # a value it reads is code now: follow it
+            shape = self._reshape(shape, again=True)
+            found = shape.values(self, within) or ({}, {})
+            last = shape.last
+        values, left_out = found
+        if last is not None and last[0] == values and last[1] == left_out:
+            return last[2]  # type: ignore[no-any-return]
         ident = self._make_identity(shape, values, left_out)
-        self._current = ((values, left_out), ident)
+        shape.last = (values, left_out, ident)
         return ident
 
-    def _code_shape(self) -> Any:
-        from . import _codehash  # noqa: PLC0415 - see __init__
+    def _reshape(self, stale: Any, *, again: bool = False) -> Any:
+        """Work the shape of the step's code out (again), unless another thread just did."""
+        with self._identity_lock:
+            shape = self._shape
+            if shape is stale and (again or shape is None or not shape.current()):
+                if shape is not None:  # its own function may have new parameters (hot reload)
+                    self.signature = self._signature()
+                    self._binding = self._binding_of(self.signature)
+                    self._plans = {}
+                shape = self._shape = self._code_shape()
+            return shape
 
-        self._computing = True
-        try:
-            fn = inspect.unwrap(self.fn)
-            if isinstance(fn, types.FunctionType):
-                return _codehash.code_shape(fn, _identity_of)
-            # a callable object: only a version can tie its code down
-            shape = _codehash.CodeShape()
+    def _code_shape(self) -> Any:
+        if not self._identifiable:  # pinned by its version: only that ties its code down
+            shape = _codeshape.CodeShape()
             shape.static["code"] = hashlib.sha256(self.qualname.encode()).hexdigest()[:16]
             return shape
-        finally:
-            self._computing = False
+        return _codeshape.code_shape(self.fn, _step_of, self)
 
     def _make_identity(self, shape: Any, values: dict[str, str], left_out: dict[str, str]) -> Identity:
-        from . import _codehash  # noqa: PLC0415 - see __init__
-
         components = {**shape.static, **values}
         code = _codehash.combine(components)
         label = f"version:{self.version}" if self.version is not None else f"code:{code}"
@@ -281,9 +296,10 @@ class StepSpec(Generic[P, R]):
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's arguments by parameter name, defaults applied."""
-        if self._fast and not kwargs and len(args) <= len(self._names):
-            bound = dict(zip(self._names, args, strict=False))
-            for name, default in zip(self._names[len(args) :], self._defaults[len(args) :], strict=True):
+        fast, names, defaults, _ = self._binding
+        if fast and not kwargs and len(args) <= len(names):
+            bound = dict(zip(names, args, strict=False))
+            for name, default in zip(names[len(args) :], defaults[len(args) :], strict=True):
                 if default is inspect.Parameter.empty:
                     break
                 bound[name] = default
@@ -324,11 +340,14 @@ class StepSpec(Generic[P, R]):
         """Resolve a call to its slot and fingerprint."""
         ident = self.identity()
         memo_key = None
-        memoizable = not callable(self.key) or self.key is by_arguments
+        _, names, _, memo_defaults = self._binding
+        memoizable = (not callable(self.key) or self.key is by_arguments) and (
+            memo_defaults or len(args) >= len(names)
+        )
         if not kwargs and memoizable and all(type(a) in _MEMO_TYPES for a in args):
-            # Calls with the same simple arguments (and the same identity) resolve the same
-            # way: remember them. (The types are part of the key: 1, 1.0 and True are equal
-            # as dict keys.)
+            # Calls with the same simple arguments (and the same identity and immutable
+            # defaults) resolve the same way: remember them. (The types are part of the key:
+            # 1, 1.0 and True are equal as dict keys.)
             memo_key = (ident.identity, *zip(map(type, args), args, strict=True))
             known = self._plans.get(memo_key)
             if known is not None:
@@ -394,14 +413,10 @@ class StepSpec(Generic[P, R]):
         self.host().reset(plan.slot, downstream=False)
 
 
-def _identity_of(value: object) -> str | None:
-    """The identity of *value* if it is a step (for code digests of steps calling steps)."""
+def _step_of(value: object) -> StepSpec[Any, Any] | None:
+    """The step *value* is, or None (for code digests of steps calling steps)."""
     spec = getattr(value, "__resumable_step__", None)
-    if not isinstance(spec, StepSpec):
-        return None
-    if spec._computing:  # noqa: SLF001 - a step referring to itself
-        return "self"
-    return spec.identity().identity
+    return spec if isinstance(spec, StepSpec) else None
 
 
 def _make(fn: Callable[P, R], options: StepOptions, pipeline: Host | None) -> Step[P, R]:

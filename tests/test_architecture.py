@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_files",
             "_fingerprint",
             "_codehash",
+            "_codeshape",
             "_plan",
         },
     ),

@@ -1,0 +1,632 @@
+"""
+A step's code identity in a live process: what it is made of, and when to work it out again.
+
+:func:`code_shape` follows a step's callable (its function, wrappers, a partial's function
+and frozen arguments, a method's or callable object's instance) and every name its code
+refers to: same-module helpers and dispatch tables (digested by :mod:`._codehash`), other
+steps, and the values it reads. The :class:`CodeShape` records what each name was bound
+to, and each call checks those bindings (attribute reads, no hashing): a helper or step
+defined again (a notebook cell run again), or a function whose ``__code__`` was replaced
+(hot reload), makes the shape be worked out again, as a fresh process would. What the code
+changes itself is read from its bytecode (:func:`changed_names`) and left out.
+"""
+
+from __future__ import annotations
+
+import ast
+import dis
+import functools
+import hashlib
+import types
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ._codec_types import qualified_name
+from ._codehash import (
+    _function_node,
+    _functions_inside,
+    _helper,
+    _snapshot,
+    function_digest,
+    normalized_source,
+    short_repr,
+    value_digest,
+)
+
+_MISSING = object()
+
+# the code each function had when a shape last read it: new code in an old function (hot
+# reload) was compiled from the file as it is now, so its file is read again
+_code_seen: weakref.WeakKeyDictionary[types.FunctionType, types.CodeType] = weakref.WeakKeyDictionary()
+
+
+def snapshot_source(fn: object) -> None:
+    """Keep the source files of the functions *fn* runs as they are now (when a step is decorated)."""
+    # decorating runs while the module executes: the file now is the code now (a module
+    # reloaded after an edit is snapshotted again)
+    for func in _functions_of(fn):
+        _snapshot(func)
+
+
+_GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"})
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    """The global names *code* (and the code nested in it) loads or stores: not attribute names."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_OPS}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+class NoIdentity(Exception):  # noqa: N818 - turned into StepDefinitionError by the step
+    """A callable whose code cannot be told from what it is (a builtin, a C extension ...)."""
+
+
+class CodeShape:
+    """
+    What a step's code identity is made of: digests of its own code, its wrappers and the
+    same-module helpers it calls; the steps it calls and the values it reads by name, both
+    read again at every call (a global reassigned or changed in place between calls counts);
+    and what every name it followed was bound to, which :meth:`current` checks at each call.
+    """
+
+    __slots__ = (
+        "_sources",
+        "cells",
+        "functions",
+        "globals",
+        "last",
+        "left_out",
+        "nodes",
+        "others",
+        "reads",
+        "static",
+        "steps",
+    )
+
+    def __init__(self) -> None:
+        self.static: dict[str, str] = {}
+        self.nodes: dict[str, ast.AST] = {}  # component label -> syntax tree
+        self.reads: list[tuple[str, Callable[[], object]]] = []  # ("const NAME", getter)
+        self.steps: list[tuple[str, Any]] = []  # ("step NAME", its StepSpec)
+        self.left_out: dict[str, str] = {}  # names whose values cannot be fingerprinted -> type
+        # bindings: (namespace, name, what it held), (cell, what it held), (function, its
+        # code, defaults and keyword defaults), (how to read something, what it was)
+        self.globals: list[tuple[dict[str, Any], str, object]] = []
+        self.cells: list[tuple[types.CellType, object]] = []
+        self.functions: list[tuple[types.FunctionType, types.CodeType, object, object]] = []
+        self.others: list[tuple[Callable[[], object], object]] = []
+        self.last: tuple[dict[str, str], dict[str, str], Any] | None = None  # values -> identity
+        self._sources: dict[str, str] | None = None
+
+    def sources(self) -> dict[str, str]:
+        """Component label -> normalized source, for `why`: made when first asked (a skip never asks)."""
+        if self._sources is None:
+            found = {label: normalized_source(node) for label, node in self.nodes.items()}
+            self._sources = {label: source for label, source in found.items() if source is not None}
+        return self._sources
+
+    def current(self) -> bool:
+        """True while every name the shape followed is bound as when it was made (no hashing)."""
+        for namespace, name, value in self.globals:
+            if namespace.get(name, _MISSING) is not value:
+                return False
+        for fn, code, defaults, kwargs in self.functions:
+            if fn.__code__ is not code or fn.__defaults__ is not defaults or fn.__kwdefaults__ is not kwargs:
+                return False
+        return (not self.cells or all(_cell(cell)() is value for cell, value in self.cells)) and (
+            not self.others or all(read() == value for read, value in self.others)
+        )
+
+    def values(
+        self, owner: object, within: tuple[object, ...]
+    ) -> tuple[dict[str, str], dict[str, str]] | None:
+        """
+        The digests of the values and steps the code reads, as they are now, and the names
+        left out (by type); None if a value read became code (the shape must be made again).
+        *within*: the steps whose identity is being worked out on this thread (a cycle).
+        """
+        found = read_values(self, getattr(owner, "name", None))
+        if found is None:
+            return None
+        if self.steps:
+            inside = (*within, owner)
+            for label, spec in self.steps:
+                found[0][label] = "cycle" if spec in inside else spec.identity(inside).identity[:16]
+        return found
+
+
+def _global(namespace: dict[str, Any], name: str) -> Callable[[], object]:
+    return lambda: namespace.get(name, _MISSING)
+
+
+def _cell(cell: types.CellType) -> Callable[[], object]:
+    def read() -> object:
+        try:
+            return cell.cell_contents
+        except ValueError:  # an empty cell (the closure variable is not assigned yet)
+            return _MISSING
+
+    return read
+
+
+def _is_code(value: object) -> bool:
+    """Modules, classes and functions: code, not data (other modules' code is not followed)."""
+    return isinstance(value, (types.ModuleType, type)) or callable(value)
+
+
+# Methods that change the container they are called on, and functions that change their
+# first argument.
+_MUTATORS = frozenset({
+    "append", "extend", "insert", "pop", "popitem", "remove", "clear", "add", "discard",
+    "update", "setdefault", "sort", "reverse", "appendleft", "extendleft", "popleft",
+    "difference_update", "intersection_update", "symmetric_difference_update",
+})  # fmt: skip
+_CHANGES_FIRST = frozenset({
+    "heappush", "heappop", "heapify", "heapreplace", "heappushpop", "insort", "insort_left",
+    "insort_right", "shuffle", "setattr", "delattr",
+})  # fmt: skip
+# opcodes that leave the stack as it is, and those after which the next one is not reached
+_NO_STACK = frozenset({
+    "NOP", "RESUME", "CACHE", "EXTENDED_ARG", "PRECALL", "KW_NAMES", "COPY_FREE_VARS",
+    "MAKE_CELL", "JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP",
+    "JUMP_NO_INTERRUPT", "NOT_TAKEN",
+})  # fmt: skip
+_NO_NEXT = frozenset({
+    "JUMP_FORWARD", "JUMP_BACKWARD", "JUMP_BACKWARD_NO_INTERRUPT", "JUMP", "JUMP_NO_INTERRUPT",
+    "RETURN_VALUE", "RETURN_CONST", "RAISE_VARARGS", "RERAISE",
+})  # fmt: skip
+_JUMPS = frozenset(dis.hasjrel) | frozenset(dis.hasjabs)
+
+# What the simulated stack holds: None, or (root, first attribute, last attribute) for a
+# value reached from a global or closure name (or a method's ``self``) by attributes and
+# subscripts: ``D["k"].items`` is ("D", None, "items"), ``self.rows.append`` ("self", "rows", "append").
+_Label = tuple[str, str | None, str | None] | None
+
+
+def changed_names(code: types.CodeType) -> set[str]:
+    """
+    Global and closure names whose values the code changes (``global X`` assigned, ``X[k] =
+    v``, ``X.a += 1``, ``del X[k]``, ``X.append(...)``, ``heapq.heappush(X, ...)``), and a
+    method's ``self.NAME`` attributes it changes: state the step writes, not an input it
+    reads. Read from the bytecode, so it holds whether or not the source can be read; a
+    pattern it cannot follow leaves the name an input.
+    """
+    names: set[str] = set()
+    _changes(code, names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):  # less the locals it shares with nested code
+            names |= {n for n in changed_names(const) if n.partition(".")[0] not in code.co_cellvars}
+    return names
+
+
+def _pop(stack: list[_Label], count: int = 1) -> list[_Label]:
+    popped = [stack.pop() if stack else None for _ in range(count)]
+    popped.reverse()
+    return popped
+
+
+def _at(stack: list[_Label], depth: int) -> _Label:
+    return stack[-depth] if 0 < depth <= len(stack) else None
+
+
+def _name(label: _Label, attribute: str | None = None) -> str | None:
+    """The name a change of the value *label* stands for (of its *attribute*, if given) changes."""
+    if label is None:
+        return None
+    root, first, _ = label
+    if root != "self":
+        return root
+    first = first or attribute
+    return f"self.{first}" if first is not None else None
+
+
+def _changes(code: types.CodeType, names: set[str]) -> None:  # noqa: C901, PLR0912, PLR0915 - one opcode per branch
+    """Add to *names* what one code object changes (a linear walk of a simulated stack)."""
+    stack: list[_Label] = []
+    at_target: dict[int, list[_Label]] = {}  # the stack a forward jump arrives with
+    reached = True
+    this = code.co_varnames[0] if code.co_argcount and code.co_varnames[0] == "self" else None
+    for ins in dis.get_instructions(code):
+        op, arg = ins.opname, ins.arg
+        if ins.offset in at_target:
+            saved = at_target.pop(ins.offset)
+            # a merge keeps only what both paths agree on
+            stack = (
+                saved if not reached else [a if a == b else None for a, b in zip(stack, saved, strict=False)]
+            )
+        elif not reached:
+            stack = []  # an exception handler, or dead code: nothing known
+        reached = op not in _NO_NEXT
+        changed: str | None = None
+        if op in {"LOAD_GLOBAL", "LOAD_NAME"} or (
+            op in {"LOAD_DEREF", "LOAD_CLASSDEREF"} and ins.argval in code.co_freevars
+        ):
+            if op == "LOAD_GLOBAL" and arg is not None and dis.stack_effect(ins.opcode, arg) == 2:
+                stack.append(None)  # the NULL of a call
+            stack.append((ins.argval, None, None))
+        elif op == "LOAD_FAST" and ins.argval == this:
+            stack.append(("self", None, None))
+        elif op in {"STORE_GLOBAL", "DELETE_GLOBAL"} or (
+            op in {"STORE_DEREF", "DELETE_DEREF"} and ins.argval in code.co_freevars
+        ):
+            changed = ins.argval
+            if op.startswith("STORE"):
+                _pop(stack)
+        elif op in {"LOAD_ATTR", "LOAD_METHOD"}:
+            (obj,) = _pop(stack)
+            stack.append((obj[0], obj[1] or ins.argval, ins.argval) if obj is not None else None)
+            if dis.stack_effect(ins.opcode, arg) == 1:  # a method: the function, then self
+                stack.append(obj)
+        elif op == "BINARY_SUBSCR":
+            container, _ = _pop(stack, 2)
+            stack.append(container)
+        elif op in {"STORE_SUBSCR", "DELETE_SUBSCR"}:
+            changed = _name(_at(stack, 2))
+            _pop(stack, 3 if op == "STORE_SUBSCR" else 2)
+        elif op in {"STORE_ATTR", "DELETE_ATTR"}:
+            changed = _name(_at(stack, 1), ins.argval)
+            _pop(stack, 2 if op == "STORE_ATTR" else 1)
+        elif op == "COPY" and arg is not None:
+            stack.append(_at(stack, arg))
+        elif op == "SWAP" and arg is not None and arg <= len(stack):
+            stack[-1], stack[-arg] = stack[-arg], stack[-1]
+        elif op == "CALL" and arg is not None:
+            names.update(_call_changes(stack, arg))
+            _pop(stack, arg + 2)
+            stack.append(None)
+        elif op not in _NO_STACK:
+            if ins.opcode in _JUMPS and isinstance(ins.argval, int) and ins.argval > ins.offset:
+                at_target.setdefault(ins.argval, _after(list(stack), ins, jump=True))
+            stack = _after(stack, ins, jump=False)
+            continue
+        if changed is not None:
+            names.add(changed)
+        if ins.opcode in _JUMPS and isinstance(ins.argval, int) and ins.argval > ins.offset:
+            at_target.setdefault(ins.argval, list(stack))
+
+
+def _after(stack: list[_Label], ins: dis.Instruction, *, jump: bool) -> list[_Label]:
+    """*stack* after an operation making new values from those it takes (*jump*: if it jumps)."""
+    arg = ins.arg if ins.opcode >= dis.HAVE_ARGUMENT else None
+    effect = dis.stack_effect(ins.opcode, arg, jump=jump)
+    if effect < 0:
+        _pop(stack, -effect)
+    else:
+        stack.extend([None] * effect)
+    if stack:
+        stack[-1] = None  # what the operation made is not a name's value
+    return stack
+
+
+def _call_changes(stack: list[_Label], count: int) -> Iterator[str]:
+    """What a call of *count* arguments changes: a mutating method's value, a function's first argument."""
+    for func in (_at(stack, count + 1), _at(stack, count + 2)):  # the callable and self (or NULL)
+        if func is None:
+            continue
+        attr = func[2]
+        if attr in _MUTATORS and (name := _name(func if func[1] != attr else (func[0], None, None))):
+            yield name
+        if (attr or func[0]) in _CHANGES_FIRST and count >= 1 and (name := _name(_at(stack, count))):
+            yield name
+
+
+def _wrapped(obj: object) -> object | None:
+    """What *obj* wraps (``__wrapped__``, set by ``functools.wraps``), or None."""
+    if isinstance(obj, (types.MethodType, functools.partial)):  # they hold their function
+        return None
+    attributes = getattr(obj, "__dict__", None)
+    return attributes.get("__wrapped__") if type(attributes) is dict else None
+
+
+def _parts(obj: object, depth: int = 0) -> list[types.FunctionType]:
+    """
+    The Python functions *obj* runs as a step (its wrappers, the function a partial or a
+    method holds, a callable object's ``__call__``).
+
+    Raises:
+        NoIdentity: part of it has no Python code (a builtin, a C extension's callable), or
+            the decorators wrap each other in a cycle.
+    """
+    if depth > 100:
+        msg = "its decorators (__wrapped__) wrap each other in a cycle"
+        raise NoIdentity(msg)
+    inner = _wrapped(obj)
+    found: list[types.FunctionType] = [] if inner is None else _parts(inner, depth + 1)
+    if isinstance(obj, types.FunctionType):
+        return [obj, *found]
+    if isinstance(obj, functools.partial):
+        for arg in (*obj.args, *obj.keywords.values()):
+            if not _is_code(arg) and value_digest(arg) is None:
+                msg = f"the partial's argument {short_repr(arg)} cannot be fingerprinted"
+                raise NoIdentity(msg)
+        return [*_parts(obj.func, depth + 1), *found]
+    if isinstance(obj, types.MethodType):
+        return [*_parts(obj.__func__, depth + 1), *found]
+    call = getattr(type(obj), "__call__", None)  # noqa: B004 - the class's own __call__
+    if isinstance(call, types.FunctionType):
+        return [*_parts(call, depth + 1), *found]
+    if inner is not None:  # a decorator written in C (lru_cache): what it wraps is the code
+        return found
+    msg = f"{type(obj).__name__} {short_repr(obj)} has no Python code to digest"
+    raise NoIdentity(msg)
+
+
+def check_identity(obj: object) -> None:
+    """
+    Raises:
+        NoIdentity: the code of callable *obj* cannot be told from what it is (then only a
+            ``version=`` can tie its outputs to it).
+    """
+    _parts(obj)
+
+
+def _functions_of(obj: object) -> list[types.FunctionType]:
+    try:
+        return _parts(obj)
+    except NoIdentity:
+        return []
+
+
+class _Builder:
+    """Works out a :class:`CodeShape`: every callable, name and value a step's code reaches."""
+
+    def __init__(self, step_of: Callable[[object], Any], owner: object) -> None:
+        self.shape = CodeShape()
+        self.step_of = step_of
+        self.owner = owner
+        self.seen: set[types.FunctionType] = set()
+        self.changed: set[str] = set()
+        self.wrappers = 0
+
+    def callable(self, obj: object, label: str, *, main: bool) -> None:
+        """
+        Add a callable the step runs. *main*: its signature is the step's (its defaults are
+        then arguments, fingerprinted with them); the others' defaults are values it reads.
+        """
+        inner = _wrapped(obj)
+        if inner is not None:  # the wrapped function is the step's code, its wrappers too
+            self.callable(inner, label, main=main)
+            self.wrappers += 1
+            self.level(obj, f"wrapper {self.wrappers}", main=False, wrapper=True)
+            return
+        self.level(obj, label, main=main, wrapper=False)
+
+    def level(self, obj: object, label: str, *, main: bool, wrapper: bool) -> None:
+        shape = self.shape
+        if isinstance(obj, types.FunctionType):
+            self.visit(obj, label, main=main)
+        elif isinstance(obj, functools.partial):
+            self.callable(obj.func, label, main=main)
+            home = _home(obj.func)
+            for i, arg in enumerate(obj.args):
+                self.reference(f"partial[{i}]", arg, _item(obj.args, i), home)
+            for key, arg in obj.keywords.items():
+                self.reference(f"partial({key}=)", arg, _key(obj.keywords, key), home)
+        elif isinstance(obj, types.MethodType):
+            self.callable(obj.__func__, label, main=main)
+            self.instance(obj.__self__, "self", _home(obj.__func__))
+        elif isinstance(call := _class_call(obj), types.FunctionType):
+            shape.others.append((functools.partial(_class_call, obj), call))
+            self.callable(call, label, main=main)
+            self.instance(obj, "self", call.__globals__)
+        elif not wrapper:  # (a decorator written in C adds no code of its own)
+            raise NoIdentity(type(obj).__name__)
+
+    def instance(self, obj: object, name: str, home: dict[str, Any]) -> None:
+        """
+        The object a method or a callable object runs with: its attributes, each like a
+        value the code reads (those the code changes, such as a cache it fills, left out);
+        an object without attributes of its own by its value.
+        """
+        if isinstance(obj, (type, types.ModuleType)):  # a classmethod's class: code
+            return
+        attributes = getattr(obj, "__dict__", None)
+        if type(attributes) is not dict:
+            if value_digest(obj) is None:
+                self.shape.left_out[name] = qualified_name(type(obj))
+            else:
+                self.shape.reads.append((f"const {name}", lambda: obj))
+            return
+        self.shape.others.append((functools.partial(_names_of, attributes), _names_of(attributes)))
+        for attr, value in attributes.items():
+            if not attr.startswith("__"):  # a decorator's copies of __name__, __wrapped__ ...
+                self.reference(f"{name}.{attr}", value, _key(attributes, attr), home)
+
+    def visit(self, func: types.FunctionType, label: str, *, main: bool) -> None:
+        """Add one function: its own code, what its names refer to and, unless *main*, its defaults."""
+        shape = self.shape
+        code = func.__code__
+        shape.functions.append((func, code, func.__defaults__, func.__kwdefaults__))
+        if func in self.seen:
+            return
+        self.seen.add(func)
+        if _code_seen.get(func, code) is not code:
+            _snapshot(func)  # new code in a live function (hot reload): from the file as it is now
+        _code_seen[func] = code
+        node = _function_node(func)
+        shape.static[label] = function_digest(func, node)[:16]
+        if node is not None:
+            shape.nodes[label] = node
+        self.changed |= changed_names(code)
+        home = func.__globals__
+        for name in sorted(_global_names(code)):
+            if not name.startswith("__"):
+                read = _global(home, name)
+                self.reference(name, read(), read, home, (home, name))
+        for name, cell in zip(code.co_freevars, func.__closure__ or (), strict=False):
+            read = _cell(cell)
+            self.reference(name, read(), read, home, cell)
+        if main:
+            return
+        # the defaults of a function the step calls are values it reads
+        positional = code.co_varnames[: code.co_argcount]
+        defaults = func.__defaults__ or ()
+        for i, value in enumerate(defaults):
+            param = positional[len(positional) - len(defaults) + i]
+            self.reference(f"{func.__name__}({param}=)", value, _default(func, i), home)
+        for param, value in (func.__kwdefaults__ or {}).items():
+            self.reference(f"{func.__name__}({param}=)", value, _kwdefault(func, param), home)
+
+    def reference(
+        self,
+        name: str,
+        value: object,
+        read: Callable[[], object],
+        home: dict[str, Any],
+        where: tuple[dict[str, Any], str] | types.CellType | None = None,
+    ) -> None:
+        """Put one name the code refers to where it belongs in the shape."""
+        shape = self.shape
+        inside = None
+        if value is not _MISSING and not _is_code(value):
+            inside = _functions_inside(value, home)
+            if inside is None:
+                shape.reads.append((f"const {name}", read))  # read at every call, by value
+                return
+        # code, a dispatch table, or not defined (yet): bound by identity, so that a change
+        # makes the shape again
+        if isinstance(where, tuple):
+            shape.globals.append((where[0], where[1], value))
+        elif isinstance(where, types.CellType):
+            shape.cells.append((where, value))
+        else:
+            shape.others.append((functools.partial(_same, read, value), True))
+        if inside is not None:
+            self.table(name, value, inside)
+        elif value is not _MISSING:
+            self.code(name, value, home)
+
+    def table(self, name: str, table: object, inside: list[tuple[str, types.FunctionType]]) -> None:
+        """A dispatch table: its functions are code, and its entries are bound."""
+        keys = repr([entry for entry, _ in inside]).encode()
+        self.shape.static[f"table {name}"] = hashlib.sha256(keys).hexdigest()[:16]
+        self.shape.others.append((functools.partial(_same_items, table, _items(table)), True))
+        for entry, func in inside:
+            self.visit(func, f"fn {name}[{entry}]", main=False)
+
+    def code(self, name: str, value: object, home: dict[str, Any]) -> None:
+        """A name bound to code: a step, a helper (followed), a module (left out), other code."""
+        shape = self.shape
+        spec = self.step_of(value)
+        if spec is not None:
+            if spec is self.owner:
+                shape.static[f"step {name}"] = "self"
+            else:
+                shape.steps.append((f"step {name}", spec))
+            return
+        helper = _helper(value, home)
+        if helper is not None:
+            self.visit(helper, f"fn {name}", main=False)
+        elif isinstance(value, types.ModuleType):
+            shape.left_out[name] = "module"
+
+    def finish(self) -> CodeShape:
+        # What the step changes itself (a call counter, a cache it fills) is state it writes:
+        # counting it would make every call a change.
+        shape = self.shape
+        changed = self.changed
+        for read in [r for r in shape.reads if r[0].removeprefix("const ") in changed]:
+            shape.reads.remove(read)
+            shape.left_out[read[0].removeprefix("const ")] = "changed by the step"
+        return shape
+
+
+def _home(obj: object) -> dict[str, Any]:
+    """The globals of the function *obj* runs (through partials, methods and wrappers)."""
+    found = _functions_of(obj)
+    return found[-1].__globals__ if found else {}
+
+
+def _item(items: tuple[object, ...], i: int) -> Callable[[], object]:
+    return lambda: items[i]
+
+
+def _key(mapping: dict[str, Any], key: str) -> Callable[[], object]:
+    return lambda: mapping.get(key, _MISSING)
+
+
+def _default(func: types.FunctionType, i: int) -> Callable[[], object]:
+    return lambda: (func.__defaults__ or ())[i]
+
+
+def _kwdefault(func: types.FunctionType, param: str) -> Callable[[], object]:
+    return lambda: (func.__kwdefaults__ or {}).get(param, _MISSING)
+
+
+def _class_call(obj: object) -> object:
+    return getattr(type(obj), "__call__", None)  # noqa: B004 - the class's own __call__
+
+
+def _names_of(attributes: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(attributes)
+
+
+def _same(read: Callable[[], object], value: object) -> bool:
+    return read() is value
+
+
+def _items(table: Any) -> tuple[tuple[object, ...], tuple[object, ...]]:
+    return (tuple(table), tuple(table.values())) if type(table) is dict else ((), tuple(table))
+
+
+def _same_items(table: Any, items: tuple[tuple[object, ...], tuple[object, ...]]) -> bool:
+    """True while a dispatch table holds the very objects it held (it is held, and they are)."""
+    keys, values = _items(table)
+    return (
+        keys == items[0]
+        and len(values) == len(items[1])
+        and all(a is b for a, b in zip(values, items[1], strict=True))
+    )
+
+
+def code_shape(fn: object, step_of: Callable[[object], Any], owner: object = None) -> CodeShape:
+    """
+    The components of the code identity of a step running callable *fn* (see
+    :class:`CodeShape`).
+
+    ``code`` is the function itself (``wrapper N`` its decorators); ``fn NAME``, ``step
+    NAME``, ``table NAME`` and ``const NAME`` are what it refers to. *step_of* returns the
+    step an object is (its ``StepSpec``), or None; *owner* is the step being worked out.
+
+    Raises:
+        NoIdentity: part of *fn* has no Python code (see :func:`check_identity`).
+    """
+    builder = _Builder(step_of, owner)
+    builder.callable(fn, "code", main=True)
+    return builder.finish()
+
+
+def read_values(shape: CodeShape, step: str | None = None) -> tuple[dict[str, str], dict[str, str]] | None:
+    """
+    The digests of the values *shape* reads, as they are now, and those left out (by type);
+    None if one of them is code now (the shape is out of date). *step* names the step in
+    the message about a value that takes long to fingerprint.
+    """
+    digests: dict[str, str] = {}
+    left_out: dict[str, str] = {}
+    for label, getter in shape.reads:
+        value = getter()
+        if value is _MISSING:
+            continue
+        if _is_code(value) and label != "const self":
+            return None
+        name = label.removeprefix("const ")
+        describe = None if step is None else f"step {step!r}: value {name!r} read by its code"
+        digest = value_digest(value, describe)
+        if digest is None:
+            left_out[name] = qualified_name(type(value))
+        else:
+            digests[label] = digest
+    return digests, left_out
+
+
+def code_components(fn: object, step_of: Callable[[object], Any]) -> dict[str, str]:
+    """All the digests of a step's code identity as of now: its shape, the values and steps it reads."""
+    shape = code_shape(fn, step_of)
+    found = shape.values(None, ())
+    assert found is not None  # noqa: S101 - the shape was just made
+    return {**shape.static, **found[0]}
