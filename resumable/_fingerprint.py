@@ -3,12 +3,13 @@ Argument digests: equal arguments give equal digests in every process.
 
 A value is fed into SHA-256 as a tagged, length-prefixed byte string. Dicts and sets
 are order-free (their encoded items are sorted), floats are hashed by their bits, and
-NumPy arrays by dtype, shape and the BLAKE3 hash of their raw bytes. A value's digest depends on what it holds,
-never on where it came from: a step's output passed back gives the digest its content
-gives. Only an earlier step's output that has no digest of its own (an object stored by
-pickle) is known by the checksum of its stored output, as long as it still encodes to the
-stored bytes (see :class:`_Provenance`). Anything else without a stable meaning raises
-:class:`FingerprintError` rather than being hashed by identity or by pickled bytes.
+NumPy arrays by dtype, shape and the BLAKE3 hash of their raw bytes. A value's digest
+depends on what it holds, never on where it came from: a step's output passed back
+gives the digest its content gives. Only an earlier step's output that has no digest of
+its own (an object stored by pickle) is known by the checksum of its stored output, as
+long as it still encodes to the stored bytes (see :class:`_Provenance`). Anything else
+without a stable meaning raises :class:`FingerprintError` rather than being hashed by
+identity or by pickled bytes.
 """
 
 from __future__ import annotations
