@@ -9,7 +9,7 @@ A stored output is a stream of msgpack objects, so any msgpack reader can open i
     nil* bin32 ...      each large buffer: nil padding so its bytes start 64-byte aligned, then
                         a bin object holding the raw bytes (read back without copying)
 
-``checksum`` is the SHA-256 of everything after the header and doubles as the value's
+``checksum`` is the BLAKE3 hash of everything after the header and doubles as the value's
 digest when the value is passed to another step. With a secret, ``mac`` is an
 HMAC-SHA256 of the header (which holds the checksum), so the whole file is authenticated
 before anything in it is decoded.
