@@ -7,13 +7,12 @@ without reading any chunk, that the rows it would skip are the rows that were co
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any
 
-import msgpack
+import blake3
 
 from ._codec_types import qualified_name
 from ._fingerprint import _Unhashable, digest_value
@@ -64,15 +63,8 @@ class Digester:
         self._noted = False
 
     def digest(self, rows: list[Any]) -> str:
-        """
-        A digest of a chunk's input rows: ``m`` + BLAKE2b of their msgpack bytes when they
-        are plain data (fast; dict key order counts), else ``f`` + their argument fingerprint.
-        """
-        try:
-            packed = msgpack.packb(rows, strict_types=True)
-        except (TypeError, ValueError, OverflowError):
-            return "f" + self._fingerprint(rows)
-        return "m" + hashlib.blake2b(packed, digest_size=DIGEST_BYTES).hexdigest()
+        """A digest of a chunk's input rows: their argument fingerprint (dict order does not count)."""
+        return "f" + self._fingerprint(rows)
 
     def _fingerprint(self, rows: list[Any]) -> str:
         try:
@@ -94,4 +86,4 @@ class Digester:
                         "between runs is not detected (give the class a __resumable_fingerprint__() method)",
                         self.batch, qualified_name(type(row)),
                     )  # fmt: skip
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[: 2 * DIGEST_BYTES]
+        return blake3.blake3("\n".join(parts).encode()).hexdigest()[: 2 * DIGEST_BYTES]

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from ._codec import DamagedFileError, parse_header, read_verified
 
 LOG = "chunks.log"
-DIGEST = re.compile(r"[mf][0-9a-f]{24}")
+DIGEST = re.compile(r"f[0-9a-f]{24}")
 _SIGNATURE = b"\xa6format"  # the first key of every header, after a fixmap byte
 _BLOCK = 1 << 20  # bytes read at once while scanning
 _HEAD_WINDOW = 1 << 16  # bytes a header is looked for in first (more if it needs more)

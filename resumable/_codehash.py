@@ -30,7 +30,6 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
-import hashlib
 import inspect
 import linecache
 import reprlib
@@ -41,6 +40,7 @@ from itertools import islice
 from typing import Any, Literal
 
 import attrs
+import blake3
 
 from ._fingerprint import _Unhashable, digest_value
 
@@ -242,11 +242,11 @@ def _source_digest(node: ast.AST | None) -> str | None:
         return None
     out: list[str] = []
     _canon(node, out, top=True)
-    return hashlib.sha256("".join(out).encode()).hexdigest()
+    return blake3.blake3("".join(out).encode()).hexdigest()
 
 
 def _bytecode_digest(code: types.CodeType, doc: str | None, extra: bytes) -> str:
-    h = hashlib.sha256(extra)
+    h = blake3.blake3(extra)
 
     def feed(c: types.CodeType) -> None:
         h.update(c.co_code)
@@ -420,7 +420,7 @@ def _functions_inside(value: object, module: dict[str, Any]) -> list[tuple[str, 
 def combine(components: dict[str, str]) -> str:
     """One digest for a set of components."""
     text = ";".join(f"{k}={v}" for k, v in sorted(components.items()))
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
+    return blake3.blake3(text.encode()).hexdigest()[:32]
 
 
 def describe_change(old: dict[str, str] | None, new: dict[str, str]) -> str:

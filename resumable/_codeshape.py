@@ -16,11 +16,12 @@ from __future__ import annotations
 import ast
 import dis
 import functools
-import hashlib
 import types
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import blake3
 
 from ._codec_types import qualified_name
 from ._codehash import (
@@ -503,7 +504,7 @@ class _Builder:
     def table(self, name: str, table: object, inside: list[tuple[str, types.FunctionType]]) -> None:
         """A dispatch table: its functions are code, and its entries are bound."""
         keys = repr([entry for entry, _ in inside]).encode()
-        self.shape.static[f"table {name}"] = hashlib.sha256(keys).hexdigest()[:16]
+        self.shape.static[f"table {name}"] = blake3.blake3(keys).hexdigest()[:16]
         self.shape.others.append((functools.partial(_same_items, table, _items(table)), True))
         for entry, func in inside:
             self.visit(func, f"fn {name}[{entry}]", main=False)

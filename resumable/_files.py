@@ -16,7 +16,6 @@ digest (no change). The cache is kept in the state directory
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import stat
@@ -24,6 +23,8 @@ import threading
 import time
 import weakref
 from typing import TYPE_CHECKING, Any
+
+import blake3
 
 if TYPE_CHECKING:
     from ._stores import Store
@@ -94,7 +95,7 @@ class FileDigests:
         known = self._cache.get(path)
         if known is not None and known[0] == signature:
             return known[1]
-        digest = hashlib.sha256()
+        digest = blake3.blake3()
         try:
             with open(path, "rb") as f:
                 while block := f.read(_READ_SIZE):
@@ -110,7 +111,7 @@ class FileDigests:
         return result
 
     def _directory(self, root: str) -> bytes:
-        digest = hashlib.sha256(b"directory")
+        digest = blake3.blake3(b"directory")
         entries: list[tuple[str, str]] = []
         for directory, subdirs, files in os.walk(root):
             subdirs.sort()

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 import re
+
+import blake3
 
 from .exceptions import StepDefinitionError
 
@@ -67,7 +68,7 @@ def encode_key(key: str) -> str:
     if len(encoded) > _MAX_KEY_FILE:
         # File names are limited to 255 bytes; '~' is always escaped above, so a shortened
         # name can never equal the encoding of another key.
-        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+        digest = blake3.blake3(key.encode("utf-8", "surrogatepass")).hexdigest()[:24]
         encoded = f"{encoded[:100]}~{digest}"
     return encoded
 

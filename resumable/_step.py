@@ -9,13 +9,14 @@ still a coroutine function. Its metadata lives in one attribute, ``__resumable_s
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
 import re
 import string
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
+
+import blake3
 
 from . import _codehash, _codeshape
 from ._context import Host, current_pipeline, disabled, register
@@ -281,7 +282,7 @@ class StepSpec(Generic[P, R]):
     def _code_shape(self) -> Any:
         if not self._identifiable:  # pinned by its version: only that ties its code down
             shape = _codeshape.CodeShape()
-            shape.static["code"] = hashlib.sha256(self.qualname.encode()).hexdigest()[:16]
+            shape.static["code"] = blake3.blake3(self.qualname.encode()).hexdigest()[:16]
             return shape
         return _codeshape.code_shape(self.fn, _step_of, self)
 
@@ -355,7 +356,7 @@ class StepSpec(Generic[P, R]):
         bound = self.bind(args, kwargs)
         digest, params = digest_parameters(self.name, bound, self.ignore)
         key = digest[:16] if self.key is by_arguments else self.key_for(args, kwargs, bound)
-        fingerprint = hashlib.sha256(f"{ident.identity}|{digest}".encode()).hexdigest()[:32]
+        fingerprint = blake3.blake3(f"{ident.identity}|{digest}".encode()).hexdigest()[:32]
         resolved = (slot_id(self.name, key), key, fingerprint, digest, params)
         if memo_key is not None:
             if len(self._plans) >= _MEMO_SIZE:

@@ -337,7 +337,7 @@ def framed_records(n: int, value: Any) -> list[bytes]:
 
     out = []
     for i in range(n):
-        meta = {"slot": "b", "batch": BATCH_DIR, "rows": [i, i + 1], "digest": "m" + "0" * 24, "failures": 0}
+        meta = {"slot": "b", "batch": BATCH_DIR, "rows": [i, i + 1], "digest": "f" + "0" * 24, "failures": 0}
         out.append(b"".join(frame(encode([value(i)], allow_pickle=False), meta).chunks()))
     return out
 

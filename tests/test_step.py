@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import inspect
 import logging
 import os
@@ -11,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import blake3
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -628,7 +628,7 @@ def _escaped_char_by_char(key: str) -> str:
             out.extend(f"%{b:02X}" for b in ch.encode("utf-8", "surrogatepass"))
     encoded = "".join(out) or "%"
     if len(encoded) > 150:
-        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+        digest = blake3.blake3(key.encode("utf-8", "surrogatepass")).hexdigest()[:24]
         encoded = f"{encoded[:100]}~{digest}"
     return encoded
 

@@ -28,11 +28,12 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
-import hashlib
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import blake3
 
 from ..exceptions import ResumableError
 from ._base import Buffer, Store, check_key
@@ -347,7 +348,7 @@ class FsspecStore(SegmentedLogs, Store):
         try:
             if self._s3:
                 return str(self.fs.info(path, **self._fresh)["ETag"])
-            return hashlib.sha256(self.fs.cat_file(path)).hexdigest()
+            return blake3.blake3(self.fs.cat_file(path)).hexdigest()
         except FileNotFoundError:
             return None
 
@@ -358,7 +359,7 @@ class FsspecStore(SegmentedLogs, Store):
             if self.lease_tag() != expect:
                 raise LeaseConflict
             self._put(path, data, self._where(LEASE_KEY))
-            return hashlib.sha256(data).hexdigest()
+            return blake3.blake3(data).hexdigest()
         try:
             if expect is None:
                 out = self.fs.pipe_file(path, data, mode="create")
