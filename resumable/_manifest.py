@@ -335,8 +335,8 @@ class Manifest:
         if block is not None:
             steps: Any = _Verbatim(block)
         elif texts:
-            # a record's fields as a tuple, in one C call: the background writer copies every
-            # record under the journal's lock, while steps wait (see _raw_or_json)
+            # a record's fields as a tuple, in one C call: a manifest write copies every
+            # record under the journal's lock, while other threads' steps wait (see _raw_or_json)
             steps = {
                 slot: rec if type(rec) is str else _record_values(rec)  # type: ignore[arg-type]
                 for slot, rec in self.steps.texts()
