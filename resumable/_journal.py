@@ -3,13 +3,13 @@ The event log and the manifest it folds into.
 
 Every state change is an event appended to ``events.jsonl`` on the caller's thread (a
 single ``write``; no rename, no fsync unless the change must survive a power loss before
-the step runs). Events that need not be on disk at once (a step's start, skips, batch
-progress) wait in memory, under the journal's lock, for the next event written, at most
-:data:`FLUSH_INTERVAL` seconds. ``manifest.json`` is rewritten atomically, by the thread
-recording an event, when it is older than its interval, and durably when a run closes. A
-reader loads the manifest and replays the events written after it, so a killed process
-loses nothing the log holds, and a lost or damaged manifest is rebuilt from the log and
-the step files.
+the step runs). Events that need not be on disk at once (an idempotent step's start and
+end, skips, batch progress) wait in memory, under the journal's lock, for the next event
+written: one recorded :data:`FLUSH_INTERVAL` seconds after them writes them, the run's
+close at the latest. ``manifest.json`` is rewritten atomically by the thread recording an
+event when it is older than its interval, and durably when a run closes. A reader loads
+the manifest and replays the events written after it, so a killed process loses nothing
+the log holds, and a lost or damaged manifest is rebuilt from the log and the step files.
 """
 
 from __future__ import annotations
