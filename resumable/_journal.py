@@ -103,10 +103,9 @@ def _authentic(data: dict[str, Any], secret: bytes | None) -> bool:
     return isinstance(mac, str) and hmac.compare_digest(mac, _mac(secret, _dumps(data).encode()))
 
 
-# errors that say the state directory cannot be used as it is (read-only, or something other
-# than a regular file in a state file's place), not that this write failed (a full disk)
-_IN_THE_WAY = frozenset({errno.EISDIR, errno.EINVAL})  # a directory, a FIFO ... (open_regular)
-_UNUSABLE = frozenset({errno.EROFS, errno.ENOTDIR, errno.EACCES, errno.EPERM})
+# errors that say the state directory cannot be used as it is (read-only, not accessible,
+# something else in a state file's place), not that this write failed (a full disk)
+_UNUSABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR})
 
 
 def state_error(exc: OSError, store: Store, key: str) -> OSError:
@@ -118,11 +117,8 @@ def state_error(exc: OSError, store: Store, key: str) -> OSError:
     where = f"{store.location}/{key}"
     if isinstance(exc, StateDirectoryError):
         return exc
-    if exc.errno in _IN_THE_WAY:
-        problem = f"{where} is {exc.strerror or exc}: move it away"
-        return StateDirectoryError(str(store.location), problem, errno=exc.errno)
     if exc.errno in _UNUSABLE:
-        problem = f"{where} cannot be written ({exc.strerror or exc})"
+        problem = f"{where} cannot be used ({exc.strerror or exc})"
         return StateDirectoryError(str(store.location), problem, errno=exc.errno)
     if exc.filename is not None:
         return exc

@@ -436,7 +436,7 @@ def test_a_state_file_that_is_not_a_file_is_refused_at_once(tmp_path: Path, name
     path = state_dir / name
     path.unlink()
     os.mkfifo(path) if kind == "fifo" else path.mkdir()
-    with pytest.raises(StateDirectoryError, match=f"{name} is a"):
+    with pytest.raises(StateDirectoryError, match=f"{name} is not a plain file"):
         _ran_once(state_dir)
     for command in ("status", "verify"):
         done = subprocess.run(
@@ -461,9 +461,9 @@ def test_a_read_only_state_file_is_a_state_directory_error(state_dir: Path, monk
         raise OSError(errno.EROFS, "Read-only file system")
 
     monkeypatch.setattr(LocalStore, "append", read_only)
-    with pytest.raises(StateDirectoryError, match=r"events\.jsonl cannot be written \(Read-only"):
+    with pytest.raises(StateDirectoryError, match=r"events\.jsonl cannot be used \(Read-only"):
         pipe.run()
     monkeypatch.undo()
     monkeypatch.setattr(LocalStore, "write", read_only)
-    with pytest.raises(StateDirectoryError, match=r"manifest\.json cannot be written \(Read-only"):
+    with pytest.raises(StateDirectoryError, match=r"manifest\.json cannot be used \(Read-only"):
         pipe.run()
