@@ -158,6 +158,8 @@ def _state(args: argparse.Namespace) -> Store:
             store.read_range(key, 0, 0)
         except FileNotFoundError:
             continue
+        except OSError:
+            return store  # something is there: the command says what is wrong with it
         return store
     if not any(is_output_file(k) for k in store.list()):
         raise _NoState(store.location)

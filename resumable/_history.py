@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 import attrs
 
 from ._codec import DamagedFileError, encode, frame, parse_header, read_verified, utcnow, verify
-from ._journal import _authentic, header_authentic, read_header
+from ._journal import _authentic, header_authentic, read_header, state_error
 from ._manifest import EVENT_KINDS, FORMAT, Fold, Manifest, StepRecord, Steps, json_values, valid_event
 from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
 from ._stores import Store
@@ -154,6 +154,8 @@ def _events_from(store: Store, secret: bytes | None, start: int) -> Iterator[tup
             piece = store.read_range(EVENTS, offset, None if size is None else offset + size)
         except FileNotFoundError:
             return
+        except OSError as exc:
+            raise state_error(exc, store, EVENTS) from exc
         offset += len(piece)
         pending += piece
         # only complete lines: a last line without its newline is being written, or was cut short
@@ -218,8 +220,7 @@ def _base_id(store: Store, secret: bytes | None) -> int:
     found = header.get("checkpoint")
     if type(found) is int and found >= 0 and (secret is None or header_authentic(header, secret)):
         return found
-    base = _read_base(store, secret)  # a base written before the header held its id
-    return base[2].id if base is not None else 0
+    return 0  # a damaged base: a new one is written
 
 
 def _write_base(
@@ -357,13 +358,13 @@ def _touch(point: _Point, event: Mapping[str, Any], then: Steps) -> bool:
         touched.update(row[0] for row in event["skips"] if not then.is_completed(row[0]))
     elif kind in {"steps_reset", "steps_removed"}:
         touched.update(event["slots"])
-    elif kind == "rollback" and isinstance(event.get("changes"), Mapping):
+    elif kind == "rollback":
         changes = event["changes"]
         touched.update(changes["steps"])
         touched.update(changes["drop"])
         touched.update(slot for _, slot in changes["insert"])
     elif kind not in _SLOTLESS and kind in EVENT_KINDS:
-        point.touched = None  # a rollback written whole, or an event of a slot without one
+        point.touched = None  # an event of a slot without one
         return False
     return True
 
@@ -781,7 +782,7 @@ def _file_problem(key: str, data: bytes, secret: bytes | None) -> str | None:
 def _manifest_problem(data: bytes, secret: bytes | None) -> str | None:
     try:
         manifest = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return f"{MANIFEST}: not valid JSON"
     if not isinstance(manifest, dict):
         return f"{MANIFEST}: not a JSON object"

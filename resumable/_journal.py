@@ -1,17 +1,20 @@
 """
 The event log and the manifest it folds into.
 
-Every state change is one line appended to ``events.jsonl`` (a single ``write``; no
-rename, no fsync unless the change must survive a power loss before the step runs).
-``manifest.json`` is rewritten atomically by a background thread at most every
-:data:`FLUSH_INTERVAL` seconds, and synchronously (and durably) when a run closes. A
-reader loads the manifest and replays the events written after it, so a killed process
-loses nothing the log holds, and a lost or damaged manifest is rebuilt from the log and
-the step files.
+Every state change is an event appended to ``events.jsonl`` on the caller's thread (a
+single ``write``; no rename, no fsync unless the change must survive a power loss before
+the step runs). Events that need not be on disk at once (an idempotent step's start and
+end, skips, batch progress) wait in memory, under the journal's lock, for the next event
+written: one recorded :data:`FLUSH_INTERVAL` seconds after them writes them, the run's
+close at the latest. ``manifest.json`` is rewritten atomically by the thread recording an
+event when it is older than its interval, and durably when a run closes. A reader loads
+the manifest and replays the events written after it, so a killed process loses nothing
+the log holds, and a lost or damaged manifest is rebuilt from the log and the step files.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import json
@@ -29,7 +32,7 @@ from ._manifest import FORMAT, Fold, Manifest, StepRecord, dump_chunks, valid_ev
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
 from ._stores import Store, unchanged_since
 from ._warn import warn
-from .exceptions import ResumableError, ResumableWarning, StateFormatError
+from .exceptions import ResumableWarning, StateDirectoryError, StateFormatError
 
 FLUSH_INTERVAL = 0.2
 _MAX_INTERVAL = 10.0
@@ -100,8 +103,23 @@ def _authentic(data: dict[str, Any], secret: bytes | None) -> bool:
     return isinstance(mac, str) and hmac.compare_digest(mac, _mac(secret, _dumps(data).encode()))
 
 
-def _named(exc: OSError, where: str) -> OSError:
-    """The same kind of error, naming the file *where* if it names none."""
+# errors that say the state directory cannot be used as it is (read-only, not accessible,
+# something else in a state file's place), not that this write failed (a full disk)
+_UNUSABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR})
+
+
+def state_error(exc: OSError, store: Store, key: str) -> OSError:
+    """
+    The error to raise for *exc*, met reading or writing *key*: a :class:`StateDirectoryError`
+    naming the file where the directory cannot be used as it is, else the same kind of
+    error, naming the file if it names none.
+    """
+    where = f"{store.location}/{key}"
+    if isinstance(exc, StateDirectoryError):
+        return exc
+    if exc.errno in _UNUSABLE:
+        problem = f"{where} cannot be used ({exc.strerror or exc})"
+        return StateDirectoryError(str(store.location), problem, errno=exc.errno)
     if exc.filename is not None:
         return exc
     return type(exc)(exc.errno, exc.strerror, where)
@@ -151,21 +169,20 @@ class Journal:
         self.readonly = readonly
         self.pipeline = pipeline
         self.secret = secret
+        # held while the manifest changes and while the log is written (steps may run in threads)
         self.lock = threading.RLock()
         self.fold = Fold(Manifest(workflow_id=uuid.uuid4().hex, pipeline=pipeline))
         self._offset = 0
-        # events not yet appended: dicts, and skips as tuples (turned into dicts when written)
+        # events not yet appended (under the lock): dicts, and skips as tuples (turned into
+        # dicts when written); _pending_since: when the first of them was recorded
         self._pending: list[dict[str, Any] | _Skip] = []
-        self._flush_lock = threading.Lock()
-        self._wake = threading.Condition()
-        self._dirty = False
-        self._stopping = False
-        self._stop = threading.Event()
+        self._pending_since = 0.0
+        self._flush_lock = threading.Lock()  # one manifest write at a time
         self._manifest_interval = FLUSH_INTERVAL
+        self._manifest_written = time.monotonic()  # when manifest.json was last read or written
         self._append_is_slow = store.slow_appends
         self._torn = False  # an append failed: the log may end with part of a line
         self._log_entry_durable = True
-        self._writer: threading.Thread | None = None
         self.rebuilt = False  # load found no usable manifest.json and rebuilt it
         # a record found damaged when used was rebuilt or dropped: the manifest is no longer
         # just the fold of the log (a rollback then compares every slot)
@@ -216,6 +233,8 @@ class Journal:
             raw = self.store.read(MANIFEST)
         except FileNotFoundError:
             return None, "missing"
+        except OSError as exc:
+            raise state_error(exc, self.store, MANIFEST) from exc
         # a large manifest is rewritten less often (see flush)
         self._manifest_interval = _rewrite_interval(len(raw))
         self.large = len(raw) > LARGE_MANIFEST
@@ -225,7 +244,7 @@ class Journal:
     def _parse_manifest(self, raw: bytes | bytearray) -> tuple[Manifest | None, str | None]:
         try:
             data = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deep to be a manifest
             return None, "damaged"
         if not isinstance(data, dict):
             return None, "damaged"
@@ -294,6 +313,8 @@ class Journal:
             tail = self.store.read_range(EVENTS, start - 1)
         except FileNotFoundError:
             return 0, b""  # no log (yet, or deleted): the manifest is all there is
+        except OSError as exc:
+            raise state_error(exc, self.store, EVENTS) from exc
         return (start, tail[1:]) if tail[:1] == b"\n" else None
 
     def _replay(self, start: int, tail: bytes) -> int:
@@ -304,7 +325,7 @@ class Journal:
         for line in tail[:end].split(b"\n")[:-1]:
             try:
                 event = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 damaged += 1
                 continue
             if not isinstance(event, dict):
@@ -335,7 +356,7 @@ class Journal:
             kept = self.store.read_range(EVENTS, 0, size)
             self.store.write(EVENTS, [kept], durable=True)
         except OSError as exc:
-            raise _named(exc, f"{self.store.location}/{EVENTS}") from exc
+            raise state_error(exc, self.store, EVENTS) from exc
         self._log_entry_durable = True
 
     def _reconcile(self) -> int:
@@ -376,7 +397,7 @@ class Journal:
             for _, event in found:
                 self.fold.apply(event)
                 if not self.readonly:
-                    self._pending.append(event)
+                    self._add_pending(event)
             if not self.readonly:
                 self._write_pending(durable=False)
         return len(found)
@@ -420,11 +441,12 @@ class Journal:
         Apply an event to the manifest and append it to the log (with the events pending).
 
         A *sync* event is in the log before this returns, with every event recorded before
-        it, on every store (even where appends are batched), and fsynced unless the journal
-        is not :attr:`durable`: what must happen before a side effect (a non-idempotent
-        step's start). *defer*red events are appended with the next event, or by the
-        background writer within :data:`FLUSH_INTERVAL`: many events share one write.
-        Without either, an event is appended at once (batched on stores with slow appends).
+        it, on every store, and fsynced unless the journal is not :attr:`durable`: what must
+        happen before a side effect (a non-idempotent step's start). A *defer*red event is
+        appended with the next event written, or by the first record after
+        :data:`FLUSH_INTERVAL`: a step's start and end share one write. Without either, an
+        event is appended at once (deferred on stores with slow appends). Then, if
+        ``manifest.json`` is older than its interval, it is rewritten.
 
         Raises:
             OSError: the log could not be written (naming it); the event stays pending.
@@ -433,12 +455,10 @@ class Journal:
         with self.lock:
             self.fold.apply(data)
             self.unsaved = True
-            self._pending.append(data)
-            # Stores where an append costs a round trip (object stores) get events in batches
-            # from the background writer, except those that must be on disk before going on.
-            if sync or not (defer or self._append_is_slow):
+            self._add_pending(data)
+            if sync or not (defer or self._append_is_slow) or self._pending_due():
                 self._write_pending(durable=sync and self.durable)
-        self._mark_dirty()
+        self._rewrite_if_due()
 
     def record_skip(
         self, slot: str, fingerprint: str, size: int, created_at: str | None, file: str | None
@@ -448,15 +468,38 @@ class Journal:
         keeps skipping cheap); applied at once only if the manifest had lagged behind.
         """
         skip = (time.time(), slot, fingerprint, size, created_at, file)
-        if not self.manifest.steps.is_completed(slot):  # without parsing a record kept as text
-            with self.lock:
+        with self.lock:
+            if not self.manifest.steps.is_completed(slot):  # without parsing a record kept as text
                 self.fold.apply(_skip_event(skip, utcnow()))
                 self.unsaved = True
-            self._mark_dirty()
-        self._pending.append(skip)  # list.append is atomic: no lock on this hot path
-        if len(self._pending) >= _MAX_PENDING:
-            with self.lock:
+            self._add_pending(skip)
+            if self._pending_due():
                 self._write_pending(durable=False)
+        if self.unsaved:
+            self._rewrite_if_due()
+
+    def _add_pending(self, item: dict[str, Any] | _Skip) -> None:
+        if not self._pending:
+            self._pending_since = time.monotonic()
+        self._pending.append(item)
+
+    def _pending_due(self) -> bool:
+        """True if the pending events are many, or have waited long enough."""
+        pending = self._pending
+        return len(pending) >= _MAX_PENDING or time.monotonic() - self._pending_since >= FLUSH_INTERVAL
+
+    def _rewrite_if_due(self) -> None:
+        """Rewrite ``manifest.json`` if it is older than its interval and behind the events."""
+        if self.readonly or not self.unsaved:
+            return
+        if time.monotonic() - self._manifest_written < self._manifest_interval:
+            return
+        try:
+            self.flush(durable=False)
+        except OSError:
+            # the events are in the log (the record); the manifest is tried again after the
+            # next interval, and the close of the run reports what still fails then
+            self._manifest_written = time.monotonic()
 
     def _write_pending(self, *, durable: bool) -> None:
         """
@@ -489,27 +532,20 @@ class Journal:
             self._pending[:0] = pending  # nothing is lost: retried with the next write
             self._torn = True  # the append may have written part of the chunk
             if isinstance(exc, OSError):
-                raise _named(exc, f"{self.store.location}/{EVENTS}") from exc
+                raise state_error(exc, self.store, EVENTS) from exc
             raise
         self._offset += len(chunk)
         self.manifest.events_offset = self._offset
         if durable and not self._log_entry_durable:
             # A log this run created is fsynced, but its name may not be: a durable write
             # of the manifest fsyncs the directory the two share.
-            self.store.write(MANIFEST, dump_chunks(_signed(self._snapshot(), self.secret)), durable=True)
+            self._write_manifest(dump_chunks(_signed(self._snapshot(), self.secret)), durable=True)
             self._log_entry_durable = True
 
     def write_pending(self, *, durable: bool) -> None:
-        """Append the events not yet in the log (the manifest is left to the writer)."""
+        """Append the events not yet in the log (the manifest is rewritten in its time)."""
         with self.lock:
             self._write_pending(durable=durable)
-
-    def _mark_dirty(self) -> None:
-        # Only the first change after a flush wakes the writer; later ones ride along.
-        if self._writer is not None and not self._dirty:
-            with self._wake:
-                self._dirty = True
-                self._wake.notify()
 
     # writing the manifest ----------------------------------------------------------------
 
@@ -523,52 +559,21 @@ class Journal:
             # encoded outside the lock: steps keep running while a large manifest is written
             chunks = dump_chunks(_signed(snapshot, self.secret))
             del snapshot  # what a large manifest holds twice while it is written: its pieces
-            self.store.write(MANIFEST, chunks, durable=durable)
-            # A large manifest is rewritten less often: every rewrite also makes the next
-            # fsync of a step's output flush it. Readers replay the log, so none sees it stale.
+            self._write_manifest(chunks, durable=durable)
+            # A large manifest is rewritten less often: a rewrite costs the step that makes
+            # it. Readers replay the log, so none sees it stale.
             self._manifest_interval = _rewrite_interval(sum(map(len, chunks)))
+            self._manifest_written = time.monotonic()
+
+    def _write_manifest(self, chunks: list[bytes | memoryview], *, durable: bool) -> None:
+        try:
+            self.store.write(MANIFEST, chunks, durable=durable)
+        except OSError as exc:
+            raise state_error(exc, self.store, MANIFEST) from exc
 
     def _snapshot(self) -> dict[str, Any]:
         """The manifest's data to write (records never parsed as their text, unless it is signed)."""
         return self.manifest.to_dict(texts=self.secret is None)
-
-    def start_writer(self) -> None:
-        """Start the thread that keeps ``manifest.json`` at most a moment behind."""
-        self._stopping = False
-        self._stop.clear()
-        self._writer = threading.Thread(target=self._write_loop, name="resumable-manifest", daemon=True)
-        self._writer.start()
-
-    def _write_loop(self) -> None:
-        last_manifest = time.monotonic()  # the manifest was just read (or written)
-        while True:
-            with self._wake:
-                while not self._dirty and not self._stopping:
-                    self._wake.wait()
-            # let a burst of events gather into one write (only stopping cuts this short)
-            if self._stop.wait(FLUSH_INTERVAL):
-                return
-            try:
-                with self.lock:
-                    self._write_pending(durable=False)  # deferred events: cheap, never late
-                if time.monotonic() - last_manifest < self._manifest_interval:
-                    continue  # still dirty: come back after the next interval
-                with self._wake:
-                    self._dirty = False
-                self.flush(durable=False)
-                last_manifest = time.monotonic()
-            except (OSError, ResumableError):  # retried later; a lost lease stops the steps
-                continue
-
-    def stop_writer(self) -> None:
-        """Stop the background writer (the caller flushes afterwards)."""
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            with self._wake:
-                self._stopping = True
-                self._stop.set()
-                self._wake.notify()
-            writer.join()
 
 
 LARGE_MANIFEST = 1 << 20  # bytes (about 3,000 slots): not rewritten just to say a run started
@@ -578,7 +583,7 @@ LAZY_RECORDS = LARGE_MANIFEST  # bytes: over this, completed records are parsed 
 
 
 def _rewrite_interval(size: int) -> float:
-    """How long the writer leaves a manifest of *size* bytes unwritten: 0.2 s per 64 KB, at most 10 s."""
+    """How long a manifest of *size* bytes is left unwritten: 0.2 s per 64 KB, at most 10 s."""
     return min(_MAX_INTERVAL, FLUSH_INTERVAL * max(1.0, size / 65536))
 
 

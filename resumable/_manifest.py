@@ -335,8 +335,8 @@ class Manifest:
         if block is not None:
             steps: Any = _Verbatim(block)
         elif texts:
-            # a record's fields as a tuple, in one C call: the background writer copies every
-            # record under the journal's lock, while steps wait (see _raw_or_json)
+            # a record's fields as a tuple, in one C call: a manifest write copies every
+            # record under the journal's lock, while other threads' steps wait (see _raw_or_json)
             steps = {
                 slot: rec if type(rec) is str else _record_values(rec)  # type: ignore[arg-type]
                 for slot, rec in self.steps.texts()
@@ -406,13 +406,10 @@ class Manifest:
         start, end = raw.find(_STEPS_OPEN), raw.rfind(_STEPS_CLOSE + _ERROR_NEXT)
         if start < 0 or end < start:
             return None
-        first = start + len(_STEPS_OPEN)
-        last = end
-        while last > first and raw[last - 1] == _NEWLINE:  # blank lines an older version left
-            last -= 1
+        first, last = start + len(_STEPS_OPEN), end
         try:
             data = json.loads(raw[:start] + b'\n  "steps": {}' + raw[end + len(_STEPS_CLOSE) :])
-        except ValueError:  # UnicodeDecodeError too
+        except (ValueError, RecursionError):  # UnicodeDecodeError too
             return None
         if type(data) is not dict or data.get("steps") != {}:
             return None  # not JSON, or a second "steps" (the last one would count)
@@ -439,7 +436,7 @@ class Manifest:
         eager = [slot for slot, record in texts.items() if not record.startswith(_COMPLETED)]
         try:
             data["steps"] = {slot: json.loads(texts[slot]) for slot in eager}
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         manifest = cls.from_dict(data)
         steps = Steps.of_text(texts)
@@ -463,7 +460,7 @@ def json_values(texts: list[str] | list[bytes]) -> list[Any]:
     )
     try:
         values = json.loads(joined)
-    except ValueError:
+    except (ValueError, RecursionError):
         values = None
     if type(values) is list and len(values) == len(texts):
         return values
@@ -471,7 +468,7 @@ def json_values(texts: list[str] | list[bytes]) -> list[Any]:
     for text in texts:
         try:
             parsed.append(json.loads(text))
-        except ValueError:
+        except (ValueError, RecursionError):
             parsed.append(None)
     return parsed
 
@@ -480,7 +477,7 @@ def _checked(text: str) -> StepRecord | None:
     """The record *text* holds, if it is a valid one."""
     try:
         data = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return StepRecord(**data) if _STEP_RECORD(data) else None
 
@@ -511,7 +508,6 @@ _PARSE_BATCH = 4096  # records parsed in one json call by Steps.parse_all
 
 
 _COMPLETED = '{"status": "completed", '
-_NEWLINE = ord("\n")
 
 
 def _salvage_texts(block: bytes) -> tuple[dict[str, str], list[str]]:
@@ -527,7 +523,7 @@ def _salvage_texts(block: bytes) -> tuple[dict[str, str], list[str]]:
     for line in block.decode(errors="replace").split(",\n"):
         try:
             key, at = decoder.raw_decode(line, 4)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if line[:4] != "    " or line[at : at + 2] != ": " or type(key) is not str:
             continue
@@ -742,9 +738,6 @@ def skip_fields(row: list[Any]) -> dict[str, Any]:
     return {"slot": slot, "fingerprint": fingerprint, "bytes": size, "created_at": created_at, "file": file}
 
 
-_ROLLBACK_STATE = _record(
-    {"steps": _STEPS, "completed_steps": _slots, "code": _CODE}, ("steps", "completed_steps")
-)
 _CHANGED_STEPS = _map_of(lambda v: v is None or _STEP_RECORD(v))
 
 
@@ -810,8 +803,8 @@ EVENT_SCHEMA: dict[str, tuple[tuple[tuple[str, _Check], ...], dict[str, _Check]]
     "steps_reset": ((("slots", _slots),), {}),
     "snapshot": ((), {"label": _OPT_STR}),
     "steps_removed": ((), {"slots": _slots, "steps": _strs}),
-    # the state rolled back to as changes (since 0.2), or whole (written before)
-    "rollback": ((), {"to": _INT, "changes": _ROLLBACK_CHANGES, "state": _ROLLBACK_STATE}),
+    # the state rolled back to, as what changed from the state before it
+    "rollback": ((("changes", _ROLLBACK_CHANGES),), {"to": _INT}),
     "batch": ((("batch", _STR), ("progress", _BATCH_RECORD)), {}),
     "batch_done": ((("batch", _STR),), {}),
 }
@@ -903,27 +896,11 @@ def _fragments(data: Mapping[str, Any]) -> Iterator[str | memoryview]:
     yield "\n}\n"
 
 
-# one encoder for every value: json.dumps with options builds a new encoder at each call,
-# which was most of the time of writing a manifest of 100,000 slots
+# one encoder for every value: json.dumps with options builds a new encoder at each call
 _json = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": ")).encode
 
 
-def _c_encoder() -> Callable[[Any], str]:
-    """
-    Like ``_json``, for the records of a large manifest: ``JSONEncoder.encode`` makes a new C
-    encoder at every call, which was most of the time of encoding a record. The C encoder is
-    made once here (CPython's ``json.encoder.c_make_encoder``; ``_json`` where it is absent).
-    """
-    make = getattr(json.encoder, "c_make_encoder", None)
-    if make is None:  # pragma: no cover - CPython always has it
-        return _json
-    # markers=None: no cycle check (the data is plain records); allow_nan as json's default
-    flags = (False, False, True)  # sort_keys, skipkeys, allow_nan (positional only)
-    iterencode = make(None, None, json.encoder.encode_basestring, None, ": ", ", ", *flags)
-    return lambda value: "".join(iterencode(value, 0))
-
-
-_json_value = _c_encoder()
+_json_value = _json
 
 
 def _raw_or_json(value: Any) -> str:
@@ -1102,28 +1079,20 @@ class Fold:
 
     def _rollback(self, event: Mapping[str, Any]) -> None:
         # The event carries what changed from the state before it to the state rolled back
-        # to (or, written before 0.2, that whole state): replaying it needs nothing else.
+        # to: replaying it needs nothing else.
         m = self.manifest
-        changes, state = event.get("changes"), event.get("state")
-        if changes is not None:
-            for slot, rec in changes["steps"].items():
-                if rec is None:
-                    m.steps.pop(slot, None)
-                else:
-                    m.steps[slot] = StepRecord(**rec)
-            dropped = set(changes["drop"])
-            completed = [slot for slot in m.completed_steps if slot not in dropped]
-            for index, slot in changes["insert"]:
-                completed.insert(index, slot)
-            m.completed_steps = completed
-            code = changes["code"]
-        elif state is not None:
-            m.steps = Steps({slot: StepRecord(**rec) for slot, rec in state["steps"].items()})
-            m.completed_steps = list(state["completed_steps"])
-            code = state.get("code", {})
-        else:
-            return
-        m.code = {name: dict(parts) for name, parts in code.items()}
+        changes = event["changes"]
+        for slot, rec in changes["steps"].items():
+            if rec is None:
+                m.steps.pop(slot, None)
+            else:
+                m.steps[slot] = StepRecord(**rec)
+        dropped = set(changes["drop"])
+        completed = [slot for slot in m.completed_steps if slot not in dropped]
+        for index, slot in changes["insert"]:
+            completed.insert(index, slot)
+        m.completed_steps = completed
+        m.code = {name: dict(parts) for name, parts in changes["code"].items()}
         m.batches = {}
         m.current_step = None
         self._completed = set(m.completed_steps)

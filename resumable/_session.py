@@ -277,10 +277,9 @@ class Session:
                     self.journal.flush(durable=False)  # manifest.json says "running" at once
                 else:
                     # Rewriting a manifest of many thousand slots would be most of the cost of
-                    # opening: the writer does it within its interval, and readers that fold
-                    # the log (status, show, history) see the run as running already.
+                    # opening: it is rewritten after its interval, and readers that fold the
+                    # log (status, show, history) see the run as running already.
                     self.journal.write_pending(durable=False)
-                self.journal.start_writer()
         except BaseException:
             self._release()
             raise
@@ -292,7 +291,6 @@ class Session:
         """
         try:
             self.loops.close()  # loops of named batches left by an exception: commit their rows
-            self.journal.stop_writer()
             if not self.maintenance:
                 fields: dict[str, Any] = {"status": status}
                 if error is not None and status == "failed" and error is not self.last_failure:
@@ -639,8 +637,8 @@ class Session:
             fields["code"] = ident.components
         self.journal.record(
             "step_completed",
-            # The output file, fsynced, is what a rerun relies on: the event follows within
-            # FLUSH_INTERVAL (with the next ones), so that a store costs one fsync. A step
+            # The output file, fsynced, is what a rerun relies on: the event is appended with
+            # the next one (within FLUSH_INTERVAL), so that a store costs one fsync. A step
             # that must not run twice is synced at once, its output's directory first.
             defer=spec.idempotent,
             sync=not spec.idempotent,

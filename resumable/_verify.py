@@ -11,7 +11,7 @@ from ._journal import Journal, _authentic
 from ._manifest import valid_event
 from ._slots import BATCHES, EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
 from ._stores import Store
-from .exceptions import StateFormatError
+from .exceptions import StateDirectoryError, StateFormatError
 
 
 def find_damage(store: Store, *, secret: bytes | None) -> tuple[int, list[tuple[str, str]]]:
@@ -68,11 +68,15 @@ def _check_manifest(store: Store, secret: bytes | None, problems: list[tuple[str
     journal = Journal(store, pipeline="", secret=secret, readonly=True)
     try:
         manifest, problem = journal._read_manifest()  # noqa: SLF001 - the same check a run makes
-    except StateFormatError as exc:
+    except (StateFormatError, StateDirectoryError) as exc:
         manifest, problem = None, str(exc)
     if problem == "missing":
         return 0
-    if manifest is not None and journal._read_log(manifest.events_offset) is None:  # noqa: SLF001
+    try:
+        out_of_step = manifest is not None and journal._read_log(manifest.events_offset) is None  # noqa: SLF001
+    except StateDirectoryError:
+        out_of_step = False  # the check of the log reports it
+    if manifest is not None and out_of_step:
         problem = (
             f"events_offset {manifest.events_offset} is not the end of a line of {EVENTS} "
             "(the next run rebuilds the manifest from the log)"
@@ -104,6 +108,9 @@ def _check_events(store: Store, secret: bytes | None, problems: list[tuple[str, 
         log = bytes(store.read(EVENTS))
     except FileNotFoundError:
         return 0
+    except OSError as exc:  # a directory, a FIFO ... in its place
+        problems.append((f"{store.location}/{EVENTS}", f"unreadable: {exc.strerror or exc}"))
+        return 1
     where = f"{store.location}/{EVENTS}"
     found: list[str] = []
     # A last line without its newline is not damage: it is being written, or a kill cut it
@@ -121,7 +128,7 @@ def _check_events(store: Store, secret: bytes | None, problems: list[tuple[str, 
 def _event_problem(line: bytes, secret: bytes | None) -> str | None:
     try:
         event = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return "is not valid JSON"
     if not isinstance(event, dict):
         return "is not a JSON object"

@@ -58,7 +58,7 @@ def read_code(store: Store, code: object) -> dict[str, Any] | None:
         return None
     try:
         record = json.loads(bytes(store.read(f"{CODE_DIR}{code}.json")))
-    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+    except (FileNotFoundError, ValueError, RecursionError):  # nested too deep: damaged
         return None
     if not isinstance(record, dict):
         return None

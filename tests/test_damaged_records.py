@@ -27,7 +27,8 @@ BAD_EVENTS = [
     {"event": "step_failed", "slot": "a", "error": "boom"},
     {"event": "run_finished", "status": "exploded"},
     {"event": "batch", "batch": "b", "progress": {"done": "1", "every": 2}},
-    {"event": "rollback", "state": {"steps": []}},
+    {"event": "rollback", "to": 1},  # no changes
+    {"event": "rollback", "state": {"steps": {}, "completed_steps": []}},
     {"event": "steps_reset", "slots": ["a", "b\nc"]},
     {"event": "no_such_event", "slot": "a"},
     {"slot": "a"},

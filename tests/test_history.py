@@ -409,20 +409,6 @@ def test_a_rollback_logs_what_it_changed_and_replays_to_the_same_state(state_dir
         assert [0, 1, 2] == [item(i) for i in range(3)]  # the rolled-back outputs, skipped
 
 
-def test_a_rollback_logged_with_the_whole_state_still_replays():
-    """Logs written before rollbacks logged their changes carry the whole state: still folded."""
-    from resumable._manifest import Fold, Manifest
-
-    fold = Fold(Manifest(workflow_id="w", pipeline="p"))
-    for slot in ("a", "b"):
-        fold.apply({"t": "1", "event": "step_started", "slot": slot})
-        fold.apply({"t": "1", "event": "step_completed", "slot": slot, "file": slot})
-    state = {"steps": {"a": {"status": "completed", "file": "a"}}, "completed_steps": ["a"], "code": {}}
-    fold.apply({"t": "2", "event": "rollback", "to": 1, "state": state})
-    assert ["a"] == fold.manifest.completed_steps
-    assert ["a"] == list(fold.manifest.steps)
-
-
 @given(
     st.lists(st.sampled_from([f"s{i}" for i in range(12)]), unique=True),
     st.lists(st.sampled_from([f"s{i}" for i in range(12)]), unique=True),

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import resumable._manifest as manifest_module
-from resumable import Manifest, Pipeline, ResumableWarning, StateFormatError
+from resumable import Manifest, Pipeline, ResumableWarning, StateDirectoryError, StateFormatError
 from resumable._journal import Journal, read_state
 from resumable._manifest import Fold
 from resumable._stores._local import LocalStore
@@ -132,26 +132,33 @@ def test_crashed_run_is_marked_interrupted(state_dir: Path):
     }
 
 
-def test_background_writer_keeps_manifest_fresh(state_dir: Path):
-    """During a run, manifest.json follows the events within a moment."""
-    import time
+def test_manifest_follows_the_events_of_the_caller(state_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    """
+    During a run, manifest.json is rewritten by the step that records an event once it is
+    older than its interval (here none): no thread of its own.
+    """
+    import threading
 
+    import resumable._journal as journal_module
+
+    monkeypatch.setattr(journal_module, "FLUSH_INTERVAL", 0.0)
     pipe = Pipeline(state_dir=state_dir)
 
     @pipe.step
     def quick() -> int:
         return 1
 
+    @pipe.step
+    def after(quick: int) -> int:
+        return quick + 1
+
+    threads = threading.active_count()
     with pipe:
-        quick()
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            data = json.loads((state_dir / "manifest.json").read_text())
-            if data["completed_steps"] == ["quick"]:
-                break
-            time.sleep(0.02)
-        assert ["quick"] == data["completed_steps"]
-        assert "running" == data["status"]
+        assert threads == threading.active_count()
+        after(quick())
+        data = json.loads((state_dir / "manifest.json").read_text())
+        assert (["quick", "after"], "running") == (data["completed_steps"], data["status"])
+    assert "completed" == json.loads((state_dir / "manifest.json").read_text())["status"]
 
 
 _slot = st.sampled_from(["a", "b", "c/1", "c/2"])
@@ -377,6 +384,86 @@ _texts = st.none() | st.text(max_size=12)
 def test_a_record_copied_as_a_tuple_is_written_as_its_fields_would_be(
     record: manifest_module.StepRecord,
 ) -> None:
-    """The background writer copies records as tuples under the lock: the manifest's text is the same."""
+    """A manifest write copies records as tuples under the lock: the manifest's text is the same."""
     m = Manifest(workflow_id="w", pipeline="p", steps={"a": record})
     assert manifest_module.dump_chunks(m.to_dict()) == manifest_module.dump_chunks(m.to_dict(texts=True))
+
+
+# --- state files that are not what they should be -------------------------------------------
+
+_DEEP = b"[" * 100_000 + b"]" * 100_000  # json.loads raises RecursionError on it
+
+
+def _ran_once(state_dir: Path) -> tuple[Pipeline, list[str]]:
+    pipe = Pipeline(state_dir=state_dir)
+    calls = _three_steps(pipe)
+    pipe.run()
+    return pipe, calls
+
+
+def test_deeply_nested_json_is_damage(state_dir: Path):
+    """Nesting too deep to parse in manifest.json or a log line is damage: rebuilt or skipped, warned."""
+    from resumable._cli import main
+
+    pipe, calls = _ran_once(state_dir)
+    (state_dir / "manifest.json").write_bytes(_DEEP)
+    with (state_dir / "events.jsonl").open("ab") as f:
+        f.write(_DEEP + b"\n")
+    for code in (state_dir / ".resumable" / "code").iterdir():
+        code.write_bytes(b'{"components": ' + _DEEP + b"}")
+    with pytest.warns(ResumableWarning) as warned:
+        assert ["a", "b", "c/0"] == pipe.run().skipped
+    messages = " ".join(str(w.message) for w in warned)
+    assert "manifest.json was damaged" in messages
+    assert "skipped 1 line(s): 1 damaged" in messages
+    assert ["a", "b", "c"] == calls
+    assert {"skipped"} == {d.outcome for d in pipe.why("a")}
+    with (state_dir / "events.jsonl").open("ab") as f:
+        f.write(_DEEP + b"\n")
+    assert 1 == main(["verify", "--state-dir", str(state_dir)])  # lists the line, does not crash
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "events.jsonl"])
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_state_file_that_is_not_a_file_is_refused_at_once(tmp_path: Path, name: str, kind: str):
+    """A FIFO or a directory in place of the manifest or the log never blocks: a clear error names it."""
+    import os
+    import subprocess
+    import sys
+
+    state_dir = tmp_path / "state"
+    _ran_once(state_dir)
+    path = state_dir / name
+    path.unlink()
+    os.mkfifo(path) if kind == "fifo" else path.mkdir()
+    with pytest.raises(StateDirectoryError, match=f"{name} is not a plain file"):
+        _ran_once(state_dir)
+    for command in ("status", "verify"):
+        done = subprocess.run(
+            [sys.executable, "-m", "resumable", "--state-dir", str(state_dir), command],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert 1 == done.returncode, done.stderr
+        assert f"{name}" in done.stdout + done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def test_a_read_only_state_file_is_a_state_directory_error(state_dir: Path, monkeypatch: pytest.MonkeyPatch):
+    """An EROFS (a read-only mount) writing the manifest or the log names the file, with no traceback of its own."""
+    import errno
+
+    pipe, _ = _ran_once(state_dir)
+
+    def read_only(*_args: object, **_kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(LocalStore, "append", read_only)
+    with pytest.raises(StateDirectoryError, match=r"events\.jsonl cannot be used \(Read-only"):
+        pipe.run()
+    monkeypatch.undo()
+    monkeypatch.setattr(LocalStore, "write", read_only)
+    with pytest.raises(StateDirectoryError, match=r"manifest\.json cannot be used \(Read-only"):
+        pipe.run()

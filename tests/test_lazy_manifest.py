@@ -231,19 +231,6 @@ def test_a_run_that_only_skips_splits_no_record_and_writes_them_back_unchanged(s
     assert 4 == json.loads(path.read_text())["runs"]
 
 
-def test_older_blank_lines_after_the_records_are_dropped(state_dir: Path, lazy: None):
-    """An earlier version added a blank line after the last record at each write: read, and mended."""
-    _build(state_dir)
-    path = state_dir / "manifest.json"
-    clean = path.read_bytes()
-    path.write_bytes(clean.replace(b'"}\n  },\n  "error"', b'"}\n\n\n\n  },\n  "error"'))
-    pipe, item = _keyed(state_dir)
-    with pipe:
-        assert {"i": 29} == item(29)  # type: ignore[operator]
-    assert b"\n\n" not in path.read_bytes()
-    assert Manifest.from_dict(json.loads(clean)).steps == Pipeline(state_dir=state_dir).status().steps
-
-
 def test_records_not_completed_in_the_block_are_parsed_when_it_is_split(
     state_dir: Path, lazy: None, monkeypatch: pytest.MonkeyPatch
 ):
