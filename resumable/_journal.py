@@ -444,7 +444,7 @@ class Journal:
         it, on every store, and fsynced unless the journal is not :attr:`durable`: what must
         happen before a side effect (a non-idempotent step's start). A *defer*red event is
         appended with the next event written, or by the first record after
-        :data:`FLUSH_INTERVAL`: a step's start and end share one write. Without either, an
+        :data:`FLUSH_INTERVAL` (a step's end, a skip, batch progress). Without either, an
         event is appended at once (deferred on stores with slow appends). Then, if
         ``manifest.json`` is older than its interval, it is rewritten.
 

@@ -554,9 +554,9 @@ class Session:
             extra["parent"] = outer.plan.slot
         self.journal.record(
             "step_started",
-            # a non-idempotent step's start must be on disk before its side effects begin
+            # a non-idempotent step's start must be on disk before its side effects begin; any
+            # start is appended at once, so `status` and `report` show the step running
             sync=not spec.idempotent,
-            defer=spec.idempotent,
             slot=plan.slot,
             step=spec.name,
             reason=found.reason,
