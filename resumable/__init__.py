@@ -5,6 +5,7 @@ Decorate the expensive functions of a script with :func:`step`; run it again aft
 crash and completed steps return their stored outputs instantly.
 """
 
+import importlib as _importlib
 import typing as _typing
 
 from ._codec import load
@@ -35,7 +36,8 @@ if _typing.TYPE_CHECKING:
     from ._why import Change, Decision
 
 __version__ = "0.1.0"
-# Imported on first use: most scripts never need them, and `import resumable` stays cheap.
+# Imported on first use: most scripts never need them, and together they would add more than
+# half again to the time `import resumable` spends in the package's own modules.
 _LAZY = {
     "Change": "._why",
     "Checkpoint": "._history",
@@ -84,9 +86,7 @@ __all__ = [
 
 def __getattr__(name: str) -> _typing.Any:
     if name in _LAZY:
-        import importlib  # noqa: PLC0415 - only when a lazy name is first used
-
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        value = getattr(_importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value
     msg = f"module {__name__!r} has no attribute {name!r}"

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, overload
+from concurrent.futures import Executor
+from typing import Any, Literal, TypeVar, overload
 
 from ._batch_exec import (
     DEFAULT_CONCURRENCY,
@@ -29,9 +30,6 @@ from ._context import current_pipeline, disabled
 from ._session import current_execution
 from ._slots import batch_dir, check_name
 from .exceptions import ResumableError, StepDefinitionError, UsageError
-
-if TYPE_CHECKING:
-    from concurrent.futures import Executor
 
 __all__ = ["Checkpointed", "RowFailure", "checkpointed", "checkpointed_map"]
 
@@ -332,8 +330,6 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 
 def _as_executor(executor: Any) -> Executor:
     """*executor*, or the executor of a Dask ``Client`` given instead."""
-    from concurrent.futures import Executor  # noqa: PLC0415 - only executors need it
-
     if not isinstance(executor, Executor) and callable(getattr(executor, "get_executor", None)):
         return executor.get_executor()  # type: ignore[no-any-return]
     return executor  # type: ignore[no-any-return]

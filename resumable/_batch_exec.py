@@ -10,9 +10,13 @@ the calling process writes state: executors return results, they commit nothing.
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
 import sys
+import threading
+import time
 from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from ._batch_input import Source
@@ -64,7 +68,7 @@ class Progress:
         self.bar: Any = None
         if not wanted(setting):
             return
-        from tqdm import tqdm  # type: ignore[import-untyped] # noqa: PLC0415 - only when a bar is shown
+        from tqdm import tqdm  # type: ignore[import-untyped] # noqa: PLC0415 - only when a bar is shown; slow to import
 
         self._resumed = ledger.resumed
         self._failed = ledger.failures
@@ -119,8 +123,6 @@ def _exit_with_parent() -> None:
     a run killed with ``kill -9`` must not leave its workers running rows nobody will commit.
     A daemon thread checks the parent's pid every second (no signal, no platform call).
     """
-    import multiprocessing  # noqa: PLC0415 - loaded in any pool worker already
-
     if _watching and _watching[0] == os.getpid():
         return
     parent = multiprocessing.parent_process()
@@ -130,13 +132,9 @@ def _exit_with_parent() -> None:
     expected = parent.pid
 
     def watch() -> None:
-        import time  # noqa: PLC0415
-
         while os.getppid() == expected:
             time.sleep(1.0)
         os._exit(1)  # orphaned: the run that wanted these rows is gone
-
-    import threading  # noqa: PLC0415
 
     threading.Thread(target=watch, name="resumable-parent-watch", daemon=True).start()
 
@@ -301,8 +299,6 @@ def _drain(
     pending: dict[Future[list[Any]], tuple[int, list[Any]]], ledger: Ledger, job: Job, progress: Progress
 ) -> None:
     """Wait for at least one piece; commit every piece that finished; raise a row's error."""
-    from concurrent.futures import FIRST_COMPLETED, wait  # noqa: PLC0415 - only executors need it
-
     done, _ = wait(list(pending), return_when=FIRST_COMPLETED)
     failed = None
     for future in done:
@@ -363,7 +359,7 @@ async def run_async(ledger: Ledger, source: Source, job: Job, progress: Progress
     piece when its last row finishes. At most a few pieces are open at once, so a crash
     loses at most their rows.
     """
-    import asyncio  # noqa: PLC0415 - kept out of `import resumable`
+    import asyncio  # noqa: PLC0415 - only async steps need it; it takes longer to import than this package
 
     fn, record, concurrency = job.fn, job.record, job.concurrency
     pieces = ledger.pieces(source)

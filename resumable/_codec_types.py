@@ -18,6 +18,8 @@ import dataclasses
 import datetime as dt
 import decimal
 import enum
+import inspect
+import io
 import pathlib
 import pickle
 import struct
@@ -156,8 +158,6 @@ class Encoder:
 
 def _pickle_checked(obj: object) -> bytes:
     """cloudpickle *obj*, refusing any OS resource inside it (it would come back as something else)."""
-    import io  # noqa: PLC0415 - only on the pickle fallback
-
     import cloudpickle  # noqa: PLC0415 - heavy, needed only for the fallback
 
     class Checked(cloudpickle.Pickler):  # type: ignore[misc]
@@ -248,8 +248,6 @@ def _importable(tp: type) -> bool:
 
 
 def _is_generator_like(obj: object) -> bool:
-    import inspect  # noqa: PLC0415 - only on the slow path
-
     return inspect.isgenerator(obj) or inspect.isasyncgen(obj) or inspect.iscoroutine(obj)
 
 

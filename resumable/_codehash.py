@@ -42,7 +42,9 @@ from typing import Any, Literal
 import attrs
 import blake3
 
+from ._codec import encode, value_checksum
 from ._fingerprint import _Unhashable, digest_value
+from .exceptions import SerializationError
 
 # AST fields that never change what code does.
 _SKIP_FIELDS = frozenset({"ctx", "type_comment", "kind"})
@@ -292,8 +294,6 @@ def value_digest(value: object, describe: str | None = None) -> str | None:
         return "f" + digest_value(value, describe=describe)[:15]
     except (_Unhashable, RecursionError):
         pass
-    from ._codec import encode, value_checksum  # noqa: PLC0415 - the codec is loaded by then anyway
-    from .exceptions import SerializationError  # noqa: PLC0415
 
     try:
         encoded = encode(value, allow_pickle=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import errno
 import os
 import random
 import signal
@@ -19,7 +20,7 @@ from typing import overload
 
 from ._pipeline import Pipeline
 from ._stores import Store
-from .exceptions import StateLockedError
+from .exceptions import ResumableWarning, StateLockedError
 
 _KILLED_WRITER = """
 import sys
@@ -143,8 +144,6 @@ class StoreConformance(abc.ABC):
 
     def test_copy_is_a_whole_independent_copy(self) -> None:
         """copy() makes dst hold what src holds; src changing later leaves dst as it was."""
-        import errno  # noqa: PLC0415
-
         store = self.make_store()
         store.write("a/src.bin", [b"version 1"], durable=True)
         try:
@@ -448,8 +447,6 @@ class StoreConformance(abc.ABC):
     def test_pipeline_round_trip(self) -> None:
         """Outputs stored, skipped by a new Pipeline, a damaged or forged object recomputed."""
         import pytest  # noqa: PLC0415 - only test runs need pytest
-
-        from .exceptions import ResumableWarning  # noqa: PLC0415 - keeps the import list of testing short
 
         store = self.make_store()
         calls: list[int] = []

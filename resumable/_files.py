@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import blake3
 
+from ._codec import DamagedFileError, encode, frame, read_verified
+
 if TYPE_CHECKING:
     from ._stores import Store
 
@@ -134,8 +136,6 @@ class FileDigests:
 
     def load(self, store: Store, secret: bytes | None) -> None:
         """Merge the cache kept in *store* (anything malformed in it is ignored)."""
-        from ._codec import DamagedFileError, read_verified  # noqa: PLC0415
-
         try:
             value = read_verified(store.read(CACHE_KEY), secret).decode(allow_pickle=False)
         except (FileNotFoundError, DamagedFileError):
@@ -156,7 +156,6 @@ class FileDigests:
         """Write the cache into *store* if it learned anything (best effort: it is a cache)."""
         if not self.dirty or _in_memory(store):
             return
-        from ._codec import encode, frame  # noqa: PLC0415
 
         with self._lock:
             items = list(self._cache.items())[-_MAX_ENTRIES:]

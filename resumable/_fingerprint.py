@@ -39,6 +39,7 @@ import attrs
 import blake3
 import msgpack
 
+from ._codec import encode, value_checksum
 from ._codec_types import qualified_name
 from ._files import file_digests
 from .exceptions import FingerprintError, SerializationError
@@ -179,8 +180,6 @@ class _Provenance:
 
     @staticmethod
     def _encoding_checksum(obj: object, pads: tuple[int, ...], like: str | None = None) -> str:
-        from ._codec import encode, value_checksum  # noqa: PLC0415 - the codec imports NumPy lazily
-
         try:
             encoded = encode(obj, allow_pickle=True)
         except SerializationError as exc:

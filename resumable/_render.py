@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import decimal
 import enum
 import json
 import pathlib
+import pprint
 import sys
 import uuid
 from collections.abc import Mapping, Sequence
@@ -137,8 +139,6 @@ def summarise(value: Any, depth: int = 0) -> Any:
 
 def pretty(value: Any) -> str:
     """A summarised value, pretty-printed (NumPy and pandas summarise themselves)."""
-    import pprint  # noqa: PLC0415 - only the command line shows values
-
     return pprint.pformat(summarise(value), width=100, sort_dicts=False, compact=True)
 
 
@@ -179,8 +179,6 @@ def _jsonable(value: Any, depth: int = 0) -> Any:  # noqa: C901, PLR0911 - one d
     if isinstance(value, list | tuple | set | frozenset):
         return [_jsonable(v, depth + 1) for v in value]
     if isinstance(value, bytes | bytearray):
-        import base64  # noqa: PLC0415 - only the command line shows values
-
         return {"__bytes__": base64.b64encode(bytes(value[:48])).decode(), "length": len(value)}
     if isinstance(value, dt.date | dt.time):
         return value.isoformat()

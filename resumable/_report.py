@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from ._render import duration
+from ._report_data import collect
 from ._units import human_size
 
 WIDTH = 960  # the timeline's drawing width (viewBox units; it scales with the page)
@@ -820,6 +821,4 @@ def report(
     compare: int | str | None = None,
 ) -> str:  # fmt: skip
     """Read the state root *store* (no lock, nothing written in it) and write its report to *path*."""
-    from ._report_data import collect  # noqa: PLC0415 - loaded with the report only
-
     return write(path, render(collect(store, secret, run=run, compare=compare)))

@@ -15,10 +15,12 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from . import _history, _render, _why
+from ._codec import DamagedFileError, read_verified
 from ._journal import read_state
 from ._manifest import skip_fields
 from ._slots import slot_file, step_of
 from ._stores import Store
+from .exceptions import UsageError
 
 SLOT_ROWS = 400  # slots listed one per row; past that, big keyed steps are summarised
 GROUP_SLOTS = 120  # slots drawn one by one when a keyed step's timeline row is expanded
@@ -300,8 +302,6 @@ def _selected(runs: list[_Run], which: int | str) -> list[_Run]:
         return runs[-1:]
     chosen = [r for r in runs if r.number == which]
     if not chosen:
-        from .exceptions import UsageError  # noqa: PLC0415
-
         numbers = ", ".join(str(r.number) for r in runs) or "none"
         msg = f"no run {which} in the event log (runs: {numbers}): pass --run N, last or all"
         raise UsageError(msg)
@@ -591,8 +591,6 @@ def _code_diff(store: Store, was: object, code: object) -> list[dict[str, Any]]:
 
 
 def _preview(store: Store, secret: bytes | None, slot: str) -> str | None:
-    from ._codec import DamagedFileError, read_verified  # noqa: PLC0415
-
     try:
         checked = read_verified(store.read(slot_file(slot)), secret)
         value = checked.decode(allow_pickle=False, stand_ins=True)  # never unpickled
@@ -645,7 +643,6 @@ def _compare_target(compare: int | str | None) -> tuple[str, int | None]:
             return (kind, int(text[len(prefix) :].strip(" :=")))
     if text.isdigit():
         return ("run", int(text))
-    from .exceptions import UsageError  # noqa: PLC0415
 
     msg = f"--compare {compare!r}: pass a run number (3 or run3) or a checkpoint (checkpoint12)"
     raise UsageError(msg)
@@ -656,7 +653,6 @@ def _compare(
 ) -> dict[str, Any]:
     """The state now (or after run *against*) against the state after run N or at checkpoint N, by slot."""
     kind, number = target
-    from .exceptions import UsageError  # noqa: PLC0415
 
     if kind == "run":
         other = scan.after_run.get(number or 0)

@@ -72,7 +72,7 @@ def run_without_state(owner: str, specs: list[StepSpec[Any, Any]], inputs: Mappi
         args, kwargs = _arguments(owner, spec, outputs, inputs)
         call = _call(spec, args, kwargs)
         if spec.is_async:
-            import asyncio  # noqa: PLC0415 - only async steps need it
+            import asyncio  # noqa: PLC0415 - only async steps need it; it takes longer to import than this package
 
             outputs[spec.name] = asyncio.run(call())
         else:
@@ -180,7 +180,7 @@ def _call(spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]) -> 
 def _execute(run: Session, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Any) -> Any:
     if not spec.is_async:
         return run.execute(spec, plan, found, call)
-    import asyncio  # noqa: PLC0415 - only async steps need it
+    import asyncio  # noqa: PLC0415 - only async steps need it; it takes longer to import than this package
 
     try:
         asyncio.get_running_loop()

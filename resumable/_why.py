@@ -10,6 +10,7 @@ the explanation of a rerun is a diff between two such records, whatever happened
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import re
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ._codehash import short_repr
 from ._manifest import skip_fields
 from ._slots import slot_id
 
@@ -34,8 +36,6 @@ _DIGEST = re.compile(r"[0-9a-f]{32}")
 
 def record_code(store: Store, step: str, identity: Identity) -> bool:
     """Keep the components of the code a step is about to run; False if they could not be written."""
-    from ._codehash import short_repr  # noqa: PLC0415 - loaded with the step already
-
     record = {
         "step": step,
         "components": identity.components,
@@ -198,7 +198,6 @@ def code_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
         if kind == "value":
             changes.append(Change(kind, name, old["values"].get(label), new["values"].get(label)))
             continue
-        import difflib  # noqa: PLC0415 - only when explaining
 
         a, b = old["sources"].get(label), new["sources"].get(label)
         diff = None

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._base import Buffer, Stamp, Store, StoreLock, as_store, check_key, unchanged_since
+from ._local import LocalStore
+from ._memory import MemoryStore
 
 __all__ = ["Buffer", "Stamp", "Store", "StoreLock", "check_key", "open_store", "unchanged_since"]
 
@@ -32,17 +34,11 @@ def open_store(
     text = os.fspath(location)
     scheme, sep, rest = text.partition("://")
     if not sep:
-        from ._local import LocalStore  # noqa: PLC0415 - keep import light
-
         return LocalStore(text)
     if scheme == "file":
-        from ._local import LocalStore  # noqa: PLC0415 - keep import light
-
         return LocalStore(rest)
     if scheme == "memory":
-        from ._memory import MemoryStore  # noqa: PLC0415 - keep import light
-
         return MemoryStore.named(rest)
-    from ._fsspec import FsspecStore  # noqa: PLC0415 - fsspec is optional and slow to import
+    from ._fsspec import FsspecStore  # noqa: PLC0415 - remote stores only: fsspec is optional
 
     return FsspecStore(text, storage_options)
