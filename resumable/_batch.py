@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, Literal, TypeVar, overload
 
 from ._batch_exec import (
@@ -200,8 +200,6 @@ def checkpointed_map(  # noqa: PLR0913 - the documented options
         return _map_async(job, _locate(name, "checkpointed_map", items), source, every)
     where = _locate(name, "checkpointed_map", items)
     if executor is None and concurrency is not None and concurrency > 1:
-        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 - only when asked for
-
         with ThreadPoolExecutor(concurrency, thread_name_prefix="resumable-batch") as pool:
             job = Job(fn, record=record, progress=progress, executor=pool, window=2 * concurrency)
             return _map(job, where, source, every)
