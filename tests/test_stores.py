@@ -448,3 +448,30 @@ def test_a_non_idempotent_step_leaves_no_directory_fsync_pending(
         charge(1)
         pending.append(set(store._unsynced))
     assert [{str(tmp_path / "safe")}, set()] == pending
+
+
+def test_a_step_never_runs_while_earlier_outputs_wait_for_their_directory_fsync(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Outputs stored together share a directory fsync; the next step to run makes it before it starts."""
+    monkeypatch.setattr(_local, "GROUP_WINDOW", 3600.0)  # nothing is synced for its age
+    pipe = Pipeline("p", state_dir=tmp_path)
+    seen: list[set[str]] = []
+
+    @pipe.step(key="{i}")
+    def part(i: int) -> int:
+        return i
+
+    @pipe.step
+    def long_step(n: int) -> int:
+        seen.append(set(pipe.store._unsynced))  # type: ignore[attr-defined]
+        return n
+
+    with pipe:
+        store = pipe.store
+        assert isinstance(store, LocalStore)
+        part(1)
+        part(2)
+        pending = set(store._unsynced)
+        long_step(2)
+    assert ({str(tmp_path / "part")}, [set()]) == (pending, seen)

@@ -305,9 +305,10 @@ class LocalStore(Store):
     def sync(self) -> None:
         """
         fsync the directories of the outputs renamed and not yet made durable there. Every
-        other durable change (an append, a delete, a write that is not an output's) and the
-        release of the lock call it first, so that nothing recorded as done reaches the disk
-        before the outputs it describes; a durable output's write calls it once the oldest
+        other durable change (a delete, a write that is not an output's), every append (an
+        event: the next step's start among them) and the release of the lock call it first,
+        so that nothing recorded as done reaches the disk before the outputs it describes,
+        and no step runs while they wait; a durable output's write calls it once the oldest
         deferred rename is :data:`GROUP_WINDOW` old.
         """
         with self._sync_lock:
@@ -428,7 +429,7 @@ class LocalStore(Store):
         *durable*, the file is synced, and its directory too when this append created it.
         """
         path = self.path(key)
-        if durable:
+        if durable or self._unsynced:  # any event (the next step's start) ends the shared window
             self.sync()
         created = False
         try:
