@@ -636,10 +636,8 @@ class Session:
             fields["code"] = ident.components
         self.journal.record(
             "step_completed",
-            # The output file, fsynced, is what a rerun relies on: the event is appended with
-            # the next one (within FLUSH_INTERVAL), so that a store costs one fsync. A step
-            # that must not run twice is synced at once, its output's directory first.
-            defer=spec.idempotent,
+            # Appended at once (after its output's directory fsync: nothing records a step as
+            # done before its output is durable); a step that must not run twice is synced too.
             sync=not spec.idempotent,
             slot=plan.slot,
             fingerprint=plan.fingerprint,

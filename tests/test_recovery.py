@@ -27,15 +27,23 @@ TIMEOUT = 60
 CRASH = Path(__file__).resolve().parent / "crash"
 _started: list[subprocess.Popen[str]] = []
 
-# Three steps; with SLOW_C=1 the script stalls after b, before c starts. The flush interval is
-# long, so that b's deferred completion event is certainly not written when it is killed (a's is
-# written with b's start).
+# Three steps; with DIE_AFTER_B=1 the process is killed right after b's output is stored,
+# before its completion is written to the event log (the one moment a kill leaves an output
+# the log does not name).
 THREE_STEPS = """
-import os, sys, time
+import os, signal, sys
 import resumable._journal
 from resumable import Pipeline
 
-resumable._journal.FLUSH_INTERVAL = 30.0
+record = resumable._journal.Journal.record
+
+def dying_record(self, event, **fields):
+    if event == "step_completed" and fields.get("slot") == "b" and os.environ.get("DIE_AFTER_B"):
+        print("b stored", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return record(self, event, **fields)
+
+resumable._journal.Journal.record = dying_record
 pipe = Pipeline("recovery", state_dir=sys.argv[1])
 
 def ran(name):
@@ -58,12 +66,7 @@ def c(b: int) -> int:
     print("c running", flush=True)
     return b * 10
 
-with pipe:
-    done_b = b(a())
-    print("b done", flush=True)
-    if os.environ.get("SLOW_C"):
-        time.sleep(60)
-    print("RESULT", c(done_b), flush=True)
+print("RESULT", pipe.run().outputs["c"], flush=True)
 """
 
 
@@ -115,8 +118,10 @@ def test_outputs_of_a_killed_run_are_recovered(tmp_path: Path):
     script, state, side = tmp_path / "three.py", tmp_path / "state", tmp_path / "ran"
     script.write_text(textwrap.dedent(THREE_STEPS))
     prog = [sys.executable, str(script), str(state), str(side)]
-    _kill_at(prog, "b done", SLOW_C="1")
-    assert ["a"] == [e["slot"] for e in _events(state) if e["event"] == "step_completed"]  # b's lags
+    _kill_at(prog, "b stored", DIE_AFTER_B="1")
+    assert ["a"] == [
+        e["slot"] for e in _events(state) if e["event"] == "step_completed"
+    ]  # b's was never written
     status = _cli(state, "status", "--json")
     manifest = json.loads(status.stdout)
     assert (0, ["a", "b"]) == (status.returncode, manifest["completed_steps"])
@@ -124,7 +129,7 @@ def test_outputs_of_a_killed_run_are_recovered(tmp_path: Path):
     assert 0 == _cli(state, "status").returncode
 
     rerun = _run(prog)
-    assert (0, "b done\nc running\nRESULT 20\n") == (rerun.returncode, rerun.stdout)
+    assert (0, "c running\nRESULT 20\n") == (rerun.returncode, rerun.stdout)
     assert {"a": 1, "b": 1, "c": 1} == Counter(side.read_text().split())  # c never started before the kill
     recovered = [e["slot"] for e in _events(state) if e.get("recovered")]
     assert ["b"] == recovered
@@ -145,7 +150,7 @@ def test_read_only_readers_recover_without_writing(tmp_path: Path):
     """status folds unrecorded outputs in without writing anything to the state directory."""
     script, state, side = tmp_path / "three.py", tmp_path / "state", tmp_path / "ran"
     script.write_text(textwrap.dedent(THREE_STEPS))
-    _kill_at([sys.executable, str(script), str(state), str(side)], "b done", SLOW_C="1")
+    _kill_at([sys.executable, str(script), str(state), str(side)], "b stored", DIE_AFTER_B="1")
     before = {p: p.read_bytes() for p in state.rglob("*") if p.is_file() and p.name != "lock"}
     assert ["a", "b"] == read_state(LocalStore(state)).completed_steps
     assert before == {p: p.read_bytes() for p in state.rglob("*") if p.is_file() and p.name != "lock"}
