@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar, overload
 
-from . import _context
+from . import _context, _sessions
 from ._codec import DamagedFileError, parse_header, secret_bytes, utcnow, verify
 from ._exit import exit_hooks, status_for
 from ._journal import read_state
@@ -28,12 +28,29 @@ from ._manifest import Manifest
 from ._plan import Plan
 from ._runner import Run, run_steps, run_without_state
 from ._session import Session
-from ._slots import BATCHES, EVENTS, INTERNAL_DIR, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
+from ._slots import (
+    BATCHES,
+    EVENTS,
+    INTERNAL_DIR,
+    MANIFEST,
+    OUTPUT_SUFFIX,
+    check_session_id,
+    is_output_file,
+    slot_file,
+    step_of,
+)
 from ._step import KeySpec, RetryOn, Step, StepSpec, step
 from ._stores import Store, open_store
-from .exceptions import StateDirectoryError, StateLockedError, StepDefinitionError, UsageError
+from .exceptions import (
+    SessionBusyError,
+    StateDirectoryError,
+    StateLockedError,
+    StepDefinitionError,
+    UsageError,
+)
 
 if TYPE_CHECKING:
+    from . import _session_view
     from ._history import Checkpoint
     from ._why import Decision
 
@@ -57,6 +74,8 @@ class Pipeline:
         secret: authenticate every file with this key (default ``$RESUMABLE_SECRET``).
         keep_checkpoints: how many checkpoints history keeps.
         storage_options: passed to fsspec for remote stores (endpoint, credentials ...).
+        session: run in this named session of the store (default ``$RESUMABLE_SESSION``,
+            else the default session: the store's root). See :meth:`session`.
     """
 
     def __init__(  # noqa: PLR0913 - the documented options
@@ -70,6 +89,7 @@ class Pipeline:
         secret: str | bytes | None = None,
         keep_checkpoints: int = 20,
         storage_options: Mapping[str, Any] | None = None,
+        session: str | None = None,
     ) -> None:
         if state_dir is not None and store is not None:
             msg = "pass either state_dir= or store= to Pipeline, not both"
@@ -88,6 +108,12 @@ class Pipeline:
         self._secret_arg = secret
         self.keep_checkpoints = keep_checkpoints
         self._storage_options = dict(storage_options or {})
+        if session is None:
+            session = os.environ.get("RESUMABLE_SESSION") or None
+        self._session_id: str | None = None if session is None else check_session_id(session)
+        self._root: Store | None = None
+        self._session_meta: dict[str, Any] | None = None
+        self._metadata: Mapping[str, Any] | None = None
         self._steps: dict[str, StepSpec[Any, Any]] = {}
         self._store: Store | None = None
         self._run: Session | None = None
@@ -110,15 +136,31 @@ class Pipeline:
 
     @property
     def store(self) -> Store:
-        """The store holding this pipeline's state (resolved on first use)."""
+        """The store holding this pipeline's state (resolved on first use): its session's."""
         if self._store is None:
             with self._lock:
                 if self._store is None:
+                    root = self._root_store
+                    sid = self._session_id
+                    self._store = root if sid is None else _sessions.session_store(root, sid)
+        return self._store
+
+    @property
+    def _root_store(self) -> Store:
+        """The store of the default session, which holds the named ones."""
+        if self._root is None:
+            with self._lock:
+                if self._root is None:
                     location = self._location
                     if location is None:
                         location = os.environ.get("RESUMABLE_STATE_DIR") or "state"
-                    self._store = open_store(location, self._storage_options or None)
-        return self._store
+                    self._root = open_store(location, self._storage_options or None)
+        return self._root
+
+    @property
+    def session_id(self) -> str | None:
+        """The named session this runs in, or None for the default session."""
+        return self._session_id
 
     @property
     def _secret(self) -> bytes | None:
@@ -169,7 +211,7 @@ class Pipeline:
 
     # the run -----------------------------------------------------------------------------
 
-    def _new_run(self, *, maintenance: bool) -> Session:
+    def _new_run(self, *, maintenance: bool, prepare: Callable[[], None] | None = None) -> Session:
         run = Session(
             self.store,
             pipeline=self.name,
@@ -178,12 +220,31 @@ class Pipeline:
             secret=self._secret,
             keep_checkpoints=self.keep_checkpoints,
         )
+        if prepare is None and self._session_id is not None:
+            prepare = self._prepare_session
         try:
-            run.open(maintenance=maintenance)
+            run.open(maintenance=maintenance, prepare=prepare)
         except (PermissionError, NotADirectoryError, FileExistsError) as exc:
             raise _unusable(self.store, exc) from exc
+        except StateLockedError as exc:
+            if self._session_id is None or isinstance(exc, SessionBusyError):
+                raise
+            raise SessionBusyError(self._session_id, self.store.location, exc.holder) from None
         _open_runs[run.token] = run
+        if self._session_id is not None and not maintenance:
+            self._index_session(run)
         return run
+
+    def _prepare_session(self) -> None:
+        """Holding a named session's lock, before its state is read (see :func:`_sessions.prepare`)."""
+        assert self._session_id is not None  # noqa: S101 - only named sessions are prepared
+        self._session_meta = _sessions.prepare(
+            self.store, self._session_id, metadata=self._metadata, durable=self.durable
+        )
+
+    def _index_session(self, run: Session) -> None:
+        if self._session_meta is not None:
+            _sessions.record(self._root_store, self._session_meta, run.journal.manifest)
 
     def _defined(self) -> list[str]:
         """The steps this process defines for this pipeline (recorded when a run closes)."""
@@ -194,6 +255,9 @@ class Pipeline:
         The open session, opening one if there is none (script mode: closed at exit). Steps
         and batches reach it through the :class:`~resumable._context.Host` protocol.
         """
+        named = _context.session_of(self)
+        if named is not None:  # inside `with self.session(id)` in this context
+            return named._session_for(spec)  # type: ignore[no-any-return]  # noqa: SLF001
         run = self._run
         if run is None:
             with self._lock:
@@ -223,6 +287,8 @@ class Pipeline:
                 self._dropped = None
             if run is not None:
                 run.close(status, error, defined=self._defined())
+                if self._session_id is not None:
+                    self._index_session(run)
 
     def _close_at_exit(self, status: str, error: BaseException | None) -> None:
         """Close the run script mode opened, as the interpreter exits with *status*."""
@@ -274,6 +340,8 @@ class Pipeline:
                         self.store.remove_temp_files()
                 finally:
                     run.close("completed")
+                    if self._session_id is not None:
+                        self._index_session(run)
 
     def _maintenance_run(self) -> tuple[Session, bool]:
         """A run of our own that counts no run (True), or the open run holding the lock here (False)."""
@@ -316,6 +384,69 @@ class Pipeline:
             return run_steps(repr(self), self._session_for(), specs, inputs)
         with self:
             return run_steps(repr(self), self._session_for(), specs, inputs)
+
+    # sessions ----------------------------------------------------------------------------
+
+    def session(
+        self,
+        id: str,  # noqa: A002 - the name SPEC §13 gives it
+        *,
+        wait: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> _session_view.Session:
+        """
+        Named session *id* of this pipeline's store: an independent slice of it (its own
+        slots, manifest, event log, checkpoints and lock). Use it as ``with`` or ``async
+        with``: inside, this pipeline's steps and module-level steps run in the session, in
+        this thread or asyncio task only; other sessions run at the same time elsewhere.
+
+        Args:
+            id: any non-empty str of up to 200 characters.
+            wait: None (the default) raises :class:`SessionBusyError` at once if another run
+                holds the session; a number of seconds waits up to that long for it (with
+                ``async with``, without blocking the event loop).
+            metadata: JSON values kept with the session (shown by ``sessions()``); given,
+                it replaces what was kept.
+        """
+        from . import _session_view  # noqa: PLC0415 - the session class extends this one
+
+        return _session_view.Session(self, check_session_id(id), wait=wait, metadata=metadata)
+
+    def sessions(
+        self, *, status: str | None = None, prefix: str | None = None, limit: int | None = None
+    ) -> list[_sessions.SessionInfo]:
+        """
+        The named sessions of this pipeline's store, newest (last updated) first: only those
+        with *status* (``running``, ``completed``, ``failed``, ``interrupted``, ``new``),
+        whose id starts with *prefix*, at most *limit* of them. Reads only: takes no lock.
+        """
+        return _sessions.list_sessions(self._root_store, status=status, prefix=prefix, limit=limit)
+
+    def fork(self, src: str, dst: str, *, at: int | str | None = None) -> _sessions.SessionInfo:
+        """
+        Create session *dst* from session *src*'s state at checkpoint *at* (a checkpoint id,
+        a snapshot label, or a step, as in :meth:`rollback`; None: its latest state). Files
+        are shared, not copied (hard links locally, server-side copies on object stores), so
+        running *dst* with unchanged inputs runs no step, and changing one input reruns
+        exactly the steps that depend on it. *src* may be running: the fork takes the state
+        a kill would have left.
+
+        Raises:
+            UsageError: *src* does not exist, or *dst* does.
+            SessionBusyError: a run holds *dst*.
+        """
+        return _sessions.fork(self, check_session_id(src), check_session_id(dst), at=at)
+
+    def delete_session(self, id: str) -> None:  # noqa: A002 - as in session()
+        """
+        Remove session *id* and all its files, crash-safely: if the process is killed at any
+        instant, the next run of a session with that id starts empty.
+
+        Raises:
+            UsageError: there is no such session.
+            SessionBusyError: a run holds it.
+        """
+        _sessions.delete(self._root_store, check_session_id(id), durable=self.durable)
 
     # state -------------------------------------------------------------------------------
 

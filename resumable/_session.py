@@ -234,8 +234,12 @@ class Session:
 
     # lifecycle ---------------------------------------------------------------------------
 
-    def open(self, *, maintenance: bool = False) -> None:
-        """Take the lock and load the state; a normal open also counts a new run."""
+    def open(self, *, maintenance: bool = False, prepare: Callable[[], None] | None = None) -> None:
+        """
+        Take the lock and load the state; a normal open also counts a new run. *prepare* is
+        called holding the lock, before the state is read (a named session finishes a
+        killed fork or delete there).
+        """
         self.maintenance = maintenance
         holder = {
             "pid": os.getpid(),
@@ -246,8 +250,10 @@ class Session:
             "run_token": self.token,
         }
         self._lock = self.store.lock(holder)
-        file_digests.attach(self.store, self.secret)
         try:
+            if prepare is not None:
+                prepare()
+            file_digests.attach(self.store, self.secret)
             manifest = self.journal.load()
             if manifest.runs and manifest.pipeline != self.journal.pipeline and not maintenance:
                 log.warning(

@@ -7,8 +7,11 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+from .._slots import SESSIONS_DIR
 from ..exceptions import StateLockedError
 from ._base import Buffer, Store
+
+_SESSIONS = SESSIONS_DIR + "/"
 
 
 class _MemoryLock:
@@ -28,6 +31,12 @@ class MemoryStore(Store):
     as something (a pipeline) holds it: the last one dropped, its objects are freed.
     """
 
+<<<<<<< HEAD
+=======
+    cheap_appends = True  # an append extends a bytearray in place
+
+    # held by the pipelines using them: a named store is freed with its last pipeline
+>>>>>>> 9dbadbe (Sessions: pipe.session(id) with its own lock and files under .sessions/<id>/, Pipeline(session=), $RESUMABLE_SESSION, sessions(), fork(), delete_session(), outputs())
     _named: ClassVar[weakref.WeakValueDictionary[str, MemoryStore]] = weakref.WeakValueDictionary()
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 
@@ -83,7 +92,9 @@ class MemoryStore(Store):
 
     def list(self, prefix: str = "") -> list[str]:
         with self._mutex:
-            return [k for k in self._objects if k.startswith(prefix)]
+            if prefix.startswith(SESSIONS_DIR):
+                return [k for k in self._objects if k.startswith(prefix)]
+            return [k for k in self._objects if k.startswith(prefix) and not k.startswith(_SESSIONS)]
 
     def lock(self, holder: Mapping[str, Any]) -> _MemoryLock:
         with self._mutex:
