@@ -322,6 +322,7 @@ class Session:
         )
 
     def _release(self) -> None:
+        file_digests.detach(self.store)
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()

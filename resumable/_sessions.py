@@ -237,14 +237,19 @@ def delete(root: Store, session: str, *, durable: bool) -> None:
 
 
 def _remove_dirs(store: Store) -> None:
-    """A local session's empty directories and lock file, last (taking the lock checks it is still there)."""
-    root = getattr(store, "local_root", None) or getattr(store, "root", None)
+    """What is left of a deleted local session (files no listing shows, directories), its lock last."""
+    root = getattr(store, "local_root", None)
     if not isinstance(root, str) or not os.path.isdir(root):
         return
+    lock = f"{root}/{_LOCK}"
     for directory, _dirs, files in os.walk(root, topdown=False):
         for name in files:
-            if f"{directory}/{name}" == f"{root}/{_LOCK}":
-                os.unlink(f"{directory}/{name}")
+            if f"{directory}/{name}" != lock:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{directory}/{name}")
+        if directory == os.path.dirname(lock):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)  # a run waiting for it finds it gone, and takes a new one
         with contextlib.suppress(OSError):
             os.rmdir(directory)
 
