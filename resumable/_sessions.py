@@ -160,7 +160,7 @@ def summary(meta: Mapping[str, Any], manifest: Manifest | None) -> dict[str, Any
     if manifest is None:
         return out
     out["status"] = manifest.status if manifest.runs or manifest.completed_steps else "new"
-    out["updated_at"] = manifest.last_update or meta.get("created_at")
+    out["updated_at"] = max(str(manifest.last_update or ""), str(meta.get("created_at") or ""))
     out["runs"] = manifest.runs
     out["completed"] = len(manifest.completed_steps)
     out["current_step"] = manifest.current_step

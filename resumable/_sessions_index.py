@@ -67,11 +67,12 @@ def _line(record: Mapping[str, Any]) -> bytes:
 def fold(lines: Iterator[bytes]) -> dict[str, dict[str, Any]]:
     """The summaries a log's lines leave, in the order sessions were last changed."""
     found: dict[str, dict[str, Any]] = {}
-    for raw in lines:
-        try:
-            rec = json.loads(raw)
-        except ValueError:
-            continue  # a line a kill cut short
+    texts = [line for line in lines if line.strip()]
+    try:  # one parse for all lines: a line cut short by a kill makes it fail
+        records = json.loads(b"[" + b",".join(texts) + b"]")
+    except ValueError:
+        records = [_parsed(t) for t in texts]
+    for rec in records:
         if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
             continue
         sid = rec["id"]
@@ -79,6 +80,13 @@ def fold(lines: Iterator[bytes]) -> dict[str, dict[str, Any]]:
         if not rec.get("deleted"):
             found[sid] = rec
     return found
+
+
+def _parsed(text: bytes) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None  # a line a kill cut short
 
 
 class LogIndex(Index):
@@ -130,7 +138,7 @@ class LogIndex(Index):
         try:
             with open(self.log, "rb") as f:
                 data = f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return iter(())
         return iter(data.splitlines())
 
