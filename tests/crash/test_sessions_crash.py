@@ -124,7 +124,7 @@ def _fill(pipe: Pipeline, turn: Any, sid: str) -> None:
 
 
 def _check_clean(pipe: Pipeline, sid: str) -> None:
-    checked, problems = find_damage(session_store(pipe._root_store, sid), secret=None)
+    _checked, problems = find_damage(session_store(pipe._root_store, sid), secret=None)
     assert problems == [], (sid, problems)
 
 
@@ -138,7 +138,7 @@ def test_killed_fork_is_all_or_nothing(tmp_path: Path, at: str | None) -> None:
     _fill(pipe, turn, "src")
     src = _tree(tmp_path / "state" / ".sessions" / "src")
     length = _lines_of(lambda: pipe.fork("src", "probe", at=at))
-    rng = random.Random(1)
+    rng = random.Random(1)  # noqa: S311 - where to kill, not secrets
     killed = 0
     expected = SLOTS if at is None else SLOTS // 2
     for n in range(_trials(60)):
@@ -164,7 +164,7 @@ def test_killed_delete_leaves_all_or_nothing_and_a_reused_id_starts_empty(tmp_pa
     pipe, calls, turn = _pipe(tmp_path / "state")
     _fill(pipe, turn, "probe")
     length = _lines_of(lambda: pipe.delete_session("probe"))
-    rng = random.Random(2)
+    rng = random.Random(2)  # noqa: S311 - where to kill, not secrets
     for n in range(_trials(60)):
         sid = f"gone{n}"
         _fill(pipe, turn, sid)
@@ -204,7 +204,7 @@ def test_killed_index_append_and_compaction_leave_a_readable_index(
             index.put({"id": f"s{i % 7}", "status": "completed", "runs": base + i, "pad": "x" * 50})
 
     length = _lines_of(lambda: churn(0))
-    rng = random.Random(3)
+    rng = random.Random(3)  # noqa: S311 - where to kill, not secrets
     for n in range(_trials(80)):
         _in_child(lambda n=n: churn(n), rng.randint(1, length))
         found = index.read()
