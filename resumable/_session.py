@@ -418,8 +418,13 @@ class Session:
         if plan.slot not in self._skipped:  # one log line per slot and run is enough
             self._skipped.add(plan.slot)
             code = header.get("code")
-            if spec.version is not None and isinstance(code, str) and code != plan.identity.code:
+            kept = spec.version is not None and isinstance(code, str) and code != plan.identity.code
+            if kept:
                 self._kept(spec, plan, code)
+            elif self.journal.manifest.steps.is_completed(plan.slot):
+                # Nothing to learn: a run replaying a conversation of 200 turns would otherwise
+                # log 200 skips, and the log would grow with the square of its length.
+                return self._hit_found(plan, spec, header, value)
             self.journal.record_skip(
                 plan.slot,
                 plan.fingerprint,
@@ -427,6 +432,9 @@ class Session:
                 header.get("created_at"),
                 header["hsum"],
             )
+        return self._hit_found(plan, spec, header, value)
+
+    def _hit_found(self, plan: Plan, spec: StepView, header: dict[str, Any], value: Any) -> Found:
         if log.isEnabledFor(logging.INFO):
             log.info("step %r skipped: %s", plan.slot, self._skip_note(spec, plan, header))
         return Found(hit=True, value=value)

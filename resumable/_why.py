@@ -43,9 +43,16 @@ def record_code(store: Store, step: str, identity: Identity) -> bool:
         "values": {label: short_repr(value) for label, value in identity.values().items()},
         "left_out": identity.left_out,
     }
+    key = f"{CODE_DIR}{identity.code}.json"
+    try:  # written once: a record is named by the digest of what it holds
+        store.read_range(key, 0, 0)
+    except (FileNotFoundError, OSError):
+        pass
+    else:
+        return True
     data = json.dumps(record, indent=1, sort_keys=True, ensure_ascii=False).encode()
     try:
-        store.write(f"{CODE_DIR}{identity.code}.json", [data], durable=False)
+        store.write(key, [data], durable=False)
     except OSError as exc:  # an explanation is not worth failing a step for
         log.debug("code record of step %r not written: %s", step, exc)
         return False
@@ -85,7 +92,10 @@ class Decision:
     What the last run did with one slot, and why.
 
     ``outcome`` is ``"ran"``, ``"skipped"`` or ``"not called"`` (in the last run; ``run`` then
-    says which run last decided it). For a step that ran, ``reason`` is one of ``new``,
+    says which run last decided it). Runs log only the skips that tell something new (an
+    output kept despite a code change, a slot the manifest did not know), so that a replayed
+    conversation's log grows with its length, not its square: a slot reused as it was is
+    ``"not called"`` since the run that made it. For a step that ran, ``reason`` is one of ``new``,
     ``inputs changed``, ``code changed``, ``version changed``, ``reset``, ``corrupt``;
     ``changes`` lists what differs from the stored output it replaced: code components with a
     unified diff of their source, values (old -> new) and parameters.
@@ -222,7 +232,10 @@ def render(decisions: list[Decision], step: str) -> str:
         elif d.outcome == "skipped":
             out.append(f"{d.slot}: skipped{when}: the stored output matches its code and arguments")
         elif d.outcome == "not called":
-            out.append(f"{d.slot}: not called in the last run; last decided in run {d.run}")
+            out.append(
+                f"{d.slot}: not run in the last run (its stored output was reused, or it was not "
+                f"called); last decided in run {d.run}"
+            )
         else:
             detail = f" ({d.detail})" if d.detail else ""
             out.append(f"{d.slot}: ran{when}: {d.reason}{detail}")
