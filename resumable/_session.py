@@ -418,8 +418,7 @@ class Session:
         if plan.slot not in self._skipped:  # one log line per slot and run is enough
             self._skipped.add(plan.slot)
             code = header.get("code")
-            kept = spec.version is not None and isinstance(code, str) and code != plan.identity.code
-            if kept:
+            if spec.version is not None and isinstance(code, str) and code != plan.identity.code:
                 self._kept(spec, plan, code)
             elif self.journal.manifest.steps.is_completed(plan.slot):
                 # Nothing to learn: a run replaying a conversation of 200 turns would otherwise
