@@ -10,8 +10,9 @@ machinery works on it unchanged. This module adds what is about sessions as a wh
   session's lock next finds it and empties the session before anything reads it, so a
   kill at any instant never leaves a half-forked session or a deleted one's outputs;
 - the index of summaries (:mod:`._sessions_index`), which ``sessions`` and ``status`` read;
-- :class:`Session`, what ``pipe.session(id)`` returns: the pipeline's per-state methods for
-  that session, run in a context variable so threads and asyncio tasks each have their own.
+- fork, delete, listing, and reading a session's outputs without running it.
+
+``pipe.session(id)`` (``_pipeline.Session``) is built on these.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from .exceptions import ResumableError, SessionBusyError, StateLockedError, Usag
 
 if TYPE_CHECKING:
     from ._manifest import Manifest
-    from ._pipeline import Pipeline
 
 META = f"{INTERNAL_DIR}/session.json"
 INCOMPLETE = f"{INTERNAL_DIR}/incomplete"
@@ -303,43 +303,31 @@ def copy_state(  # noqa: PLR0913 - the two sessions, as stores and as prefixes
     return copied
 
 
-def fork(pipe: Pipeline, src: str, dst: str, *, at: int | str | None) -> SessionInfo:
-    """``pipe.fork``: see :meth:`Pipeline.fork`."""
-    root = pipe._root_store  # noqa: SLF001 - the pipeline's own
-    if src == dst:
-        raise UsageError(f"cannot fork session {src!r} into itself")
+def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
+    """
+    Holding *dst*'s lock (its store: *store*), before its state is read: mark it incomplete,
+    empty it, and copy *src*'s state into it. The marker stays until the fork is complete.
+
+    Raises:
+        UsageError: *dst* holds a session already.
+    """
+    if any(k not in {META, INCOMPLETE} for k in store.list()) and not incomplete(store):
+        msg = f"session {dst!r} already exists in {root.location}: delete it first, or fork into a new id"
+        raise UsageError(msg)
+    store.write(INCOMPLETE, [b"fork\n"], durable=True)
+    for key in store.list():
+        if key != INCOMPLETE:
+            store.delete(key, durable=False)
     source = session_store(root, src)
-    if not exists(root, src):
-        raise UsageError(f"no session {src!r} to fork in {root.location} (see `resumable sessions`)")
-    target = pipe.session(dst)
-
-    def fill(store: Store) -> None:
-        if any(k not in {META, INCOMPLETE} for k in store.list()) and not incomplete(store):
-            msg = f"session {dst!r} already exists in {root.location}: delete it first, or fork into a new id"
-            raise UsageError(msg)
-        store.write(INCOMPLETE, [b"fork\n"], durable=True)
-        wipe_except = {INCOMPLETE}
-        for key in store.list():
-            if key not in wipe_except:
-                store.delete(key, durable=False)
-        copy_state(
-            root, source, store, src_prefix=session_prefix(src), dst_prefix=session_prefix(dst), durable=False
-        )
-        meta = read_meta(source) or {}
-        write_meta(
-            store,
-            {"id": dst, "created_at": utcnow(), "parent": src, "metadata": meta.get("metadata") or {}},
-            durable=False,
-        )
-
-    try:
-        target._fork_into(fill, at)  # noqa: SLF001 - the session's own
-    except StateLockedError as exc:
-        raise SessionBusyError(dst, target.store.location, exc.holder) from None
-    infos = [s for s in list_sessions(root, prefix=dst) if s.id == dst]
-    if not infos:  # pragma: no cover - the index could not be written
-        raise ResumableError(f"session {dst!r} was forked but is missing from the index")
-    return infos[0]
+    copy_state(
+        root, source, store, src_prefix=session_prefix(src), dst_prefix=session_prefix(dst), durable=False
+    )
+    meta = read_meta(source) or {}
+    write_meta(
+        store,
+        {"id": dst, "created_at": utcnow(), "parent": src, "metadata": meta.get("metadata") or {}},
+        durable=False,
+    )
 
 
 # reading a session without running it ----------------------------------------------------
@@ -377,17 +365,17 @@ class Outputs(Mapping[str, Any]):
         return f"<outputs {list(self._slots)}>"
 
 
-def outputs(view: Pipeline, step: str) -> Outputs:
-    """See :meth:`Session.outputs`."""
-    manifest = view.status()
-    store = view.store
+def outputs(
+    manifest: Manifest, store: Store, step: str, *, secret: bytes | None, allow_pickle: bool
+) -> Outputs:
+    """The completed outputs of keyed step *step* in a session's *manifest*, lazily."""
     keyed = [s for s in manifest.completed_steps if step_of(s) == step and "/" in s]
     slots: dict[str, str] = {}
     for slot in keyed:
         key = _original_key(store, slot)
         if key is not None:
             slots[key] = slot
-    return Outputs(store, slots, secret=view._secret, allow_pickle=view.allow_pickle)  # noqa: SLF001
+    return Outputs(store, slots, secret=secret, allow_pickle=allow_pickle)
 
 
 def _original_key(store: Store, slot: str) -> str | None:
