@@ -256,7 +256,9 @@ def _remove_dirs(store: Store) -> None:
 
 def _linked(key: str) -> bool:
     """Files that never change once written: shared by a fork (hard links, server-side copies)."""
-    return is_output_file(key) or key.startswith((f"{OBJECTS}/", f"{INTERNAL_DIR}/code/"))
+    return is_output_file(key) or key.startswith(
+        (f"{OBJECTS}/", f"{INTERNAL_DIR}/code/")
+    )  # (older code records)
 
 
 def copy_state(  # noqa: PLR0913 - the two sessions, as stores and as prefixes

@@ -21,6 +21,7 @@ import attrs
 from ._codehash import short_repr
 from ._manifest import skip_fields
 from ._slots import slot_id
+from ._stores._prefix import root_of
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
@@ -35,7 +36,11 @@ _DIGEST = re.compile(r"[0-9a-f]{32}")
 
 
 def record_code(store: Store, step: str, identity: Identity) -> bool:
-    """Keep the components of the code a step is about to run; False if they could not be written."""
+    """
+    Keep the components of the code a step is about to run; False if they could not be
+    written. Records are named by their digest: the sessions of a store share them (they
+    go to the store the session is in).
+    """
     record = {
         "step": step,
         "components": identity.components,
@@ -43,6 +48,7 @@ def record_code(store: Store, step: str, identity: Identity) -> bool:
         "values": {label: short_repr(value) for label, value in identity.values().items()},
         "left_out": identity.left_out,
     }
+    store = root_of(store)
     key = f"{CODE_DIR}{identity.code}.json"
     try:  # written once: a record is named by the digest of what it holds
         store.read_range(key, 0, 0)
@@ -64,7 +70,7 @@ def read_code(store: Store, code: object) -> dict[str, Any] | None:
     if not isinstance(code, str) or not _DIGEST.fullmatch(code):
         return None
     try:
-        record = json.loads(bytes(store.read(f"{CODE_DIR}{code}.json")))
+        record = json.loads(_read_record(store, f"{CODE_DIR}{code}.json"))
     except (FileNotFoundError, ValueError, RecursionError):  # nested too deep: damaged
         return None
     if not isinstance(record, dict):
@@ -72,6 +78,17 @@ def read_code(store: Store, code: object) -> dict[str, Any] | None:
     return {key: _strings(record.get(key)) for key in ("components", "sources", "values", "left_out")} | {
         "step": str(record.get("step", ""))
     }
+
+
+def _read_record(store: Store, key: str) -> bytes:
+    """A code record: in the store sessions share, else (written before they shared them) in *store*."""
+    root = root_of(store)
+    try:
+        return bytes(root.read(key))
+    except FileNotFoundError:
+        if root is store:
+            raise
+    return bytes(store.read(key))
 
 
 def _strings(value: object) -> dict[str, str]:

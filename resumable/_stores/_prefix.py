@@ -24,16 +24,21 @@ def sub_store(store: Store, prefix: str) -> Store:
     from ._local import LocalStore  # noqa: PLC0415 - keep import light
     from ._memory import MemoryStore  # noqa: PLC0415
 
+    child: Store | None = None
     if isinstance(store, LocalStore):
-        return LocalStore(f"{store.root}/{prefix}")
-    if isinstance(store, MemoryStore | PrefixStore):
-        return PrefixStore(store, prefix)
-    if type(store).__name__ == "FsspecStore":  # not imported unless in use: fsspec is slow to import
+        child = LocalStore(f"{store.root}/{prefix}")
+    elif isinstance(store, MemoryStore | PrefixStore):
+        child = PrefixStore(store, prefix)
+    elif type(store).__name__ == "FsspecStore":  # not imported unless in use: fsspec is slow to import
         from ._fsspec import FsspecStore  # noqa: PLC0415
 
         if isinstance(store, FsspecStore):
             options = dict(getattr(store.fs, "storage_options", {}) or {})
-            return FsspecStore(f"{store.location}/{prefix}", options, lease_ttl=store.lease_ttl)
+            child = FsspecStore(f"{store.location}/{prefix}", options, lease_ttl=store.lease_ttl)
+    if child is not None:
+        with _holders_lock:
+            _parents[child] = root_of(store)
+        return child
     msg = (
         f"{store!r} cannot hold named sessions: they need a local directory, a memory:// store "
         "or an fsspec URL (a store of your own can hold the default session)"
@@ -41,7 +46,14 @@ def sub_store(store: Store, prefix: str) -> Store:
     raise UsageError(msg)
 
 
+def root_of(store: Store) -> Store:
+    """The outermost store *store* is inside (itself if it is inside none)."""
+    return _parents.get(store, store)
+
+
 _holders_lock = threading.Lock()
+# the store each store made by sub_store is inside (what files sessions share live there)
+_parents: weakref.WeakKeyDictionary[Store, Store] = weakref.WeakKeyDictionary()
 # the session locks held in this process, per memory store and prefix
 _holders: weakref.WeakKeyDictionary[Store, dict[str, dict[str, Any]]] = weakref.WeakKeyDictionary()
 
