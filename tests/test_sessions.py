@@ -470,3 +470,44 @@ def test_processes_on_sessions_of_one_directory(tmp_path: Path) -> None:
     infos = pipe.sessions()
     assert sorted(s.id for s in infos) == [f"s{n}" for n in range(8)]
     assert all(s.completed == 20 and s.runs == 3 for s in infos)
+
+
+def test_a_failed_session_is_listed_with_its_error(state_dir: Path) -> None:
+    pipe = Pipeline("p", state_dir=state_dir)
+
+    @pipe.step
+    def boom() -> int:
+        raise ValueError("no luck")
+
+    with pytest.raises(ValueError, match="no luck"), pipe.session("bad"):
+        boom()
+    info = pipe.sessions(status="failed")[0]
+    assert info.id == "bad"
+    assert info.error is not None
+    assert "no luck" in info.error
+    assert pipe.sessions(status="completed") == []
+
+
+def test_reading_a_session_that_does_not_exist_creates_nothing(state_dir: Path) -> None:
+    pipe = Pipeline("p", state_dir=state_dir)
+    assert dict(pipe.session("nobody").outputs("turn")) == {}
+    assert pipe.session("nobody").status().completed_steps == []
+    assert pipe.sessions() == []
+    assert not state_dir.exists()
+
+
+def test_long_ids_and_odd_characters(state_dir: Path) -> None:
+    pipe, _calls, turn = _chat(state_dir)
+    ids = ["x" * 200, "Ünïcode/../..", ".hidden", "a b"]
+    for sid in ids:
+        with pipe.session(sid) as s:
+            turn(1, sid[:5])
+            assert s.id == sid
+    assert sorted(s.id for s in pipe.sessions()) == sorted(ids)
+    names = set(os.listdir(state_dir / ".sessions"))
+    assert {".index.jsonl", ".index.lock", "%2Ehidden"} <= names  # no id leaves .sessions/ or looks internal
+    assert all(not name.startswith(".") or name.startswith(".index") for name in names)
+    with pytest.raises(UsageError):
+        pipe.session("y" * 201)
+    pipe.delete_session("x" * 200)
+    assert len(pipe.sessions()) == 3
