@@ -233,8 +233,12 @@ class Pipeline:
                 raise
             raise SessionBusyError(self._session_id, self.store.location, exc.holder) from None
         _open_runs[run.token] = run
-        if self._session_id is not None and not maintenance:
-            self._index_session(run)
+        meta = self._session_meta
+        if meta is not None and not maintenance:
+            if meta.pop("changed", False):  # new, or new metadata: the whole summary
+                self._index_session(run)
+            else:  # only what opening changed: no summary to work out
+                _sessions.record_running(self._root_store, meta["id"], run.journal.manifest.runs)
         return run
 
     def _prepare_session(self) -> None:

@@ -18,10 +18,11 @@ machinery works on it unchanged. This module adds what is about sessions as a wh
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -29,7 +30,7 @@ import attrs
 from ._codec import DamagedFileError, parse_header, read_verified, utcnow
 from ._sessions_index import index_of
 from ._slots import INTERNAL_DIR, OBJECTS, is_output_file, session_prefix, slot_file, step_of
-from ._stores import Store
+from ._stores import Store, check_key
 from ._stores._prefix import sub_store
 from .exceptions import ResumableError, SessionBusyError, StateLockedError, UsageError
 
@@ -141,9 +142,10 @@ def prepare(
     if meta is None or meta.get("id") != session:
         meta = {"id": session, "created_at": utcnow(), "parent": None, "metadata": dict(metadata or {})}
         write_meta(store, meta, durable=False)
+        meta["changed"] = True
     elif metadata is not None and meta.get("metadata") != dict(metadata):
-        meta = {**meta, "metadata": dict(metadata)}
-        write_meta(store, meta, durable=False)
+        meta = {**meta, "metadata": dict(metadata), "changed": True}
+        write_meta(store, {k: v for k, v in meta.items() if k != "changed"}, durable=False)
     return meta
 
 
@@ -174,6 +176,14 @@ def record(root: Store, meta: Mapping[str, Any], manifest: Manifest | None) -> N
     """Put a session's summary in the index (a cache: a failure to write it is not an error)."""
     with contextlib.suppress(OSError):
         index_of(root).put(summary(meta, manifest))
+
+
+def record_running(root: Store, session: str, runs: int) -> None:
+    """Mark a session running in the index, its other fields as they were (a run opened)."""
+    with contextlib.suppress(OSError):
+        index_of(root).put(
+            {"id": session, "status": "running", "updated_at": utcnow(), "runs": runs}, merge=True
+        )
 
 
 # listing ---------------------------------------------------------------------------------
@@ -273,6 +283,7 @@ def copy_state(  # noqa: PLR0913 - the two sessions, as stores and as prefixes
     from ._slots import EVENTS, MANIFEST  # noqa: PLC0415
 
     copied = 0
+    link = _local_linker(src, dst)
     firsts: dict[str, bytes] = {}
     for key in (MANIFEST, EVENTS):
         try:
@@ -292,7 +303,8 @@ def copy_state(  # noqa: PLR0913 - the two sessions, as stores and as prefixes
             continue
         try:
             if _linked(key):
-                copy_object(root, f"{src_prefix}/{key}", f"{dst_prefix}/{key}", durable=False)
+                if link is None or not link(key):
+                    copy_object(root, f"{src_prefix}/{key}", f"{dst_prefix}/{key}", durable=False)
             else:
                 data = bytes(src.read(key))
                 dst.write(key, [data], durable=False)
@@ -303,6 +315,40 @@ def copy_state(  # noqa: PLR0913 - the two sessions, as stores and as prefixes
         dst.write(key, [data], durable=durable)
         copied += len(data)
     return copied
+
+
+def _local_linker(src: Store, dst: Store) -> Callable[[str], bool] | None:
+    """
+    Between two local session directories: a hard link per file, made straight at its name
+    (the new session is empty, locked and marked incomplete: nothing there to replace, no one
+    to see a file half made); False where the file system cannot link (then it is copied).
+    """
+    src_root, dst_root = getattr(src, "local_root", None), getattr(dst, "local_root", None)
+    if not isinstance(src_root, str) or not isinstance(dst_root, str):
+        return None
+    made: set[str] = set()
+
+    def link(key: str) -> bool:
+        check_key(key, dst_root)
+        directory = key.rpartition("/")[0]
+        if directory and directory not in made:
+            path = f"{dst_root}/{directory}"
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            if os.path.realpath(path) != os.path.join(os.path.realpath(dst_root), directory):
+                return False  # a symbolic link on the way: the store's own copy refuses it
+            made.add(directory)
+        try:
+            os.link(f"{src_root}/{key}", f"{dst_root}/{key}", follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno in _NO_LINK:
+                return False
+            raise
+        return True
+
+    return link
+
+
+_NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
 
 
 def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:

@@ -35,8 +35,11 @@ _MIN_COMPACT = 64 * 1024  # a log smaller than this is never compacted
 class Index:
     """Summaries of sessions by id: :meth:`put`, :meth:`drop`, :meth:`read`."""
 
-    def put(self, summary: Mapping[str, Any], *, durable: bool = False) -> None:
-        """Record *summary* (a dict with an ``id``) as the session's current one."""
+    def put(self, summary: Mapping[str, Any], *, durable: bool = False, merge: bool = False) -> None:
+        """
+        Record *summary* (a dict with an ``id``) as the session's current one; with *merge*,
+        only the fields it has change.
+        """
         raise NotImplementedError
 
     def drop(self, session: str, *, durable: bool = False) -> None:
@@ -76,9 +79,12 @@ def fold(lines: Iterator[bytes]) -> dict[str, dict[str, Any]]:
         if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
             continue
         sid = rec["id"]
-        found.pop(sid, None)
-        if not rec.get("deleted"):
-            found[sid] = rec
+        before = found.pop(sid, None)
+        if rec.get("deleted"):
+            continue
+        if rec.pop("merge", False):
+            rec = {**(before or {}), **rec}
+        found[sid] = rec
     return found
 
 
@@ -128,8 +134,8 @@ class LogIndex(Index):
                 if size + len(data) > 2 * max(folded, _MIN_COMPACT // 2):
                     self._compact(durable=durable)
 
-    def put(self, summary: Mapping[str, Any], *, durable: bool = False) -> None:
-        self._append(summary, durable=durable)
+    def put(self, summary: Mapping[str, Any], *, durable: bool = False, merge: bool = False) -> None:
+        self._append({**summary, "merge": True} if merge else summary, durable=durable)
 
     def drop(self, session: str, *, durable: bool = False) -> None:
         self._append({"id": session, "deleted": True}, durable=durable)
@@ -181,8 +187,15 @@ class ObjectIndex(Index):
     def __init__(self, store: Store) -> None:
         self.store = sub_store(store, INDEX_DIR)
 
-    def put(self, summary: Mapping[str, Any], *, durable: bool = False) -> None:
-        self.store.write(f"{encode_key(summary['id'])}.json", [_line(summary)], durable=durable)
+    def put(self, summary: Mapping[str, Any], *, durable: bool = False, merge: bool = False) -> None:
+        key = f"{encode_key(summary['id'])}.json"
+        if merge:  # written by the holder of the session's lock only: a read, then a write
+            try:
+                before = fold(iter([bytes(self.store.read(key))]))
+            except FileNotFoundError:
+                before = {}
+            summary = {**before.get(summary["id"], {}), **summary}
+        self.store.write(key, [_line(summary)], durable=durable)
 
     def drop(self, session: str, *, durable: bool = False) -> None:
         self.store.delete(f"{encode_key(session)}.json", durable=durable)
