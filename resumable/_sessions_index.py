@@ -82,9 +82,7 @@ def fold(lines: Iterator[bytes]) -> dict[str, dict[str, Any]]:
         before = found.pop(sid, None)
         if rec.get("deleted"):
             continue
-        if rec.pop("merge", False):
-            rec = {**(before or {}), **rec}
-        found[sid] = rec
+        found[sid] = {**(before or {}), **rec} if rec.pop("merge", False) else rec
     return found
 
 
