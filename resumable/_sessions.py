@@ -22,7 +22,7 @@ import errno
 import json
 import os
 import socket
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -195,13 +195,21 @@ def list_sessions(
     """The sessions of *root*, newest first (by last update), filtered; reads only."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise UsageError(f"limit must be an int >= 0 or None, got {limit!r}")
-    found = [SessionInfo.of(s) for s in index_of(root).read().values()]
+    found = newest_first(index_of(root).read().values())
     if status is not None:
-        found = [s for s in found if s.status == status]
+        found = [s for s in found if (s.get("status") or "new") == status]
     if prefix is not None:
-        found = [s for s in found if s.id.startswith(prefix)]
-    found.sort(key=lambda s: (s.updated_at, s.created_at, s.id), reverse=True)
-    return found if limit is None else found[:limit]
+        found = [s for s in found if s["id"].startswith(prefix)]
+    return [SessionInfo.of(s) for s in (found if limit is None else found[:limit])]
+
+
+def newest_first(summaries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Index summaries, the last updated first."""
+    return sorted(
+        summaries,
+        key=lambda s: (str(s.get("updated_at") or s.get("created_at") or ""), s["id"]),
+        reverse=True,
+    )
 
 
 def exists(root: Store, session: str) -> bool:

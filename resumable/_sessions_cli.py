@@ -23,14 +23,18 @@ Out = Callable[[str], None]
 
 def summary(root: Store) -> dict[str, Any] | None:
     """Counts by status, the latest session, the failed ones; None if the store has no sessions."""
-    infos = _sessions.list_sessions(root)
-    if not infos:
+    found = index_of(root).read()
+    if not found:
         return None
-    failed = [s.id for s in infos if s.status == "failed"]
+    statuses = Counter(s.get("status") or "new" for s in found.values())
+    latest = _sessions.SessionInfo.of(max(found.values(), key=lambda s: str(s.get("updated_at") or "")))
+    failed = [
+        s["id"] for s in _sessions.newest_first(s for s in found.values() if s.get("status") == "failed")
+    ]
     return {
-        "count": len(infos),
-        "by_status": dict(Counter(s.status for s in infos).most_common()),
-        "latest": {"id": infos[0].id, "status": infos[0].status, "updated_at": infos[0].updated_at},
+        "count": len(found),
+        "by_status": dict(statuses.most_common()),
+        "latest": {"id": latest.id, "status": latest.status, "updated_at": latest.updated_at},
         "failed": failed[:10],
         "failed_count": len(failed),
     }

@@ -64,7 +64,9 @@ def index_of(store: Store) -> Index:
 
 
 def _line(record: Mapping[str, Any]) -> bytes:
-    return json.dumps(record, separators=(",", ":"), ensure_ascii=False, default=str).encode() + b"\n"
+    # what is None or empty is left out (read back as such): a smaller index reads faster
+    kept = {k: v for k, v in record.items() if v is not None and v != {}}
+    return json.dumps(kept, separators=(",", ":"), ensure_ascii=False, default=str).encode() + b"\n"
 
 
 def fold(lines: Iterator[bytes]) -> dict[str, dict[str, Any]]:
