@@ -45,7 +45,7 @@ class Host(Protocol):
     _steps: dict[str, Any]
 
     def _session_for(self, spec: Any) -> Any:
-        """The open session steps of this pipeline run in (opened if needed)."""
+        """The open run (a ``RunState``) steps of this pipeline run in (opened if needed)."""
         ...
 
     def _has_output(self, plan: Any) -> bool:

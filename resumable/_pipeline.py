@@ -29,7 +29,7 @@ from ._journal import read_state
 from ._manifest import Manifest
 from ._plan import Plan
 from ._runner import Run, run_steps, run_without_state
-from ._session import Session as RunState
+from ._session import RunState
 from ._sessions import SessionInfo
 from ._slots import (
     BATCHES,
@@ -258,7 +258,7 @@ class Pipeline:
 
     def _session_for(self, spec: StepSpec[Any, Any] | None = None) -> RunState:
         """
-        The open session, opening one if there is none (script mode: closed at exit). Steps
+        The open run, opening one if there is none (script mode: closed at exit). Steps
         and batches reach it through the :class:`~resumable._context.Host` protocol.
         """
         named = _context.session_of(self)

@@ -1,7 +1,7 @@
 """
-The session: one open run of a pipeline, in one class.
+The run state: one open run of a pipeline (in one session of its store), in one class.
 
-A :class:`Session` holds the store's lock, the journal, and everything a step call does
+A :class:`RunState` holds the store's lock, the journal, and everything a step call does
 with the state: look it up (a *skip* if its slot holds a valid output with the same
 fingerprint, else a miss with the reason why), and run a miss: ``step_started`` is logged
 first (fsynced for ``idempotent=False`` steps), the function runs with retries, its output
@@ -66,7 +66,7 @@ class Execution:
 
     __slots__ = ("batches", "loops", "plan", "run", "spec")
 
-    def __init__(self, run: Session, spec: StepView, plan: Plan) -> None:
+    def __init__(self, run: RunState, spec: StepView, plan: Plan) -> None:
         self.run = run
         self.spec = spec
         self.plan = plan
@@ -188,7 +188,7 @@ class Found:
         self.ran_at = ran_at  # and when it was made
 
 
-class Session:
+class RunState:
     """
     One open run of a pipeline: it holds the store's lock until it closes, keeps the
     journal, looks step calls up (a skip, or a miss with its reason) and runs the misses

@@ -26,7 +26,7 @@ from ._slots import check_name, slot_id
 from .exceptions import StepDefinitionError
 
 if TYPE_CHECKING:
-    from ._session import Session
+    from ._session import RunState
 
 P = ParamSpec("P")
 P2 = ParamSpec("P2")
@@ -380,7 +380,7 @@ class StepSpec(Generic[P, R]):
                 return self._lookup_or_run(run, plan, args, kwargs)
         return self._lookup_or_run(run, plan, args, kwargs)
 
-    def _lookup_or_run(self, run: Session, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _lookup_or_run(self, run: RunState, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         found = run.lookup(self, plan)
         if found.hit:
             return found.value
@@ -397,7 +397,7 @@ class StepSpec(Generic[P, R]):
         return await self._lookup_or_run_async(run, plan, args, kwargs)
 
     async def _lookup_or_run_async(
-        self, run: Session, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, run: RunState, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         found = run.lookup(self, plan)
         if found.hit:
