@@ -59,6 +59,9 @@ LARGE_OUTPUT = 100 * 1024 * 1024  # outputs larger than this log a warning
 RETRY_BASE_DELAY = 0.5  # seconds before the first retry; doubles each attempt
 RETRY_MAX_DELAY = 60.0
 _MAX_TRACEBACK = 20_000
+# A run logs the skips of the slots completed last (at most this many), and of slots the
+# manifest does not hold as completed; the skips of older slots are not logged.
+SKIPS_LOGGED = 32
 
 
 class Execution:
@@ -227,6 +230,7 @@ class RunState:
         # code components as they were when the run opened, to explain every rerun the same way
         self._code_before: dict[str, dict[str, str]] = {}
         self._skipped: set[str] = set()
+        self._recent: set[str] = set()  # the slots completed last when the run opened
         self._code_recorded: set[str] = set()  # code digests whose record is in the store (_why)
         # slot -> (stamp, bytes, header, header length) of files verified in this run
         self._verified: OrderedDict[str, tuple[Stamp, Verified]] = OrderedDict()
@@ -262,6 +266,7 @@ class RunState:
                     self.store.location, manifest.pipeline, self.journal.pipeline,
                 )  # fmt: skip
             self._code_before = {k: dict(v) for k, v in manifest.code.items()}
+            self._recent = set(manifest.completed_steps[-SKIPS_LOGGED:])
             if manifest.status == "running" and manifest.runs > 0:
                 # the lock was free, so the run that wrote "running" died without closing
                 self.journal.record("run_finished", status="interrupted", detected="next run")
@@ -420,9 +425,10 @@ class RunState:
             code = header.get("code")
             if spec.version is not None and isinstance(code, str) and code != plan.identity.code:
                 self._kept(spec, plan, code)
-            elif self.journal.manifest.steps.is_completed(plan.slot):
-                # Nothing to learn: a run replaying a conversation of 200 turns would otherwise
-                # log 200 skips, and the log would grow with the square of its length.
+            elif plan.slot not in self._recent and self.journal.manifest.steps.is_completed(plan.slot):
+                # The skips of the slots completed last are logged (why and report show them);
+                # older ones change nothing: a run replaying a conversation of 200 turns would
+                # otherwise log 200 skips, and the log would grow with the square of its length.
                 return self._hit_found(plan, spec, header, value)
             self.journal.record_skip(
                 plan.slot,

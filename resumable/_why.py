@@ -109,12 +109,12 @@ class Decision:
     What the last run did with one slot, and why.
 
     ``outcome`` is ``"ran"``, ``"skipped"`` or ``"not called"`` (in the last run; ``run`` then
-    says which run last decided it). Runs log only the skips that tell something new (an
-    output kept despite a code change, a slot the manifest did not know), so that a replayed
-    conversation's log grows with its length, not its square: a slot reused as it was is
-    ``"not called"`` since the run that made it. For a step that ran, ``reason`` is one of ``new``,
-    ``inputs changed``, ``code changed``, ``version changed``, ``reset``, ``corrupt``;
-    ``changes`` lists what differs from the stored output it replaced: code components with a
+    says which run last decided it). A run logs the skips of the 32 slots completed last
+    (and of any the manifest did not know), not of older ones, so that a replayed
+    conversation's log grows with its length, not its square: such an older slot reused as
+    it was is ``"not called"`` since the run that last logged it. For a step that ran,
+    ``reason`` is one of ``new``, ``inputs changed``, ``code changed``, ``version changed``,
+    ``reset``, ``corrupt``; ``changes`` lists what differs from the stored output it replaced: code components with a
     unified diff of their source, values (old -> new) and parameters.
     """
 
