@@ -114,8 +114,9 @@ class Decision:
     conversation's log grows with its length, not its square: such an older slot reused as
     it was is ``"not called"`` since the run that last logged it. For a step that ran,
     ``reason`` is one of ``new``, ``inputs changed``, ``code changed``, ``version changed``,
-    ``reset``, ``corrupt``; ``changes`` lists what differs from the stored output it replaced: code components with a
-    unified diff of their source, values (old -> new) and parameters.
+    ``reset``, ``corrupt``; ``changes`` lists what differs from the stored output it
+    replaced: code components with a unified diff of their source, values (old -> new) and
+    parameters.
     """
 
     slot: str
