@@ -254,8 +254,8 @@ class LocalStore(Store):
                 os.mkdir(d, 0o700)
             except FileExistsError:
                 continue
-            if d == self.root:
-                _write_gitignore(d)
+            if d == self.root and os.path.basename(os.path.dirname(d)) != SESSIONS_DIR:
+                _write_gitignore(d)  # (a named session is inside a state directory that has one)
             if durable:
                 fsync_dir(os.path.dirname(d))
 
