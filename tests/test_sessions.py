@@ -511,3 +511,16 @@ def test_long_ids_and_odd_characters(state_dir: Path) -> None:
         pipe.session("y" * 201)
     pipe.delete_session("x" * 200)
     assert len(pipe.sessions()) == 3
+
+
+def test_is_cached_and_forget_act_in_the_entered_session(state_dir: Path) -> None:
+    pipe, calls, turn = _chat(state_dir)
+    with pipe.session("a"):
+        turn(1, "x")
+        assert turn.is_cached(1, "x")
+    with pipe.session("b"):
+        assert not turn.is_cached(1, "x")
+    with pipe.session("a"):
+        turn.forget(1, "x")
+        assert not turn.is_cached(1, "x")
+    assert not turn.is_cached(1, "x")  # the default session never had it
