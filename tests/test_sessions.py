@@ -514,7 +514,7 @@ def test_long_ids_and_odd_characters(state_dir: Path) -> None:
 
 
 def test_is_cached_and_forget_act_in_the_entered_session(state_dir: Path) -> None:
-    pipe, calls, turn = _chat(state_dir)
+    pipe, _calls, turn = _chat(state_dir)
     with pipe.session("a"):
         turn(1, "x")
         assert turn.is_cached(1, "x")
