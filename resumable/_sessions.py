@@ -254,10 +254,17 @@ def delete(root: Store, session: str, *, durable: bool) -> None:
         lock.release()
 
 
+def _local_root(store: Store) -> str | None:
+    """The directory of a local store (None for other stores)."""
+    from ._stores._local import LocalStore  # noqa: PLC0415 - keep import light
+
+    return store.root if isinstance(store, LocalStore) else None
+
+
 def _remove_dirs(store: Store) -> None:
     """What is left of a deleted local session (files no listing shows, directories), its lock last."""
-    root = getattr(store, "local_root", None)
-    if not isinstance(root, str) or not os.path.isdir(root):
+    root = _local_root(store)
+    if root is None or not os.path.isdir(root):
         return
     lock = f"{root}/{_LOCK}"
     for directory, _dirs, files in os.walk(root, topdown=False):
@@ -331,8 +338,8 @@ def _local_linker(src: Store, dst: Store) -> Callable[[str], bool] | None:
     (the new session is empty, locked and marked incomplete: nothing there to replace, no one
     to see a file half made); False where the file system cannot link (then it is copied).
     """
-    src_root, dst_root = getattr(src, "local_root", None), getattr(dst, "local_root", None)
-    if not isinstance(src_root, str) or not isinstance(dst_root, str):
+    src_root, dst_root = _local_root(src), _local_root(dst)
+    if src_root is None or dst_root is None:
         return None
     made: set[str] = set()
 

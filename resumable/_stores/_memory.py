@@ -31,12 +31,6 @@ class MemoryStore(Store):
     as something (a pipeline) holds it: the last one dropped, its objects are freed.
     """
 
-<<<<<<< HEAD
-=======
-    cheap_appends = True  # an append extends a bytearray in place
-
-    # held by the pipelines using them: a named store is freed with its last pipeline
->>>>>>> 9dbadbe (Sessions: pipe.session(id) with its own lock and files under .sessions/<id>/, Pipeline(session=), $RESUMABLE_SESSION, sessions(), fork(), delete_session(), outputs())
     _named: ClassVar[weakref.WeakValueDictionary[str, MemoryStore]] = weakref.WeakValueDictionary()
     _registry_lock: ClassVar[threading.Lock] = threading.Lock()
 

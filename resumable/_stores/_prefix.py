@@ -80,7 +80,6 @@ class PrefixStore(Store):
         self.base: Store = base
         self.prefix: str = prefix.rstrip("/") + "/"
         self.location = f"{base.location}/{prefix.rstrip('/')}"
-        self.cheap_appends = base.cheap_appends  # type: ignore[misc]
         self.slow_appends = base.slow_appends  # type: ignore[misc]
 
     def __repr__(self) -> str:
