@@ -71,6 +71,8 @@ def test_session_runs_its_steps_apart_and_outputs_reads_them(state_dir: Path) ->
         turn(2, "yo")
     assert calls == [("hi", 1), ("yo", 2), ("hi", 1)]
     assert not (state_dir / "manifest.json").exists()  # the default session was not used
+    assert (state_dir / ".gitignore").exists()  # the state directory's, made with the session's
+    assert not (state_dir / ".sessions" / "alice" / ".gitignore").exists()
     assert (state_dir / ".sessions" / "alice" / "turn" / "1.msgpack").exists()
     infos = {s.id: s for s in pipe.sessions()}
     assert set(infos) == {"alice", "bob"}

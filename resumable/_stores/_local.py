@@ -254,8 +254,12 @@ class LocalStore(Store):
                 os.mkdir(d, 0o700)
             except FileExistsError:
                 continue
-            if d == self.root and os.path.basename(os.path.dirname(d)) != SESSIONS_DIR:
-                _write_gitignore(d)  # (a named session is inside a state directory that has one)
+            parent = os.path.dirname(d)
+            if os.path.basename(parent) == SESSIONS_DIR:  # a named session's: its state directory has one
+                if parent in missing:  # ... made just now, with it
+                    _write_gitignore(os.path.dirname(parent))
+            elif d == self.root:
+                _write_gitignore(d)
             if durable:
                 fsync_dir(os.path.dirname(d))
 
