@@ -21,6 +21,7 @@ from .exceptions import (
     ResumableError,
     ResumableWarning,
     SerializationError,
+    SessionBusyError,
     StateDirectoryError,
     StateFormatError,
     StateLockedError,
@@ -33,6 +34,7 @@ from .exceptions import (
 if _typing.TYPE_CHECKING:
     from ._batch import Checkpointed, RowFailure, checkpointed, checkpointed_map
     from ._history import Checkpoint
+    from ._sessions import SessionInfo
     from ._why import Change, Decision
 
 __version__ = "0.1.0"
@@ -44,6 +46,7 @@ _LAZY = {
     "Checkpointed": "._batch",
     "Decision": "._why",
     "RowFailure": "._batch",
+    "SessionInfo": "._sessions",
     "checkpointed": "._batch",
     "checkpointed_map": "._batch",
 }
@@ -65,6 +68,8 @@ __all__ = [
     "RowFailure",
     "Run",
     "SerializationError",
+    "SessionBusyError",
+    "SessionInfo",
     "StateDirectoryError",
     "StateFormatError",
     "StateLockedError",

@@ -26,7 +26,7 @@ from ._codec import DamagedFileError, Framed, Verified, encode, frame, read_veri
 from ._warn import warn
 
 if TYPE_CHECKING:
-    from ._session import Session
+    from ._session import RunState
 
 log = logging.getLogger("resumable")
 
@@ -63,7 +63,7 @@ class Chunk(NamedTuple):
 class ChunkStore:
     """The committed chunks of the batch in *directory*: listing, adding, dropping, reading."""
 
-    def __init__(self, run: Session, directory: str, *, label: str, display: str) -> None:
+    def __init__(self, run: RunState, directory: str, *, label: str, display: str) -> None:
         self.run = run
         self.directory = directory
         self.label = label  # the slot (or name) written in each record's header

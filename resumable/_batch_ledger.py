@@ -30,7 +30,7 @@ from ._batch_chunks import RECORD, Chunk, ChunkStore
 from ._batch_input import Digester, Source
 from ._codec import DamagedFileError, encode, frame, read_verified
 from ._codec_types import qualified_name
-from ._session import Session
+from ._session import RunState
 from ._warn import warn
 from .exceptions import InputChangedError, ResumableError, SerializationError
 
@@ -76,7 +76,7 @@ class Where:
 
     def __init__(  # noqa: PLR0913 - plain data
         self,
-        run: Session,
+        run: RunState,
         directory: str,
         *,
         label: str,
@@ -621,6 +621,6 @@ def _rows(chunks: list[Chunk]) -> str:
     return f"{sum(c.end - c.start for c in chunks):,}"
 
 
-def _is_open(run: Session) -> bool:
+def _is_open(run: RunState) -> bool:
     # A generator closed late (at interpreter exit) must not write into a closed run.
     return not run.closed

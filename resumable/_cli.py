@@ -22,13 +22,22 @@ from collections.abc import Callable, Sequence
 
 import msgpack
 
-from . import _history, _render, _why
+from . import _history, _render, _sessions, _sessions_cli, _why
 from ._clean import clean as clean_state
 from ._codec import DamagedFileError, read_verified, secret_bytes
 from ._journal import read_state
 from ._pipeline import Pipeline, describe_slots, read_checkpoints, snapshot
 from ._report import report as write_report
-from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, slot_id, step_of
+from ._slots import (
+    EVENTS,
+    MANIFEST,
+    OUTPUT_SUFFIX,
+    check_session_id,
+    is_output_file,
+    slot_file,
+    slot_id,
+    step_of,
+)
 from ._stores import Store, open_store
 from ._stores._local import LocalStore
 from ._units import human_size
@@ -44,7 +53,7 @@ EXIT_NO_STATE = 3
 """There is no state where the command looked (nothing has run with that directory)."""
 
 # Commands that only read: no lock, nothing created or written (`why` joins them).
-READ_ONLY = frozenset({"status", "show", "why", "history", "verify", "export", "report"})
+READ_ONLY = frozenset({"status", "show", "why", "history", "verify", "export", "report", "sessions", "diff"})
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -68,7 +77,7 @@ class _StdoutClosed(Exception):  # noqa: N818 - a signal: the reader of our outp
     pass
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement per option
     parser = argparse.ArgumentParser(
         prog="resumable",
         description="Inspect and manage the state of resumable pipelines.",
@@ -78,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--state-dir", default=None, help="state directory or store URL")
+    parser.add_argument("--session", default=None, metavar="ID", help=_SESSION_HELP)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     status = commands.add_parser("status", help="where the pipeline stands, step by step")
@@ -140,15 +150,56 @@ def _parser() -> argparse.ArgumentParser:
         "--keep", type=int, default=None, metavar="N", help="always keep the N newest checkpoints"
     )
     clean.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    clean.add_argument(
+        "--sessions", action="store_true", help="delete completed and failed sessions idle for --idle"
+    )
+    clean.add_argument(
+        "--idle", type=_age, default=None, metavar="AGE", help="with --sessions: idle this long"
+    )
+
+    sessions = commands.add_parser("sessions", help="list the sessions (or fork, delete them)")
+    sessions.add_argument("--status", default=None, metavar="S", help="only sessions with this status")
+    sessions.add_argument("--prefix", default=None, metavar="P", help="only ids starting with P")
+    sessions.add_argument("--limit", type=int, default=None, metavar="N", help="at most N, newest first")
+    sessions.add_argument("--json", action="store_true", help="print the sessions as JSON")
+    actions = sessions.add_subparsers(dest="action", metavar="ACTION")
+    fork = actions.add_parser("fork", help="create session DST from SRC's state, sharing its files")
+    fork.add_argument("src", metavar="SRC")
+    fork.add_argument("dst", metavar="DST")
+    fork.add_argument("--at", default=None, metavar="ID|LABEL|STEP", help="SRC's state at this checkpoint")
+    delete = actions.add_parser("delete", help="delete sessions and all their files")
+    delete.add_argument("ids", nargs="+", metavar="ID")
+
+    diff = commands.add_parser("diff", help="where two sessions (or checkpoints) diverged, and why")
+    diff.add_argument(
+        "a", metavar="A", help="a session id, '.' for the default session, or SESSION@CHECKPOINT"
+    )
+    diff.add_argument("b", metavar="B")
+    diff.add_argument("--json", action="store_true", help="print the comparison as JSON")
     for command in commands.choices.values():
         # also accepted after the command; SUPPRESS keeps one given before it when absent here
         command.add_argument("--state-dir", default=argparse.SUPPRESS, help="state directory or store URL")
+        command.add_argument("--session", default=argparse.SUPPRESS, metavar="ID", help=_SESSION_HELP)
     return parser
 
 
-def _store(args: argparse.Namespace) -> Store:
+_SESSION_HELP = "a named session of the store (default $RESUMABLE_SESSION, else the default session)"
+
+
+def _session_id(args: argparse.Namespace) -> str | None:
+    sid = getattr(args, "session", None) or os.environ.get("RESUMABLE_SESSION") or None
+    return None if sid is None else check_session_id(sid)
+
+
+def _root(args: argparse.Namespace) -> Store:
     location = args.state_dir or os.environ.get("RESUMABLE_STATE_DIR") or "state"
     return open_store(location)
+
+
+def _store(args: argparse.Namespace) -> Store:
+    root = _root(args)
+    sid = _session_id(args)
+    return root if sid is None else _sessions.session_store(root, sid)
 
 
 def _state(args: argparse.Namespace) -> Store:
@@ -157,6 +208,8 @@ def _state(args: argparse.Namespace) -> Store:
     root = store.root if isinstance(store, LocalStore) else None
     if root is not None and os.path.exists(root) and not os.path.isdir(root):
         raise StateDirectoryError(root, "it is a file, not a directory")
+    if _session_id(args) is not None and _sessions.incomplete(store):
+        raise _NoState(store.location)  # a fork or delete was killed: it holds nothing
     for key in (MANIFEST, EVENTS):
         try:
             store.read_range(key, 0, 0)
@@ -171,6 +224,11 @@ def _state(args: argparse.Namespace) -> Store:
 
 
 def _pipeline(args: argparse.Namespace, store: Store | None = None, **options: int) -> Pipeline:
+    sid = _session_id(args)
+    if sid is not None:  # the session's own lock, and its summary in the index kept up to date
+        if store is not None and _sessions.incomplete(store):
+            raise _NoState(store.location)
+        return Pipeline("resumable-cli", store=_root(args), session=sid, **options)  # type: ignore[arg-type]
     store = store if store is not None else _store(args)
     return Pipeline("resumable-cli", store=store, **options)  # type: ignore[arg-type]
 
@@ -183,12 +241,26 @@ def _out(text: str) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    store = _state(args)
-    manifest = read_state(store, secret=secret_bytes(None))
+    summary = None if _session_id(args) is not None else _sessions_cli.summary(_root(args))
+    try:
+        store = _state(args)
+    except _NoState:
+        if not summary:
+            raise
+        store = None
+    data = read_state(store, secret=secret_bytes(None)).to_dict() if store is not None else None
     if args.json:
-        _out(json.dumps(manifest.to_dict(), indent=2, ensure_ascii=False))
-    else:
+        _out(
+            json.dumps(
+                {**(data or {}), **({"sessions": summary} if summary else {})}, indent=2, ensure_ascii=False
+            )
+        )
+        return 0
+    if store is not None:
+        manifest = read_state(store, secret=secret_bytes(None))
         _out(_render.status(manifest, store.location))
+    if summary:
+        _out(_sessions_cli.render_summary(summary, default=store is not None))
     return 0
 
 
@@ -343,6 +415,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _clean(args: argparse.Namespace) -> int:
+    if args.sessions or args.idle is not None:
+        if not (args.sessions and args.idle is not None):
+            raise UsageError(
+                "clean --sessions needs --idle AGE (e.g. --idle 30d), and --idle needs --sessions"
+            )
+        return _sessions_cli.clean_sessions(_root(args), args.idle, dry_run=args.dry_run, out=_out)
+
     keep = args.keep if args.keep is not None else 20
     if keep < 0:
         raise UsageError(f"--keep must be 0 or more, got {keep}")
@@ -367,6 +446,8 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "verify": _verify,
     "clean": _clean,
     "report": _report,
+    "sessions": lambda args: _sessions_cli.sessions_cmd(args, _root(args), _out),
+    "diff": lambda args: _sessions_cli.diff_cmd(args, _root(args), _out),
 }
 
 

@@ -45,7 +45,7 @@ class Host(Protocol):
     _steps: dict[str, Any]
 
     def _session_for(self, spec: Any) -> Any:
-        """The open session steps of this pipeline run in (opened if needed)."""
+        """The open run (a ``RunState``) steps of this pipeline run in (opened if needed)."""
         ...
 
     def _has_output(self, plan: Any) -> bool:
@@ -60,6 +60,10 @@ class Host(Protocol):
 _lock = threading.RLock()
 _unbound: dict[str, Any] = {}
 _current: contextvars.ContextVar[Any] = contextvars.ContextVar("resumable_pipeline", default=None)
+# the named sessions entered in this context, innermost first (each (session, pipeline) pair)
+_sessions: contextvars.ContextVar[tuple[tuple[Any, Any], ...]] = contextvars.ContextVar(
+    "resumable_sessions", default=()
+)
 # Pipelines entered by `with`, for threads started inside the block (threads do not
 # inherit context variables).
 _entered: list[Any] = []
@@ -143,3 +147,24 @@ def current_pipeline() -> Any:
     if _entered:
         return _entered[-1]
     return default_pipeline()
+
+
+def enter_session(session: object, pipeline: object) -> tuple[contextvars.Token[Any], contextvars.Token[Any]]:
+    """*pipeline*'s named *session* begins in this context (thread or asyncio task) only."""
+    return _current.set(session), _sessions.set(((session, pipeline), *_sessions.get()))
+
+
+def leave_session(tokens: tuple[contextvars.Token[Any], contextvars.Token[Any]]) -> None:
+    """The innermost named session of this context ends."""
+    _sessions.reset(tokens[1])
+    _current.reset(tokens[0])
+
+
+def session_of(pipeline: object) -> Any:
+    """The innermost named session of *pipeline* entered in this context, or None."""
+    entered = _sessions.get()
+    if entered:
+        for session, owner in entered:
+            if owner is pipeline:
+                return session
+    return None

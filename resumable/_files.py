@@ -167,6 +167,12 @@ class FileDigests:
         except Exception as exc:  # noqa: BLE001 - a cache: never worth failing a run for
             log.debug("file digest cache not written: %s", exc)
 
+    def detach(self, store: Store) -> None:
+        """*store*'s run closed: keep no reference to it (a service opens thousands of sessions)."""
+        with self._lock:
+            self._pending.pop(store.location, None)
+            self._attached.discard(store.location)
+
     def clear(self) -> None:
         with self._lock:
             self._cache.clear()

@@ -10,28 +10,47 @@ pipeline of the innermost ``with`` block, else in the default pipeline.
 from __future__ import annotations
 
 import contextvars
+import functools
 import os
 import socket
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar, overload
 
-from . import _context
+from . import _context, _sessions
 from ._codec import DamagedFileError, parse_header, secret_bytes, utcnow, verify
 from ._exit import exit_hooks, status_for
 from ._journal import read_state
 from ._manifest import Manifest
 from ._plan import Plan
 from ._runner import Run, run_steps, run_without_state
-from ._session import Session
-from ._slots import BATCHES, EVENTS, INTERNAL_DIR, MANIFEST, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
+from ._session import RunState
+from ._sessions import SessionInfo
+from ._slots import (
+    BATCHES,
+    EVENTS,
+    INTERNAL_DIR,
+    MANIFEST,
+    OUTPUT_SUFFIX,
+    check_session_id,
+    is_output_file,
+    slot_file,
+    step_of,
+)
 from ._step import KeySpec, RetryOn, Step, StepSpec, step
 from ._stores import Store, open_store
-from .exceptions import StateDirectoryError, StateLockedError, StepDefinitionError, UsageError
+from .exceptions import (
+    SessionBusyError,
+    StateDirectoryError,
+    StateLockedError,
+    StepDefinitionError,
+    UsageError,
+)
 
 if TYPE_CHECKING:
     from ._history import Checkpoint
@@ -57,6 +76,8 @@ class Pipeline:
         secret: authenticate every file with this key (default ``$RESUMABLE_SECRET``).
         keep_checkpoints: how many checkpoints history keeps.
         storage_options: passed to fsspec for remote stores (endpoint, credentials ...).
+        session: run in this named session of the store (default ``$RESUMABLE_SESSION``,
+            else the default session: the store's root). See :meth:`session`.
     """
 
     def __init__(  # noqa: PLR0913 - the documented options
@@ -70,6 +91,7 @@ class Pipeline:
         secret: str | bytes | None = None,
         keep_checkpoints: int = 20,
         storage_options: Mapping[str, Any] | None = None,
+        session: str | None = None,
     ) -> None:
         if state_dir is not None and store is not None:
             msg = "pass either state_dir= or store= to Pipeline, not both"
@@ -88,9 +110,15 @@ class Pipeline:
         self._secret_arg = secret
         self.keep_checkpoints = keep_checkpoints
         self._storage_options = dict(storage_options or {})
+        if session is None:
+            session = os.environ.get("RESUMABLE_SESSION") or None
+        self._session_id: str | None = None if session is None else check_session_id(session)
+        self._root: Store | None = None
+        self._session_meta: dict[str, Any] | None = None
+        self._metadata: Mapping[str, Any] | None = None
         self._steps: dict[str, StepSpec[Any, Any]] = {}
         self._store: Store | None = None
-        self._run: Session | None = None
+        self._run: RunState | None = None
         self._dropped: weakref.finalize[..., Any] | None = None  # closes a script-mode run if dropped
         self._lock = threading.RLock()
         self._depth = 0
@@ -110,15 +138,31 @@ class Pipeline:
 
     @property
     def store(self) -> Store:
-        """The store holding this pipeline's state (resolved on first use)."""
+        """The store holding this pipeline's state (resolved on first use): its session's."""
         if self._store is None:
             with self._lock:
                 if self._store is None:
+                    root = self._root_store
+                    sid = self._session_id
+                    self._store = root if sid is None else _sessions.session_store(root, sid)
+        return self._store
+
+    @property
+    def _root_store(self) -> Store:
+        """The store of the default session, which holds the named ones."""
+        if self._root is None:
+            with self._lock:
+                if self._root is None:
                     location = self._location
                     if location is None:
                         location = os.environ.get("RESUMABLE_STATE_DIR") or "state"
-                    self._store = open_store(location, self._storage_options or None)
-        return self._store
+                    self._root = open_store(location, self._storage_options or None)
+        return self._root
+
+    @property
+    def session_id(self) -> str | None:
+        """The named session this runs in, or None for the default session."""
+        return self._session_id
 
     @property
     def _secret(self) -> bytes | None:
@@ -169,8 +213,8 @@ class Pipeline:
 
     # the run -----------------------------------------------------------------------------
 
-    def _new_run(self, *, maintenance: bool) -> Session:
-        run = Session(
+    def _new_run(self, *, maintenance: bool, prepare: Callable[[], None] | None = None) -> RunState:
+        run = RunState(
             self.store,
             pipeline=self.name,
             durable=self.durable,
@@ -178,22 +222,48 @@ class Pipeline:
             secret=self._secret,
             keep_checkpoints=self.keep_checkpoints,
         )
+        if prepare is None and self._session_id is not None:
+            prepare = self._prepare_session
         try:
-            run.open(maintenance=maintenance)
+            run.open(maintenance=maintenance, prepare=prepare)
         except (PermissionError, NotADirectoryError, FileExistsError) as exc:
             raise _unusable(self.store, exc) from exc
+        except StateLockedError as exc:
+            if self._session_id is None or isinstance(exc, SessionBusyError):
+                raise
+            raise SessionBusyError(self._session_id, self.store.location, exc.holder) from None
         _open_runs[run.token] = run
+        meta = self._session_meta
+        if meta is not None and not maintenance:
+            if meta.pop("changed", False):  # new, or new metadata: the whole summary
+                self._index_session(run)
+            else:  # only what opening changed: no summary to work out
+                _sessions.record_running(self._root_store, meta["id"], run.journal.manifest.runs)
         return run
+
+    def _prepare_session(self) -> None:
+        """Holding a named session's lock, before its state is read (see :func:`_sessions.prepare`)."""
+        assert self._session_id is not None  # noqa: S101 - only named sessions are prepared
+        self._session_meta = _sessions.prepare(
+            self.store, self._session_id, metadata=self._metadata, durable=self.durable
+        )
+
+    def _index_session(self, run: RunState) -> None:
+        if self._session_meta is not None:
+            _sessions.record(self._root_store, self._session_meta, run.journal.manifest)
 
     def _defined(self) -> list[str]:
         """The steps this process defines for this pipeline (recorded when a run closes)."""
         return sorted(set(self._steps) | set(_context.unbound_steps()))
 
-    def _session_for(self, spec: StepSpec[Any, Any] | None = None) -> Session:
+    def _session_for(self, spec: StepSpec[Any, Any] | None = None) -> RunState:
         """
-        The open session, opening one if there is none (script mode: closed at exit). Steps
+        The open run, opening one if there is none (script mode: closed at exit). Steps
         and batches reach it through the :class:`~resumable._context.Host` protocol.
         """
+        named = _context.session_of(self)
+        if named is not None:  # inside `with self.session(id)` in this context
+            return named._session_for(spec)  # type: ignore[no-any-return]  # noqa: SLF001
         run = self._run
         if run is None:
             with self._lock:
@@ -223,6 +293,8 @@ class Pipeline:
                 self._dropped = None
             if run is not None:
                 run.close(status, error, defined=self._defined())
+                if self._session_id is not None:
+                    self._index_session(run)
 
     def _close_at_exit(self, status: str, error: BaseException | None) -> None:
         """Close the run script mode opened, as the interpreter exits with *status*."""
@@ -250,7 +322,7 @@ class Pipeline:
                 self._close(status_for(exc), exc)
 
     @contextmanager
-    def _maintenance(self, *, tidy: bool = False) -> Iterator[Session]:
+    def _maintenance(self, *, tidy: bool = False) -> Iterator[RunState]:
         """
         The open run, or the lock and state for a moment (no run is counted). With *tidy*,
         temporary files are removed afterwards if this took the lock: no one else can be
@@ -274,8 +346,10 @@ class Pipeline:
                         self.store.remove_temp_files()
                 finally:
                     run.close("completed")
+                    if self._session_id is not None:
+                        self._index_session(run)
 
-    def _maintenance_run(self) -> tuple[Session, bool]:
+    def _maintenance_run(self) -> tuple[RunState, bool]:
         """A run of our own that counts no run (True), or the open run holding the lock here (False)."""
         try:
             return self._new_run(maintenance=True), True
@@ -316,6 +390,74 @@ class Pipeline:
             return run_steps(repr(self), self._session_for(), specs, inputs)
         with self:
             return run_steps(repr(self), self._session_for(), specs, inputs)
+
+    # sessions ----------------------------------------------------------------------------
+
+    def session(
+        self,
+        id: str,  # noqa: A002 - the name SPEC §13 gives it
+        *,
+        wait: float | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> Session:
+        """
+        Named session *id* of this pipeline's store: an independent slice of it (its own
+        slots, manifest, event log, checkpoints and lock). Use it as ``with`` or ``async
+        with``: inside, this pipeline's steps and module-level steps run in the session, in
+        this thread or asyncio task only; other sessions run at the same time elsewhere.
+
+        Args:
+            id: any non-empty str of up to 200 characters.
+            wait: None (the default) raises :class:`SessionBusyError` at once if another run
+                holds the session; a number of seconds waits up to that long for it (with
+                ``async with``, without blocking the event loop).
+            metadata: JSON values kept with the session (shown by ``sessions()``); given,
+                it replaces what was kept.
+        """
+        return Session(self, check_session_id(id), wait=wait, metadata=metadata)
+
+    def sessions(
+        self, *, status: str | None = None, prefix: str | None = None, limit: int | None = None
+    ) -> list[SessionInfo]:
+        """
+        The named sessions of this pipeline's store, newest (last updated) first: only those
+        with *status* (``running``, ``completed``, ``failed``, ``interrupted``, ``new``),
+        whose id starts with *prefix*, at most *limit* of them. Reads only: takes no lock.
+        """
+        return _sessions.list_sessions(self._root_store, status=status, prefix=prefix, limit=limit)
+
+    def fork(self, src: str, dst: str, *, at: int | str | None = None) -> SessionInfo:
+        """
+        Create session *dst* from session *src*'s state at checkpoint *at* (a checkpoint id,
+        a snapshot label, or a step, as in :meth:`rollback`; None: its latest state). Files
+        are shared, not copied (hard links locally, server-side copies on object stores), so
+        running *dst* with unchanged inputs runs no step, and changing one input reruns
+        exactly the steps that depend on it. *src* may be running: the fork takes the state
+        a kill would have left.
+
+        Raises:
+            UsageError: *src* does not exist, or *dst* does.
+            SessionBusyError: a run holds *dst*.
+        """
+        src, dst = check_session_id(src), check_session_id(dst)
+        root = self._root_store
+        if src == dst:
+            raise UsageError(f"cannot fork session {src!r} into itself")
+        if not _sessions.exists(root, src):
+            raise UsageError(f"no session {src!r} to fork in {root.location} (see `resumable sessions`)")
+        self.session(dst)._fork_from(src, at)  # noqa: SLF001 - the session's own
+        return next(s for s in self.sessions(prefix=dst) if s.id == dst)
+
+    def delete_session(self, id: str) -> None:  # noqa: A002 - as in session()
+        """
+        Remove session *id* and all its files, crash-safely: if the process is killed at any
+        instant, the next run of a session with that id starts empty.
+
+        Raises:
+            UsageError: there is no such session.
+            SessionBusyError: a run holds it.
+        """
+        _sessions.delete(self._root_store, check_session_id(id), durable=self.durable)
 
     # state -------------------------------------------------------------------------------
 
@@ -371,7 +513,7 @@ class Pipeline:
             rank = {s: i for i, s in enumerate(manifest.completed_steps)}
             return self._forget(run, sorted(slots, key=lambda s: (rank.get(s, len(rank)), s))) + forgotten
 
-    def _known_slots(self, run: Session) -> tuple[set[str], set[str]]:
+    def _known_slots(self, run: RunState) -> tuple[set[str], set[str]]:
         """
         The slots the state holds (in the manifest, as output files, as row chunks) and the
         names of batches run outside steps; only slots whose file stays inside the state.
@@ -390,7 +532,7 @@ class Pipeline:
                 batches.add(key[len(named_dir) :].split("/", 1)[0])
         return {s for s in slots if is_output_file(slot_file(s))}, batches
 
-    def _forget(self, run: Session, slots: list[str]) -> list[str]:
+    def _forget(self, run: RunState, slots: list[str]) -> list[str]:
         from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
 
         # the run's store, not this pipeline's: the run may be another pipeline's (_maintenance)
@@ -541,10 +683,10 @@ class Pipeline:
 
 
 # The runs this process has open, by the token their lock names (held no longer than they are).
-_open_runs: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
+_open_runs: weakref.WeakValueDictionary[str, RunState] = weakref.WeakValueDictionary()
 
 
-def _held_here(exc: StateLockedError) -> Session | None:
+def _held_here(exc: StateLockedError) -> RunState | None:
     """The open run of this process that holds the lock *exc* found taken, if it is one."""
     holder = exc.holder
     if holder.get("pid") != os.getpid() or holder.get("host") != socket.gethostname():
@@ -553,7 +695,7 @@ def _held_here(exc: StateLockedError) -> Session | None:
     return run if run is not None and not run.closed else None
 
 
-def _close_dropped(run: Session) -> None:
+def _close_dropped(run: RunState) -> None:
     """Close the script-mode run of a pipeline that was garbage-collected before exit."""
     if not run.closed:
         run.close("interrupted" if run.last_outcome == "interrupted" else "completed")
@@ -635,6 +777,158 @@ def snapshot(store: Store) -> dict[str, Any]:
         "created_at": utcnow(),
         "files": dict(sorted(files.items())),
     }
+
+
+# --- named sessions ----------------------------------------------------------------------
+
+_POLL = 0.02  # seconds between two attempts at a busy session's lock (doubling up to _POLL_MAX)
+_POLL_MAX = 0.5
+
+
+class Session(Pipeline):
+    """
+    A named session of a pipeline (``pipe.session(id)``): use it as ``with`` or ``async
+    with``. It has the pipeline's per-state methods (``status``, ``checkpoints``,
+    ``snapshot``, ``rollback``, ``reset``, ``why``, ``save_state``, ``load_state``, ``run``)
+    for this session, and :meth:`outputs`.
+    """
+
+    def __init__(
+        self, parent: Pipeline, session: str, *, wait: float | None, metadata: Mapping[str, Any] | None
+    ) -> None:
+        if wait is not None and (isinstance(wait, bool) or not isinstance(wait, int | float) or wait < 0):
+            msg = f"wait must be a number of seconds >= 0 or None, got {wait!r}"
+            raise UsageError(msg)
+        if metadata is not None and not isinstance(metadata, Mapping):
+            msg = f"metadata must be a mapping (JSON values), got {type(metadata).__name__}"
+            raise UsageError(msg)
+        super().__init__(
+            parent._name,  # noqa: SLF001 - the parent's options
+            store=parent._root_store,  # noqa: SLF001
+            durable=parent.durable,
+            allow_pickle=parent.allow_pickle,
+            secret=parent._secret_arg,  # noqa: SLF001
+            keep_checkpoints=parent.keep_checkpoints,
+            session=session,
+        )
+        self._root = parent._root_store  # noqa: SLF001
+        self._steps = parent._steps  # noqa: SLF001 - the same step definitions
+        self._parent = parent
+        self._wait = wait
+        self._metadata = dict(metadata) if metadata is not None else None
+        self._session_tokens: list[Any] = []
+
+    def __repr__(self) -> str:
+        return f"Session({self.id!r}, pipeline={self.name!r}, store={self._root_store.location!r})"
+
+    @property
+    def id(self) -> str:
+        """The session's id."""
+        assert self._session_id is not None  # noqa: S101 - a Session is always named
+        return self._session_id
+
+    @property
+    def name(self) -> str:
+        """The pipeline's name."""
+        return self._parent.name
+
+    # entering ----------------------------------------------------------------------------
+
+    def _try_open(self) -> SessionBusyError | None:
+        """Open the run if the lock is free; else the error naming who holds it."""
+        with self._lock:
+            if self._run is None:
+                try:
+                    self._run = self._new_run(maintenance=False)
+                except SessionBusyError as exc:
+                    return exc
+            return None
+
+    def _opened(self) -> Self:
+        with self._lock:
+            self._depth += 1
+        self._session_tokens.append(_context.enter_session(self, self._parent))
+        return self
+
+    def __enter__(self) -> Self:
+        if _context.disabled():
+            return self._opened()
+        deadline = None if self._wait is None else time.monotonic() + self._wait
+        delay = _POLL
+        while (busy := self._try_open()) is not None:
+            left = 0.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise busy
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, _POLL_MAX)
+        return self._opened()
+
+    async def __aenter__(self) -> Self:
+        import asyncio  # noqa: PLC0415 - only async users need it
+
+        if _context.disabled():
+            return self._opened()
+        deadline = None if self._wait is None else time.monotonic() + self._wait
+        delay = _POLL
+        remote = self._root_store.slow_appends  # a round trip or more: off the event loop
+        while (busy := (await asyncio.to_thread(self._try_open) if remote else self._try_open())) is not None:
+            left = 0.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                raise busy
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, _POLL_MAX)
+        return self._opened()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        _context.leave_session(self._session_tokens.pop())
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                self._close(status_for(exc), exc)
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    # reading -----------------------------------------------------------------------------
+
+    def outputs(self, step: str) -> Mapping[str, Any]:
+        """
+        The completed outputs of keyed step *step* in this session: an ordered mapping key →
+        value (completion order), each value read when it is used. A service reads a
+        conversation this way without replaying it.
+        """
+        return _sessions.outputs(
+            self.status(), self.store, step, secret=self._secret, allow_pickle=self.allow_pickle
+        )
+
+    def info(self) -> SessionInfo | None:
+        """This session as ``pipe.sessions()`` lists it (None if it was never opened)."""
+        return next((s for s in self._parent.sessions(prefix=self.id) if s.id == self.id), None)
+
+    # forking into it ---------------------------------------------------------------------
+
+    def _fork_from(self, src: str, at: int | str | None) -> None:
+        """Fill this (new) session with *src*'s state at *at* (see :meth:`Pipeline.fork`)."""
+        from . import _history  # noqa: PLC0415 - imported when history is first used
+
+        store = self.store
+        with self._lock:
+            fill = functools.partial(_sessions.fill_fork, self._root_store, src, self.id, store)
+            run = self._new_run(maintenance=True, prepare=fill)
+            try:
+                if at is not None:
+                    _history.rollback(run, at)
+                # complete: from here the session is dst's (a failure above leaves the marker,
+                # and whoever opens the session next empties it)
+                store.delete(_sessions.INCOMPLETE, durable=True)
+            finally:
+                run.close("completed")
+            self._session_meta = _sessions.read_meta(store)
+            self._index_session(run)
 
 
 _context.set_default_factory(Pipeline)

@@ -15,7 +15,7 @@ from ._codec import DamagedFileError, value_digest
 from ._fingerprint import StoredOutput
 from ._journal import read_header
 from ._plan import Plan
-from ._session import Found, Session
+from ._session import Found, RunState
 from ._slots import slot_file
 from ._step import StepSpec
 from ._warn import warn
@@ -52,7 +52,7 @@ class _LazyOutputs(Mapping[str, Any]):
         return f"<outputs {list(self._data)}>"
 
 
-def run_steps(owner: str, run: Session, specs: list[StepSpec[Any, Any]], inputs: Mapping[str, Any]) -> Run:
+def run_steps(owner: str, run: RunState, specs: list[StepSpec[Any, Any]], inputs: Mapping[str, Any]) -> Run:
     """Run *specs* in order, passing outputs on by parameter name (see ``Pipeline.run``)."""
     outputs: dict[str, Any] = {}
     executed: list[str] = []
@@ -81,7 +81,7 @@ def run_without_state(owner: str, specs: list[StepSpec[Any, Any]], inputs: Mappi
 
 
 def _run_one(
-    run: Session, spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]
+    run: RunState, spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]
 ) -> tuple[Any, bool, str]:
     if spec.key is not None:  # the key may need the values themselves
         args, kwargs = _resolved(args), _resolved(kwargs)
@@ -98,7 +98,7 @@ def _run_one(
 
 
 def _load_or_redo(  # noqa: PLR0913 - what the lazy value needs to load or make the output
-    run: Session,
+    run: RunState,
     spec: StepSpec[Any, Any],
     plan: Plan,
     args: list[Any],
@@ -177,7 +177,7 @@ def _call(spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]) -> 
     return functools.partial(spec.fn, *_resolved(args), **_resolved(kwargs))
 
 
-def _execute(run: Session, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Any) -> Any:
+def _execute(run: RunState, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Any) -> Any:
     if not spec.is_async:
         return run.execute(spec, plan, found, call)
     import asyncio  # noqa: PLC0415 - only async steps need it; it takes longer to import than this package

@@ -1,7 +1,7 @@
 """
-The session: one open run of a pipeline, in one class.
+The run state: one open run of a pipeline (in one session of its store), in one class.
 
-A :class:`Session` holds the store's lock, the journal, and everything a step call does
+A :class:`RunState` holds the store's lock, the journal, and everything a step call does
 with the state: look it up (a *skip* if its slot holds a valid output with the same
 fingerprint, else a miss with the reason why), and run a miss: ``step_started`` is logged
 first (fsynced for ``idempotent=False`` steps), the function runs with retries, its output
@@ -59,6 +59,9 @@ LARGE_OUTPUT = 100 * 1024 * 1024  # outputs larger than this log a warning
 RETRY_BASE_DELAY = 0.5  # seconds before the first retry; doubles each attempt
 RETRY_MAX_DELAY = 60.0
 _MAX_TRACEBACK = 20_000
+# A run logs the skips of the slots completed last (at most this many), and of slots the
+# manifest does not hold as completed; the skips of older slots are not logged.
+SKIPS_LOGGED = 32
 
 
 class Execution:
@@ -66,7 +69,7 @@ class Execution:
 
     __slots__ = ("batches", "loops", "plan", "run", "spec")
 
-    def __init__(self, run: Session, spec: StepView, plan: Plan) -> None:
+    def __init__(self, run: RunState, spec: StepView, plan: Plan) -> None:
         self.run = run
         self.spec = spec
         self.plan = plan
@@ -188,7 +191,7 @@ class Found:
         self.ran_at = ran_at  # and when it was made
 
 
-class Session:
+class RunState:
     """
     One open run of a pipeline: it holds the store's lock until it closes, keeps the
     journal, looks step calls up (a skip, or a miss with its reason) and runs the misses
@@ -227,6 +230,7 @@ class Session:
         # code components as they were when the run opened, to explain every rerun the same way
         self._code_before: dict[str, dict[str, str]] = {}
         self._skipped: set[str] = set()
+        self._recent: set[str] = set()  # the slots completed last when the run opened
         self._code_recorded: set[str] = set()  # code digests whose record is in the store (_why)
         # slot -> (stamp, bytes, header, header length) of files verified in this run
         self._verified: OrderedDict[str, tuple[Stamp, Verified]] = OrderedDict()
@@ -234,8 +238,12 @@ class Session:
 
     # lifecycle ---------------------------------------------------------------------------
 
-    def open(self, *, maintenance: bool = False) -> None:
-        """Take the lock and load the state; a normal open also counts a new run."""
+    def open(self, *, maintenance: bool = False, prepare: Callable[[], None] | None = None) -> None:
+        """
+        Take the lock and load the state; a normal open also counts a new run. *prepare* is
+        called holding the lock, before the state is read (a named session finishes a
+        killed fork or delete there).
+        """
         self.maintenance = maintenance
         holder = {
             "pid": os.getpid(),
@@ -246,8 +254,10 @@ class Session:
             "run_token": self.token,
         }
         self._lock = self.store.lock(holder)
-        file_digests.attach(self.store, self.secret)
         try:
+            if prepare is not None:
+                prepare()
+            file_digests.attach(self.store, self.secret)
             manifest = self.journal.load()
             if manifest.runs and manifest.pipeline != self.journal.pipeline and not maintenance:
                 log.warning(
@@ -256,6 +266,7 @@ class Session:
                     self.store.location, manifest.pipeline, self.journal.pipeline,
                 )  # fmt: skip
             self._code_before = {k: dict(v) for k, v in manifest.code.items()}
+            self._recent = set(manifest.completed_steps[-SKIPS_LOGGED:])
             if manifest.status == "running" and manifest.runs > 0:
                 # the lock was free, so the run that wrote "running" died without closing
                 self.journal.record("run_finished", status="interrupted", detected="next run")
@@ -316,6 +327,7 @@ class Session:
         )
 
     def _release(self) -> None:
+        file_digests.detach(self.store)
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()
@@ -413,6 +425,11 @@ class Session:
             code = header.get("code")
             if spec.version is not None and isinstance(code, str) and code != plan.identity.code:
                 self._kept(spec, plan, code)
+            elif plan.slot not in self._recent and self.journal.manifest.steps.is_completed(plan.slot):
+                # The skips of the slots completed last are logged (why and report show them);
+                # older ones change nothing: a run replaying a conversation of 200 turns would
+                # otherwise log 200 skips, and the log would grow with the square of its length.
+                return self._hit_found(plan, spec, header, value)
             self.journal.record_skip(
                 plan.slot,
                 plan.fingerprint,
@@ -420,6 +437,9 @@ class Session:
                 header.get("created_at"),
                 header["hsum"],
             )
+        return self._hit_found(plan, spec, header, value)
+
+    def _hit_found(self, plan: Plan, spec: StepView, header: dict[str, Any], value: Any) -> Found:
         if log.isEnabledFor(logging.INFO):
             log.info("step %r skipped: %s", plan.slot, self._skip_note(spec, plan, header))
         return Found(hit=True, value=value)

@@ -6,13 +6,16 @@ import re
 
 import blake3
 
-from .exceptions import StepDefinitionError
+from .exceptions import StepDefinitionError, UsageError
 
 OUTPUT_SUFFIX = ".msgpack"
 # Internal files live under this directory, which no step name can collide with.
 INTERNAL_DIR = ".resumable"
 MANIFEST = "manifest.json"
 EVENTS = "events.jsonl"
+# Named sessions live under this directory, each in the default session's layout.
+SESSIONS_DIR = ".sessions"
+_MAX_SESSION_ID = 200
 
 _MAX_NAME = 100
 _FORBIDDEN_NAME = re.compile(r'[\x00-\x1f\x7f/\\<>:"|?*]')
@@ -106,3 +109,26 @@ def is_output_file(path: str) -> bool:
         return False
     parts = path.split("/")
     return len(parts) <= 2 and not any(p.startswith(".") for p in parts)
+
+
+def check_session_id(session: object) -> str:
+    """Return *session* if it can be a session id (a non-empty str of up to 200 characters)."""
+    if not isinstance(session, str) or not session or len(session) > _MAX_SESSION_ID:
+        msg = f"a session id is a non-empty str of at most {_MAX_SESSION_ID} characters, got {session!r}"
+        raise UsageError(msg)
+    return session
+
+
+def session_prefix(session: str) -> str:
+    """Where a named session's files live in the store: ``.sessions/<id encoded as keys are>``."""
+    return f"{SESSIONS_DIR}/{encode_key(check_session_id(session))}"
+
+
+def session_of_prefix(name: str) -> str | None:
+    """The session id a ``.sessions/`` directory name encodes (None if none does)."""
+    try:
+        raw = re.sub(rb"%([0-9A-F]{2})", lambda m: bytes([int(m.group(1), 16)]), name.encode("ascii"))
+        decoded = raw.decode("utf-8", "surrogatepass")
+    except (UnicodeError, ValueError):
+        return None
+    return decoded if "~" not in name and encode_key(decoded) == name else None

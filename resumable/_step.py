@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol
 import blake3
 
 from . import _codehash, _codeshape
-from ._context import Host, current_pipeline, disabled, register
+from ._context import Host, current_pipeline, disabled, register, session_of
 from ._fingerprint import digest_parameters
 from ._plan import Identity, Plan
 from ._slots import check_name, slot_id
 from .exceptions import StepDefinitionError
 
 if TYPE_CHECKING:
-    from ._session import Session
+    from ._session import RunState
 
 P = ParamSpec("P")
 P2 = ParamSpec("P2")
@@ -367,8 +367,15 @@ class StepSpec(Generic[P, R]):
     # calling -----------------------------------------------------------------------------
 
     def host(self) -> Host:
-        """The pipeline this call runs in: the step's own, else the current one."""
-        return self.pipeline if self.pipeline is not None else current_pipeline()
+        """
+        The pipeline this call runs in: the step's own, else the current one; in its named
+        session if one is entered in this context.
+        """
+        if self.pipeline is None:
+            current: Host = current_pipeline()  # (a named session is the current pipeline there)
+            return current
+        named: Host | None = session_of(self.pipeline)
+        return self.pipeline if named is None else named
 
     def call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if disabled():
@@ -380,7 +387,7 @@ class StepSpec(Generic[P, R]):
                 return self._lookup_or_run(run, plan, args, kwargs)
         return self._lookup_or_run(run, plan, args, kwargs)
 
-    def _lookup_or_run(self, run: Session, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _lookup_or_run(self, run: RunState, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         found = run.lookup(self, plan)
         if found.hit:
             return found.value
@@ -397,7 +404,7 @@ class StepSpec(Generic[P, R]):
         return await self._lookup_or_run_async(run, plan, args, kwargs)
 
     async def _lookup_or_run_async(
-        self, run: Session, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, run: RunState, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         found = run.lookup(self, plan)
         if found.hit:

@@ -21,6 +21,7 @@ import attrs
 from ._codehash import short_repr
 from ._manifest import skip_fields
 from ._slots import slot_id
+from ._stores._prefix import root_of
 
 if TYPE_CHECKING:
     from collections.abc import Iterable, Iterator
@@ -35,7 +36,11 @@ _DIGEST = re.compile(r"[0-9a-f]{32}")
 
 
 def record_code(store: Store, step: str, identity: Identity) -> bool:
-    """Keep the components of the code a step is about to run; False if they could not be written."""
+    """
+    Keep the components of the code a step is about to run; False if they could not be
+    written. Records are named by their digest: the sessions of a store share them (they
+    go to the store the session is in).
+    """
     record = {
         "step": step,
         "components": identity.components,
@@ -43,9 +48,17 @@ def record_code(store: Store, step: str, identity: Identity) -> bool:
         "values": {label: short_repr(value) for label, value in identity.values().items()},
         "left_out": identity.left_out,
     }
+    store = root_of(store)
+    key = f"{CODE_DIR}{identity.code}.json"
+    try:  # written once: a record is named by the digest of what it holds
+        store.read_range(key, 0, 0)
+    except (FileNotFoundError, OSError):
+        pass
+    else:
+        return True
     data = json.dumps(record, indent=1, sort_keys=True, ensure_ascii=False).encode()
     try:
-        store.write(f"{CODE_DIR}{identity.code}.json", [data], durable=False)
+        store.write(key, [data], durable=False)
     except OSError as exc:  # an explanation is not worth failing a step for
         log.debug("code record of step %r not written: %s", step, exc)
         return False
@@ -57,7 +70,7 @@ def read_code(store: Store, code: object) -> dict[str, Any] | None:
     if not isinstance(code, str) or not _DIGEST.fullmatch(code):
         return None
     try:
-        record = json.loads(bytes(store.read(f"{CODE_DIR}{code}.json")))
+        record = json.loads(_read_record(store, f"{CODE_DIR}{code}.json"))
     except (FileNotFoundError, ValueError, RecursionError):  # nested too deep: damaged
         return None
     if not isinstance(record, dict):
@@ -65,6 +78,17 @@ def read_code(store: Store, code: object) -> dict[str, Any] | None:
     return {key: _strings(record.get(key)) for key in ("components", "sources", "values", "left_out")} | {
         "step": str(record.get("step", ""))
     }
+
+
+def _read_record(store: Store, key: str) -> bytes:
+    """A code record: in the store sessions share, else (written before they shared them) in *store*."""
+    root = root_of(store)
+    try:
+        return bytes(root.read(key))
+    except FileNotFoundError:
+        if root is store:
+            raise
+    return bytes(store.read(key))
 
 
 def _strings(value: object) -> dict[str, str]:
@@ -85,10 +109,14 @@ class Decision:
     What the last run did with one slot, and why.
 
     ``outcome`` is ``"ran"``, ``"skipped"`` or ``"not called"`` (in the last run; ``run`` then
-    says which run last decided it). For a step that ran, ``reason`` is one of ``new``,
-    ``inputs changed``, ``code changed``, ``version changed``, ``reset``, ``corrupt``;
-    ``changes`` lists what differs from the stored output it replaced: code components with a
-    unified diff of their source, values (old -> new) and parameters.
+    says which run last decided it). A run logs the skips of the 32 slots completed last
+    (and of any the manifest did not know), not of older ones, so that a replayed
+    conversation's log grows with its length, not its square: such an older slot reused as
+    it was is ``"not called"`` since the run that last logged it. For a step that ran,
+    ``reason`` is one of ``new``, ``inputs changed``, ``code changed``, ``version changed``,
+    ``reset``, ``corrupt``; ``changes`` lists what differs from the stored output it
+    replaced: code components with a unified diff of their source, values (old -> new) and
+    parameters.
     """
 
     slot: str
@@ -222,7 +250,10 @@ def render(decisions: list[Decision], step: str) -> str:
         elif d.outcome == "skipped":
             out.append(f"{d.slot}: skipped{when}: the stored output matches its code and arguments")
         elif d.outcome == "not called":
-            out.append(f"{d.slot}: not called in the last run; last decided in run {d.run}")
+            out.append(
+                f"{d.slot}: not run in the last run (its stored output was reused, or it was not "
+                f"called); last decided in run {d.run}"
+            )
         else:
             detail = f" ({d.detail})" if d.detail else ""
             out.append(f"{d.slot}: ran{when}: {d.reason}{detail}")

@@ -12,6 +12,7 @@ already catches ``TypeError`` or ``RuntimeError`` keeps working::
     ├── StateFormatError(ResumableError, ValueError)       state written by a newer version
     ├── DamagedStateError(ResumableError, ValueError)      state data to import is damaged
     ├── StateLockedError(ResumableError, RuntimeError)     another run holds the state directory
+    │   └── SessionBusyError(StateLockedError)             another run holds that session
     ├── StateDirectoryError(ResumableError, OSError)       the state directory cannot be used
     ├── InputChangedError(ResumableError, ValueError)      a batch's input changed under a resume
     ├── StepInterruptedError(ResumableError, RuntimeError) a non-idempotent step died mid-run
@@ -36,6 +37,7 @@ __all__ = [
     "ResumableError",
     "ResumableWarning",
     "SerializationError",
+    "SessionBusyError",
     "StateDirectoryError",
     "StateFormatError",
     "StateLockedError",
@@ -198,6 +200,25 @@ class StateLockedError(ResumableError, RuntimeError):
             "directory: wait for it to finish, stop it, or use another state directory "
             "(state_dir= or $RESUMABLE_STATE_DIR)."
         )
+
+
+class SessionBusyError(StateLockedError):
+    """Another run holds the session (``pipe.session(id)`` without ``wait=``, or after it)."""
+
+    def __init__(self, session: str, location: str, holder: Mapping[str, Any] | None) -> None:
+        super().__init__(location, holder)
+        self.session = session
+        who = (
+            f"pid {self.holder.get('pid', '?')} on host {self.holder.get('host', '?')} "
+            f"since {self.holder.get('since', '?')}"
+            if self.holder
+            else "another run"
+        )
+        message = (
+            f"session {session!r} is in use by a run of {who}. A session has one run at a time: "
+            "retry later, or pass wait=SECONDS to pipe.session() to wait for it."
+        )
+        self.args = (message,)
 
 
 class InputChangedError(ResumableError, ValueError):

@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_stores._fsspec",
             "_stores._segments",
             "_stores._lease",
+            "_stores._prefix",
         },
     ),
     (
@@ -45,7 +46,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_plan",
         },
     ),
-    ("state records", {"_journal", "_history", "_why", "_verify"}),
+    ("state records", {"_journal", "_history", "_why", "_verify", "_sessions_index", "_sessions", "_diff"}),
     ("session", {"_session"}),
     (
         "public API",
@@ -66,6 +67,7 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_report_data",
             "_report",
             "_cli",
+            "_sessions_cli",
             "testing",
             "__init__",
             "__main__",

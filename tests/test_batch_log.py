@@ -437,10 +437,10 @@ def test_a_linked_chunk_log_is_never_followed(pipe: Pipeline, state_dir: Path, t
 KILLED_BEFORE_CHUNKS_GO = """
 import os, sys
 from resumable import Pipeline, checkpointed_map
-from resumable._session import Session
+from resumable._session import RunState
 
 if sys.argv[2] == "kill":  # die right after the step's output is stored, before its chunks go
-    Session.forget_batches = lambda self, slot, name=None: os._exit(137)
+    RunState.forget_batches = lambda self, slot, name=None: os._exit(137)
 
 pipe = Pipeline("p", state_dir=sys.argv[1])
 

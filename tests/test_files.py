@@ -180,4 +180,4 @@ def test_runs_opened_again_and_again_do_not_pile_up_caches(tmp_path: Path):
     for _ in range(50):
         with pipe:
             one()
-    assert 1 == len(file_digests._pending)  # the leak this guards against
+    assert len(file_digests._pending) <= 1  # the leak this guards against

@@ -35,6 +35,7 @@ from typing import Any
 
 import blake3
 
+from .._slots import SESSIONS_DIR
 from ..exceptions import ResumableError
 from ._base import Buffer, Store, check_key
 from ._lease import LEASE_KEY, Lease, LeaseConflict, ttl_from_env
@@ -42,6 +43,7 @@ from ._segments import SEGMENTS, Index, Segment, SegmentedLogs, named_error
 
 # Protocols where writing an object in one request is atomic.
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"})
+_SESSIONS = SESSIONS_DIR + "/"
 INSTALL_HINT = 'install the remote extra: pip install "resumable[remote]"'
 
 
@@ -116,6 +118,8 @@ class FsspecStore(SegmentedLogs, Store):
         if not path.startswith(self._prefix):
             return
         rel = path[len(self._prefix) :]
+        if rel.startswith(_SESSIONS):
+            return  # named sessions are stores of their own
         if rel.startswith(SEGMENTS + "/"):
             key, _, name = rel[len(SEGMENTS) + 1 :].rpartition("/")
             seg = Segment.parse(name)

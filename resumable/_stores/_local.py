@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._slots import INTERNAL_DIR, is_output_file
+from .._slots import INTERNAL_DIR, SESSIONS_DIR, is_output_file
 from ..exceptions import StateDirectoryError, StateLockedError
 from ._base import Buffer, Stamp, Store, check_key, stamp_of
 
@@ -254,7 +254,11 @@ class LocalStore(Store):
                 os.mkdir(d, 0o700)
             except FileExistsError:
                 continue
-            if d == self.root:
+            parent = os.path.dirname(d)
+            if os.path.basename(parent) == SESSIONS_DIR:  # a named session's: its state directory has one
+                if parent in missing:  # ... made just now, with it
+                    _write_gitignore(os.path.dirname(parent))
+            elif d == self.root:
                 _write_gitignore(d)
             if durable:
                 fsync_dir(os.path.dirname(d))
@@ -515,7 +519,9 @@ class LocalStore(Store):
         return their keys. Call it holding the lock.
         """
         keys: builtins.list[str] = []
-        for directory, _, files in os.walk(self.root):
+        for directory, dirs, files in os.walk(self.root):
+            if directory == self.root and SESSIONS_DIR in dirs:
+                dirs.remove(SESSIONS_DIR)  # each session sweeps its own
             prefix = "" if directory == self.root else os.path.relpath(directory, self.root) + "/"
             keys.extend(prefix + n for n in files if _is_temp(n))
         if not dry_run:
@@ -540,7 +546,8 @@ class LocalStore(Store):
             for entry in entries:
                 key = f"{rel}/{entry.name}" if rel else entry.name
                 if entry.is_dir(follow_symlinks=False):
-                    stack.append((entry.path, key))
+                    if key != SESSIONS_DIR or prefix.startswith(SESSIONS_DIR):  # sessions: not the root's
+                        stack.append((entry.path, key))
                 elif (
                     key.startswith(prefix) and key not in {_LOCK_FILE, GITIGNORE} and not _is_temp(entry.name)
                 ):
@@ -573,6 +580,13 @@ class LocalStore(Store):
         # The kernel drops a flock when its process dies, so a crash never blocks the next run.
         lock = _FileLock(fd, self._released)
         self._locked = True
+        try:
+            replaced = os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            replaced = True
+        if replaced:  # the lock file was removed (a deleted session) after we opened it
+            lock.release()
+            raise StateLockedError(self.location, None)
         try:
             died = os.fstat(fd).st_size > 0
             os.ftruncate(fd, 0)

@@ -7,8 +7,11 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+from .._slots import SESSIONS_DIR
 from ..exceptions import StateLockedError
 from ._base import Buffer, Store
+
+_SESSIONS = SESSIONS_DIR + "/"
 
 
 class _MemoryLock:
@@ -83,7 +86,9 @@ class MemoryStore(Store):
 
     def list(self, prefix: str = "") -> list[str]:
         with self._mutex:
-            return [k for k in self._objects if k.startswith(prefix)]
+            if prefix.startswith(SESSIONS_DIR):
+                return [k for k in self._objects if k.startswith(prefix)]
+            return [k for k in self._objects if k.startswith(prefix) and not k.startswith(_SESSIONS)]
 
     def lock(self, holder: Mapping[str, Any]) -> _MemoryLock:
         with self._mutex:

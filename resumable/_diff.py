@@ -1,0 +1,150 @@
+"""
+``resumable diff A B``: where two sessions (or checkpoints) diverged, slot by slot, and why.
+
+Each side is a session's current state or its state at a checkpoint (``SESSION@CHECKPOINT``,
+the checkpoint an id, a label or a step as in ``rollback``). Each completed slot's output
+header says what made it: its fingerprint, the identity of its code, the digest of each
+argument and the code record it ran (see :mod:`._why`). Two slots are then the same (same
+fingerprint), differ by their inputs (which parameters), by their code (which components,
+with the unified diff ``why`` shows), or exist on one side only. Reads only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from ._codec import DamagedFileError
+from ._journal import read_header, read_state
+from ._slots import slot_file
+from ._stores import Store
+from ._why import Change, code_changes, read_code
+from .exceptions import StateFormatError
+
+
+@attrs.frozen
+class Side:
+    """One side of a diff: where its files are and its completed slots, in completion order."""
+
+    name: str
+    store: Store
+    order: list[str]
+    files: dict[str, str]
+    """slot -> the key of its output file at that point."""
+
+
+@attrs.frozen
+class SlotDiff:
+    """How one slot compares: ``same``, ``inputs changed``, ``code changed``, ``only in A``/``B``."""
+
+    slot: str
+    verdict: str
+    detail: str = ""
+    changes: list[Change] = attrs.field(factory=list)
+
+
+def side_now(name: str, store: Store, secret: bytes | None) -> Side:
+    """A session's current state."""
+    manifest = read_state(store, secret=secret, records=False)
+    order = list(manifest.completed_steps)
+    return Side(name, store, order, {s: slot_file(s) for s in order})
+
+
+def side_at(name: str, store: Store, secret: bytes | None, target: int | str) -> Side:
+    """A session's state at checkpoint *target*."""
+    from ._history import find, object_key, replay  # noqa: PLC0415 - only when diffing history
+
+    points = replay(store, secret)
+    number = find(points, target)
+    if number == 0:
+        return Side(name, store, [], {})
+    point = next(p for p in replay(store, secret, restore=number) if p.checkpoint.id == number)
+    order = list(point.checkpoint.completed_steps)
+    files: dict[str, str] = {}
+    steps = point.steps or {}
+    for slot in order:
+        rec = steps.get(slot)
+        version = rec.file if rec is not None else None
+        current = _header(store, slot_file(slot))
+        if version is None or (current is not None and current.get("hsum") == version):
+            files[slot] = slot_file(slot)
+        else:
+            files[slot] = object_key(version)
+    return Side(name, store, order, files)
+
+
+def _header(store: Store, key: str) -> dict[str, Any] | None:
+    try:
+        header, _ = read_header(store, key)
+    except (FileNotFoundError, DamagedFileError, StateFormatError):
+        return None
+    return header
+
+
+def compare(a: Side, b: Side) -> tuple[list[SlotDiff], str | None]:
+    """Every slot of either side compared, in *a*'s completion order then *b*'s; and the first divergence."""
+    slots = list(dict.fromkeys([*a.order, *b.order]))
+    found: dict[str, SlotDiff] = {}
+    for slot in slots:
+        if slot not in b.files:
+            found[slot] = SlotDiff(slot, f"only in {a.name}")
+        elif slot not in a.files:
+            found[slot] = SlotDiff(slot, f"only in {b.name}")
+        else:
+            found[slot] = _slot(slot, a, b)
+    first = None
+    for i in range(max(len(a.order), len(b.order))):
+        x = a.order[i] if i < len(a.order) else None
+        y = b.order[i] if i < len(b.order) else None
+        if x != y or (x is not None and found[x].verdict != "same"):
+            first = x if x is not None and found[x].verdict != "same" else (x or y)
+            break
+    return [found[s] for s in slots], first
+
+
+def _slot(slot: str, a: Side, b: Side) -> SlotDiff:
+    ha, hb = _header(a.store, a.files[slot]), _header(b.store, b.files[slot])
+    if ha is None or hb is None:
+        missing = a.name if ha is None else b.name
+        return SlotDiff(slot, "unreadable", f"its output in {missing} is missing or damaged")
+    if ha.get("fingerprint") == hb.get("fingerprint"):
+        return SlotDiff(slot, "same")
+    if ha.get("identity") == hb.get("identity"):
+        pa, pb = _params(ha), _params(hb)
+        names = sorted(n for n in pa.keys() | pb.keys() if pa.get(n) != pb.get(n))
+        return SlotDiff(slot, "inputs changed", ", ".join(names), [Change("parameter", n) for n in names])
+    old, new = read_code(a.store, ha.get("code")), read_code(b.store, hb.get("code"))
+    if old is not None and new is not None:
+        changes = code_changes(old, new)
+        detail = ", ".join(f"{c.kind} {c.name}" if c.kind != "code" else "its own code" for c in changes)
+        return SlotDiff(slot, "code changed", detail, changes)
+    return SlotDiff(slot, "code changed", "its code or version (no record of the code to compare)")
+
+
+def _params(header: Mapping[str, Any]) -> dict[str, Any]:
+    params = header.get("params")
+    return dict(params) if isinstance(params, dict) else {}
+
+
+def render(a: Side, b: Side, diffs: list[SlotDiff], first: str | None) -> str:
+    """The text ``resumable diff`` prints."""
+    from ._why import _render_change  # noqa: PLC0415 - the same rendering as `why`
+
+    out = [f"diff {a.name} {b.name}: {len(diffs)} slot(s)"]
+    same = sum(d.verdict == "same" for d in diffs)
+    for d in diffs:
+        if d.verdict == "same":
+            continue
+        out.append(f"{d.slot}: {d.verdict}" + (f" ({d.detail})" if d.detail else ""))
+        for c in d.changes:
+            out.extend(_render_change(c))
+    out.append(f"{same} slot(s) the same")
+    out.append(f"first divergence (completion order): {first}" if first else "no divergence")
+    return "\n".join(out)
+
+
+def as_dict(a: Side, b: Side, diffs: list[SlotDiff], first: str | None) -> dict[str, Any]:
+    """Plain data (``--json``)."""
+    return {"a": a.name, "b": b.name, "first_divergence": first, "slots": [attrs.asdict(d) for d in diffs]}

@@ -1,0 +1,457 @@
+"""
+Sessions: named, independent slices of one store (SPEC §13).
+
+A named session is a store of its own under ``.sessions/<id encoded as keys are>/`` of the
+pipeline's store, in the default session's layout, with a lock of its own: the run
+machinery works on it unchanged. This module adds what is about sessions as a whole:
+
+- ``.resumable/session.json`` in each session: its id, creation time, parent and metadata;
+- ``.resumable/incomplete`` in a session being forked or deleted: whoever takes the
+  session's lock next finds it and empties the session before anything reads it, so a
+  kill at any instant never leaves a half-forked session or a deleted one's outputs;
+- the index of summaries (:mod:`._sessions_index`), which ``sessions`` and ``status`` read;
+- fork, delete, listing, and reading a session's outputs without running it.
+
+``pipe.session(id)`` (``_pipeline.Session``) is built on these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import socket
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ._codec import DamagedFileError, parse_header, read_verified, utcnow
+from ._sessions_index import index_of
+from ._slots import INTERNAL_DIR, OBJECTS, is_output_file, session_prefix, slot_file, step_of
+from ._stores import Store, check_key
+from ._stores._prefix import sub_store
+from .exceptions import ResumableError, SessionBusyError, StateLockedError, UsageError
+
+if TYPE_CHECKING:
+    from ._manifest import Manifest
+
+META = f"{INTERNAL_DIR}/session.json"
+INCOMPLETE = f"{INTERNAL_DIR}/incomplete"
+_LOCK = f"{INTERNAL_DIR}/lock"
+
+
+@attrs.frozen
+class SessionInfo:
+    """One session, as ``pipe.sessions()`` and ``resumable sessions`` list it."""
+
+    id: str
+    status: str
+    """``running``, ``completed``, ``failed``, ``interrupted``, or ``new`` (never run)."""
+    created_at: str
+    updated_at: str
+    runs: int
+    completed: int
+    """How many slots are completed."""
+    current_step: str | None
+    """The slot running, or that failed, when the session was last written."""
+    error: str | None
+    """The message of the error the last run failed with."""
+    bytes: int
+    """The size of its completed outputs."""
+    parent: str | None
+    """The session it was forked from."""
+    metadata: dict[str, Any]
+
+    @classmethod
+    def of(cls, summary: Mapping[str, Any]) -> SessionInfo:
+        """From an index summary."""
+        meta = summary.get("metadata")
+        return cls(
+            id=str(summary["id"]),
+            status=str(summary.get("status") or "new"),
+            created_at=str(summary.get("created_at") or ""),
+            updated_at=str(summary.get("updated_at") or summary.get("created_at") or ""),
+            runs=int(summary.get("runs") or 0),
+            completed=int(summary.get("completed") or 0),
+            current_step=summary.get("current_step"),
+            error=summary.get("error"),
+            bytes=int(summary.get("bytes") or 0),
+            parent=summary.get("parent"),
+            metadata=dict(meta) if isinstance(meta, dict) else {},
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (for ``--json``)."""
+        return attrs.asdict(self)
+
+
+# one session's files ---------------------------------------------------------------------
+
+
+def session_store(root: Store, session: str) -> Store:
+    """The store of named session *session* of the store *root*."""
+    return sub_store(root, session_prefix(session))
+
+
+def read_meta(store: Store) -> dict[str, Any] | None:
+    """A session's ``session.json``, or None if it has none (or it is unreadable)."""
+    try:
+        data = json.loads(bytes(store.read(META)))
+    except (FileNotFoundError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_meta(store: Store, meta: Mapping[str, Any], *, durable: bool) -> None:
+    """Write a session's ``session.json``."""
+    text = json.dumps(dict(meta), ensure_ascii=False, default=str, sort_keys=True)
+    store.write(META, [text.encode()], durable=durable)
+
+
+def incomplete(store: Store) -> bool:
+    """True if a fork or delete of the session did not finish (its files are garbage)."""
+    try:
+        store.read_range(INCOMPLETE, 0, 0)
+    except FileNotFoundError:
+        return False
+    return True
+
+
+def wipe(store: Store, *, durable: bool) -> None:
+    """Delete every file of a session but its lock, and last the ``incomplete`` marker."""
+    store.remove_temp_files()
+    for key in sorted(store.list(), key=lambda k: -k.count("/")):  # deepest first
+        if key not in {INCOMPLETE, _LOCK}:
+            store.delete(key, durable=False)
+    store.delete(INCOMPLETE, durable=durable)
+
+
+def prepare(
+    store: Store, session: str, *, metadata: Mapping[str, Any] | None, durable: bool
+) -> dict[str, Any]:
+    """
+    Called holding the session's lock, before its state is read: finish what a killed fork
+    or delete left (the session then starts empty), and create or update ``session.json``.
+    Returns it.
+    """
+    if incomplete(store):
+        wipe(store, durable=durable)
+    meta = read_meta(store)
+    if meta is None or meta.get("id") != session:
+        meta = {"id": session, "created_at": utcnow(), "parent": None, "metadata": dict(metadata or {})}
+        write_meta(store, meta, durable=False)
+        meta["changed"] = True
+    elif metadata is not None and meta.get("metadata") != dict(metadata):
+        meta = {**meta, "metadata": dict(metadata), "changed": True}
+        write_meta(store, {k: v for k, v in meta.items() if k != "changed"}, durable=False)
+    return meta
+
+
+def summary(meta: Mapping[str, Any], manifest: Manifest | None) -> dict[str, Any]:
+    """The index summary of a session from its ``session.json`` and manifest."""
+    out: dict[str, Any] = {
+        "id": meta["id"],
+        "created_at": meta.get("created_at"),
+        "parent": meta.get("parent"),
+        "metadata": meta.get("metadata") or {},
+        "updated_at": meta.get("created_at"),
+        "status": "new",
+    }
+    if manifest is None:
+        return out
+    out["status"] = manifest.status if manifest.runs or manifest.completed_steps else "new"
+    out["updated_at"] = max(str(manifest.last_update or ""), str(meta.get("created_at") or ""))
+    out["runs"] = manifest.runs
+    out["completed"] = len(manifest.completed_steps)
+    out["current_step"] = manifest.current_step
+    if manifest.error is not None and manifest.status == "failed":
+        out["error"] = f"{manifest.error.type}: {manifest.error.message}"[:500]
+    out["bytes"] = sum(rec.bytes or 0 for slot, rec in manifest.steps.parsed() if rec.status == "completed")
+    return out
+
+
+def record(root: Store, meta: Mapping[str, Any], manifest: Manifest | None) -> None:
+    """Put a session's summary in the index (a cache: a failure to write it is not an error)."""
+    with contextlib.suppress(OSError):
+        index_of(root).put(summary(meta, manifest))
+
+
+def record_running(root: Store, session: str, runs: int) -> None:
+    """Mark a session running in the index, its other fields as they were (a run opened)."""
+    with contextlib.suppress(OSError):
+        index_of(root).put(
+            {"id": session, "status": "running", "updated_at": utcnow(), "runs": runs}, merge=True
+        )
+
+
+# listing ---------------------------------------------------------------------------------
+
+
+def list_sessions(
+    root: Store, *, status: str | None = None, prefix: str | None = None, limit: int | None = None
+) -> list[SessionInfo]:
+    """The sessions of *root*, newest first (by last update), filtered; reads only."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise UsageError(f"limit must be an int >= 0 or None, got {limit!r}")
+    found = newest_first(index_of(root).read().values())
+    if status is not None:
+        found = [s for s in found if (s.get("status") or "new") == status]
+    if prefix is not None:
+        found = [s for s in found if s["id"].startswith(prefix)]
+    return [SessionInfo.of(s) for s in (found if limit is None else found[:limit])]
+
+
+def newest_first(summaries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Index summaries, the last updated first."""
+    return sorted(
+        summaries,
+        key=lambda s: (str(s.get("updated_at") or s.get("created_at") or ""), s["id"]),
+        reverse=True,
+    )
+
+
+def exists(root: Store, session: str) -> bool:
+    """True if session *session* holds anything (and is not half deleted)."""
+    store = session_store(root, session)
+    if incomplete(store):
+        return False
+    return any(k != META for k in store.list()) or read_meta(store) is not None
+
+
+# fork and delete -------------------------------------------------------------------------
+
+
+def _holder(what: str) -> dict[str, Any]:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "since": utcnow(), "argv": [what]}
+
+
+def _lock(store: Store, session: str, what: str) -> Any:
+    try:
+        return store.lock(_holder(what))
+    except StateLockedError as exc:
+        raise SessionBusyError(session, store.location, exc.holder) from None
+
+
+def delete(root: Store, session: str, *, durable: bool) -> None:
+    """
+    Remove session *session*, crash-safely: the ``incomplete`` marker is written (durably)
+    before anything is deleted, and whoever opens the session next finishes the delete.
+    """
+    store = session_store(root, session)
+    if not exists(root, session) and not incomplete(store):
+        index_of(root).drop(session)
+        msg = f"no session {session!r} in {root.location} (see `resumable sessions`)"
+        raise UsageError(msg)
+    lock = _lock(store, session, "delete")
+    try:
+        store.write(INCOMPLETE, [b"delete\n"], durable=True)
+        wipe(store, durable=durable)
+        index_of(root).drop(session, durable=durable)
+        _remove_dirs(store)
+    finally:
+        lock.release()
+
+
+def _local_root(store: Store) -> str | None:
+    """The directory of a local store (None for other stores)."""
+    from ._stores._local import LocalStore  # noqa: PLC0415 - keep import light
+
+    return store.root if isinstance(store, LocalStore) else None
+
+
+def _remove_dirs(store: Store) -> None:
+    """What is left of a deleted local session (files no listing shows, directories), its lock last."""
+    root = _local_root(store)
+    if root is None or not os.path.isdir(root):
+        return
+    lock = f"{root}/{_LOCK}"
+    for directory, _dirs, files in os.walk(root, topdown=False):
+        for name in files:
+            if f"{directory}/{name}" != lock:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(f"{directory}/{name}")
+        if directory == os.path.dirname(lock):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock)  # a run waiting for it finds it gone, and takes a new one
+        with contextlib.suppress(OSError):
+            os.rmdir(directory)
+
+
+def _linked(key: str) -> bool:
+    """Files that never change once written: shared by a fork (hard links, server-side copies)."""
+    return is_output_file(key) or key.startswith(
+        (f"{OBJECTS}/", f"{INTERNAL_DIR}/code/")
+    )  # (older code records)
+
+
+def copy_state(  # noqa: PLR0913 - the two sessions, as stores and as prefixes
+    root: Store, src: Store, dst: Store, *, src_prefix: str, dst_prefix: str, durable: bool
+) -> int:
+    """
+    Copy *src*'s state into the empty *dst*, in the order a run writes it (the manifest, the
+    event log up to its last whole line, then the rest): a state a kill could have left,
+    which every run resumes. Immutable files are linked; returns the bytes copied.
+    """
+    from ._history import copy_object  # noqa: PLC0415 - kept out of `import resumable`
+    from ._slots import EVENTS, MANIFEST  # noqa: PLC0415
+
+    copied = 0
+    link = _local_linker(src, dst)
+    firsts: dict[str, bytes] = {}
+    for key in (MANIFEST, EVENTS):
+        try:
+            firsts[key] = bytes(src.read(key))
+        except FileNotFoundError:
+            continue
+    if EVENTS in firsts:
+        log = firsts[EVENTS]
+        firsts[EVENTS] = log[: log.rfind(b"\n") + 1]
+    for key in sorted(src.list()):
+        name = key.rpartition("/")[2]
+        if (
+            key in firsts
+            or key in {META, INCOMPLETE, _LOCK}
+            or (name.startswith(".") and name.endswith(".tmp"))
+        ):
+            continue
+        try:
+            if _linked(key):
+                if link is None or not link(key):
+                    copy_object(root, f"{src_prefix}/{key}", f"{dst_prefix}/{key}", durable=False)
+            else:
+                data = bytes(src.read(key))
+                dst.write(key, [data], durable=False)
+                copied += len(data)
+        except FileNotFoundError:
+            continue  # removed meanwhile (a running source pruned an old version)
+    for key, data in firsts.items():
+        dst.write(key, [data], durable=durable)
+        copied += len(data)
+    return copied
+
+
+def _local_linker(src: Store, dst: Store) -> Callable[[str], bool] | None:
+    """
+    Between two local session directories: a hard link per file, made straight at its name
+    (the new session is empty, locked and marked incomplete: nothing there to replace, no one
+    to see a file half made); False where the file system cannot link (then it is copied).
+    """
+    src_root, dst_root = _local_root(src), _local_root(dst)
+    if src_root is None or dst_root is None:
+        return None
+    made: set[str] = set()
+
+    def link(key: str) -> bool:
+        check_key(key, dst_root)
+        directory = key.rpartition("/")[0]
+        if directory and directory not in made:
+            path = f"{dst_root}/{directory}"
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            if os.path.realpath(path) != os.path.join(os.path.realpath(dst_root), directory):
+                return False  # a symbolic link on the way: the store's own copy refuses it
+            made.add(directory)
+        try:
+            os.link(f"{src_root}/{key}", f"{dst_root}/{key}", follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno in _NO_LINK:
+                return False
+            raise
+        return True
+
+    return link
+
+
+_NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
+
+
+def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
+    """
+    Holding *dst*'s lock (its store: *store*), before its state is read: mark it incomplete,
+    empty it, and copy *src*'s state into it. The marker stays until the fork is complete.
+
+    Raises:
+        UsageError: *dst* holds a session already.
+    """
+    if any(k not in {META, INCOMPLETE} for k in store.list()) and not incomplete(store):
+        msg = f"session {dst!r} already exists in {root.location}: delete it first, or fork into a new id"
+        raise UsageError(msg)
+    store.write(INCOMPLETE, [b"fork\n"], durable=True)
+    for key in store.list():
+        if key != INCOMPLETE:
+            store.delete(key, durable=False)
+    source = session_store(root, src)
+    copy_state(
+        root, source, store, src_prefix=session_prefix(src), dst_prefix=session_prefix(dst), durable=False
+    )
+    meta = read_meta(source) or {}
+    write_meta(
+        store,
+        {"id": dst, "created_at": utcnow(), "parent": src, "metadata": meta.get("metadata") or {}},
+        durable=False,
+    )
+
+
+# reading a session without running it ----------------------------------------------------
+
+
+class Outputs(Mapping[str, Any]):
+    """The completed outputs of a keyed step, key → value in completion order, read when used."""
+
+    def __init__(
+        self, store: Store, slots: dict[str, str], *, secret: bytes | None, allow_pickle: bool
+    ) -> None:
+        self._store = store
+        self._slots = slots  # key -> slot
+        self._secret = secret
+        self._allow_pickle = allow_pickle
+
+    def __getitem__(self, key: str) -> Any:
+        slot = self._slots[key]
+        where = f"{self._store.location}/{slot_file(slot)}"
+        try:
+            data = self._store.read(slot_file(slot))
+            return read_verified(data, self._secret).decode(allow_pickle=self._allow_pickle)
+        except FileNotFoundError:
+            raise KeyError(key) from None
+        except DamagedFileError as exc:
+            raise ResumableError(f"{where} is damaged: {exc}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._slots)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __repr__(self) -> str:
+        return f"<outputs {list(self._slots)}>"
+
+
+def outputs(
+    manifest: Manifest, store: Store, step: str, *, secret: bytes | None, allow_pickle: bool
+) -> Outputs:
+    """The completed outputs of keyed step *step* in a session's *manifest*, lazily."""
+    keyed = [s for s in manifest.completed_steps if step_of(s) == step and "/" in s]
+    slots: dict[str, str] = {}
+    for slot in keyed:
+        key = _original_key(store, slot)
+        if key is not None:
+            slots[key] = slot
+    return Outputs(store, slots, secret=secret, allow_pickle=allow_pickle)
+
+
+def _original_key(store: Store, slot: str) -> str | None:
+    from ._slots import session_of_prefix  # noqa: PLC0415 - the same decoding
+
+    encoded = slot.split("/", 1)[1]
+    key = session_of_prefix(encoded) if encoded != "%" else ""
+    if key is not None:
+        return key
+    try:  # a long key is shortened in its file name: the header has it
+        head = store.read_range(slot_file(slot), 0, 64 * 1024)
+        header, _ = parse_header(head)
+    except (FileNotFoundError, DamagedFileError):
+        return None
+    found = header.get("key")
+    return found if isinstance(found, str) else None

@@ -1,0 +1,155 @@
+"""
+The command line's session commands: ``sessions [fork|delete]``, ``diff``, the summary
+``status`` prints, ``clean --sessions``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from . import _diff, _render, _sessions
+from ._codec import secret_bytes
+from ._sessions_index import index_of
+from ._stores import Store
+from .exceptions import UsageError
+
+Out = Callable[[str], None]
+
+
+def summary(root: Store) -> dict[str, Any] | None:
+    """Counts by status, the latest session, the failed ones; None if the store has no sessions."""
+    found = index_of(root).read()
+    if not found:
+        return None
+    statuses = Counter(s.get("status") or "new" for s in found.values())
+    latest = _sessions.SessionInfo.of(max(found.values(), key=lambda s: str(s.get("updated_at") or "")))
+    failed = [
+        s["id"] for s in _sessions.newest_first(s for s in found.values() if s.get("status") == "failed")
+    ]
+    return {
+        "count": len(found),
+        "by_status": dict(statuses.most_common()),
+        "latest": {"id": latest.id, "status": latest.status, "updated_at": latest.updated_at},
+        "failed": failed[:10],
+        "failed_count": len(failed),
+    }
+
+
+def render_summary(info: dict[str, Any], *, default: bool) -> str:
+    """The lines ``status`` adds about the sessions."""
+    counts = ", ".join(f"{n} {status}" for status, n in info["by_status"].items())
+    latest = info["latest"]
+    lines = [
+        ("" if not default else "\n")
+        + f"sessions: {info['count']} ({counts}); latest: {latest['id']!r}, {latest['status']} "
+        + _render.ago(latest["updated_at"]),
+    ]
+    if info["failed"]:
+        more = (
+            f" and {info['failed_count'] - len(info['failed'])} more"
+            if info["failed_count"] > len(info["failed"])
+            else ""
+        )
+        lines.append("failed: " + ", ".join(repr(s) for s in info["failed"]) + more)
+    lines.append("see `resumable sessions` (and `resumable --session ID status` for one)")
+    return "\n".join(lines)
+
+
+def sessions_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:
+    """``resumable sessions [fork SRC DST | delete ID...]``."""
+    from ._pipeline import Pipeline  # noqa: PLC0415 - the CLI's own pipeline
+
+    if args.action == "fork":
+        pipe = Pipeline("resumable-cli", store=root)
+        at = int(args.at) if args.at is not None and args.at.isdigit() else args.at
+        info = pipe.fork(args.src, args.dst, at=at)
+        out(f"forked {args.src!r} into {info.id!r}: {info.completed} slot(s) completed")
+        return 0
+    if args.action == "delete":
+        pipe = Pipeline("resumable-cli", store=root)
+        for sid in args.ids:
+            pipe.delete_session(sid)
+            out(f"deleted session {sid!r}")
+        return 0
+    if args.limit is not None and args.limit < 0:
+        raise UsageError(f"--limit must be 0 or more, got {args.limit}")
+    infos = _sessions.list_sessions(root, status=args.status, prefix=args.prefix, limit=args.limit)
+    if args.json:
+        out(json.dumps([s.as_dict() for s in infos], indent=2, ensure_ascii=False))
+        return 0
+    if not infos:
+        out(f"no sessions in {root.location}")
+        return 0
+    rows = [["SESSION", "STATUS", "UPDATED", "RUNS", "DONE", "SIZE", "PARENT"]]
+    from ._units import human_size  # noqa: PLC0415
+
+    rows.extend(
+        [
+            s.id,
+            s.status,
+            _render.ago(s.updated_at),
+            str(s.runs),
+            str(s.completed),
+            human_size(s.bytes),
+            s.parent or "",
+        ]
+        for s in infos
+    )
+    out(_render.table(rows))
+    return 0
+
+
+def _side(root: Store, text: str) -> _diff.Side:
+    sid, at, point = text, None, ""
+    if "@" in text and not _sessions.exists(root, text):
+        sid, _, point = text.rpartition("@")
+        at = int(point) if point.isdigit() else point
+    if sid in {".", ""}:
+        store = root
+    else:
+        if not _sessions.exists(root, sid):
+            raise UsageError(
+                f"no session {sid!r} in {root.location} (see `resumable sessions`; "
+                "'.' is the default session)"
+            )
+        store = _sessions.session_store(root, sid)
+    secret = secret_bytes(None)
+    return _diff.side_now(text, store, secret) if at is None else _diff.side_at(text, store, secret, at)
+
+
+def diff_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:
+    """``resumable diff A B``."""
+    a, b = _side(root, args.a), _side(root, args.b)
+    diffs, first = _diff.compare(a, b)
+    if args.json:
+        out(json.dumps(_diff.as_dict(a, b, diffs, first), indent=2, ensure_ascii=False))
+    else:
+        out(_diff.render(a, b, diffs, first))
+    return 0
+
+
+def clean_sessions(root: Store, idle: dt.timedelta, *, dry_run: bool, out: Out) -> int:
+    """``resumable clean --sessions --idle AGE``: delete completed and failed sessions idle that long."""
+    from ._pipeline import Pipeline  # noqa: PLC0415 - the CLI's own pipeline
+
+    cutoff = (dt.datetime.now(dt.UTC) - idle).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    old = [
+        s
+        for s in _sessions.list_sessions(root)
+        if s.status in {"completed", "failed"} and s.updated_at < cutoff
+    ]
+    pipe = Pipeline("resumable-cli", store=root)
+    verb = "would delete" if dry_run else "deleted"
+    for s in old:
+        if not dry_run:
+            pipe.delete_session(s.id)
+        out(f"{verb} session {s.id!r} ({s.status}, {_render.ago(s.updated_at)})")
+    if not dry_run:
+        index_of(root).compact()
+    out(f"{verb} {len(old)} session(s)" if old else "no idle sessions to delete")
+    return 0

@@ -1,0 +1,220 @@
+"""
+The index of a store's named sessions: one summary per session, for ``sessions`` and ``status``.
+
+It is a cache: each session's own files (its ``session.json`` and manifest) are the truth,
+and a summary lost to a crash is read from them again. Two forms:
+
+- a local directory keeps ``.sessions/.index.jsonl``: one JSON line per change (a session's
+  whole summary, or its removal), appended under a short ``flock`` on ``.sessions/.index.lock``
+  and compacted (the fold, written to a temporary file renamed over the log) when it has
+  grown to twice its folded size. A line cut by a kill is skipped, and the next append
+  starts on a new line. Folding is idempotent: each line holds a whole summary.
+- other stores keep one object per session, ``.sessions/.index/<id encoded>.json``, written
+  whole by the run holding the session's lock, so writers never share an object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from ._slots import SESSIONS_DIR, encode_key
+from ._stores import Store
+from ._stores._prefix import sub_store
+
+INDEX_LOG = f"{SESSIONS_DIR}/.index.jsonl"
+INDEX_LOCK = f"{SESSIONS_DIR}/.index.lock"
+INDEX_DIR = f"{SESSIONS_DIR}/.index"
+_MIN_COMPACT = 64 * 1024  # a log smaller than this is never compacted
+
+
+class Index:
+    """Summaries of sessions by id: :meth:`put`, :meth:`drop`, :meth:`read`."""
+
+    def put(self, summary: Mapping[str, Any], *, durable: bool = False, merge: bool = False) -> None:
+        """
+        Record *summary* (a dict with an ``id``) as the session's current one; with *merge*,
+        only the fields it has change.
+        """
+        raise NotImplementedError
+
+    def drop(self, session: str, *, durable: bool = False) -> None:
+        """Forget *session* (deleted)."""
+        raise NotImplementedError
+
+    def read(self) -> dict[str, dict[str, Any]]:
+        """Every session's summary, by id; reads only, takes no lock."""
+        raise NotImplementedError
+
+    def compact(self, *, durable: bool = False) -> None:
+        """Rewrite the index as its fold (the log form only)."""
+
+
+def index_of(store: Store) -> Index:
+    """The index of *store*'s sessions (*store* is the root: the default session's store)."""
+    from ._stores._local import LocalStore  # noqa: PLC0415 - keep import light
+
+    if isinstance(store, LocalStore):
+        return LogIndex(store.root)
+    return ObjectIndex(store)
+
+
+def _line(record: Mapping[str, Any]) -> bytes:
+    # what is None or empty is left out (read back as such): a smaller index reads faster
+    kept = {k: v for k, v in record.items() if v is not None and v != {}}
+    return json.dumps(kept, separators=(",", ":"), ensure_ascii=False, default=str).encode() + b"\n"
+
+
+def fold(lines: Iterator[bytes]) -> dict[str, dict[str, Any]]:
+    """The summaries a log's lines leave, in the order sessions were last changed."""
+    found: dict[str, dict[str, Any]] = {}
+    texts = [line for line in lines if line.strip()]
+    try:  # one parse for all lines: a line cut short by a kill makes it fail
+        records = json.loads(b"[" + b",".join(texts) + b"]")
+    except ValueError:
+        records = [_parsed(t) for t in texts]
+    for rec in records:
+        if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
+            continue
+        sid = rec["id"]
+        before = found.pop(sid, None)
+        if rec.get("deleted"):
+            continue
+        found[sid] = {**(before or {}), **rec} if rec.pop("merge", False) else rec
+    return found
+
+
+def _parsed(text: bytes) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None  # a line a kill cut short
+
+
+class LogIndex(Index):
+    """The local form: an appended JSON-lines log, compacted in place."""
+
+    def __init__(self, root: str) -> None:
+        self.log = f"{root}/{INDEX_LOG}"
+        self.lock = f"{root}/{INDEX_LOCK}"
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        try:
+            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(self.lock), mode=0o700, exist_ok=True)
+            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # drops the flock
+
+    def _append(self, record: Mapping[str, Any], *, durable: bool) -> None:
+        data = _line(record)
+        with self._locked():
+            fd = os.open(self.log, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+            try:
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":
+                    data = b"\n" + data  # the last append was cut by a kill: start a new line
+                os.write(fd, data)
+                if durable:
+                    os.fsync(fd)
+                first = os.pread(fd, 128, 0) if size > _MIN_COMPACT else b""
+            finally:
+                os.close(fd)
+            if first:
+                folded = _folded_size(first)
+                if size + len(data) > 2 * max(folded, _MIN_COMPACT // 2):
+                    self._compact(durable=durable)
+
+    def put(self, summary: Mapping[str, Any], *, durable: bool = False, merge: bool = False) -> None:
+        self._append({**summary, "merge": True} if merge else summary, durable=durable)
+
+    def drop(self, session: str, *, durable: bool = False) -> None:
+        self._append({"id": session, "deleted": True}, durable=durable)
+
+    def _lines(self) -> Iterator[bytes]:
+        try:
+            with open(self.log, "rb") as f:
+                data = f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return iter(())
+        return iter(data.splitlines())
+
+    def read(self) -> dict[str, dict[str, Any]]:
+        return fold(self._lines())
+
+    def compact(self, *, durable: bool = False) -> None:
+        if not os.path.exists(self.log):
+            return
+        with self._locked():
+            self._compact(durable=durable)
+
+    def _compact(self, *, durable: bool) -> None:
+        summaries = self.read()
+        body = b"".join(_line(s) for s in summaries.values())
+        head = _line({"id": "", "deleted": True, "folded": len(body)})  # says how large the fold was
+        tmp = f"{self.log}.{os.getpid()}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, head + body)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, self.log)
+
+
+def _folded_size(first: bytes) -> int:
+    line = first.split(b"\n", 1)[0]
+    with contextlib.suppress(ValueError, AttributeError):
+        rec = json.loads(line)
+        if isinstance(rec, dict) and rec.get("id") == "" and isinstance(rec.get("folded"), int):
+            return int(rec["folded"])
+    return 0
+
+
+class ObjectIndex(Index):
+    """Other stores: an object per session, written by the holder of its lock."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = sub_store(store, INDEX_DIR)
+
+    def put(self, summary: Mapping[str, Any], *, durable: bool = False, merge: bool = False) -> None:
+        key = f"{encode_key(summary['id'])}.json"
+        if merge:  # written by the holder of the session's lock only: a read, then a write
+            try:
+                before = fold(iter([bytes(self.store.read(key))]))
+            except FileNotFoundError:
+                before = {}
+            summary = {**before.get(summary["id"], {}), **summary}
+        self.store.write(key, [_line(summary)], durable=durable)
+
+    def drop(self, session: str, *, durable: bool = False) -> None:
+        self.store.delete(f"{encode_key(session)}.json", durable=durable)
+
+    def read(self) -> dict[str, dict[str, Any]]:
+        keys = [k for k in self.store.list() if k.endswith(".json") and "/" not in k]
+
+        def one(key: str) -> bytes:
+            try:
+                return bytes(self.store.read(key))
+            except FileNotFoundError:
+                return b""
+
+        if len(keys) > 8 and self.store.slow_appends:  # a remote store: a round trip each
+            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+            with ThreadPoolExecutor(16) as pool:
+                datas = list(pool.map(one, keys))
+        else:
+            datas = [one(k) for k in keys]
+        found = fold(iter(datas))
+        return dict(sorted(found.items(), key=lambda kv: str(kv[1].get("updated_at", ""))))
