@@ -132,7 +132,10 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement per o
     report.add_argument("-o", "--output", default="report.html", metavar="FILE", help="default report.html")
     report.add_argument("--run", default="all", metavar="N|last|all", help="the runs to show (default all)")
     report.add_argument(
-        "--compare", default=None, metavar="RUN|CHECKPOINT", help="compare now with run N or checkpointN"
+        "--compare",
+        default=None,
+        metavar="RUN|CHECKPOINT|SESSION[@CKPT]",
+        help="compare now with run N, checkpointN, or another session ('.': the default one)",
     )
     report.add_argument("--open", action="store_true", help="open the file in a browser")
 
@@ -390,7 +393,10 @@ def _report(args: argparse.Namespace) -> int:
         if not str(which).isdigit():
             raise UsageError(f"--run {which!r}: pass a run number, last or all")
         which = int(which)
-    path = write_report(_state(args), secret_bytes(None), args.output, run=which, compare=args.compare)
+    path = write_report(
+        _state(args), secret_bytes(None), args.output, run=which, compare=args.compare,
+        root=_root(args), session=_session_id(args),
+    )  # fmt: skip
     _out(f"wrote {path}")
     if args.open:
         import webbrowser  # noqa: PLC0415 - only `report --open`; slow to import

@@ -16,12 +16,13 @@ from typing import Any
 
 import attrs
 
+from . import _sessions
 from ._codec import DamagedFileError
 from ._journal import read_header, read_state
 from ._slots import slot_file
 from ._stores import Store
 from ._why import Change, code_changes, read_code
-from .exceptions import StateFormatError
+from .exceptions import StateFormatError, UsageError
 
 
 @attrs.frozen
@@ -73,6 +74,35 @@ def side_at(name: str, store: Store, secret: bytes | None, target: int | str) ->
         else:
             files[slot] = object_key(version)
     return Side(name, store, order, files)
+
+
+def side(root: Store, text: str, secret: bytes | None) -> Side:
+    """
+    The side *text* names in the store *root*: a session id ('.' for the default session) for
+    its current state, or ``SESSION@CHECKPOINT`` for its state at a checkpoint.
+
+    Raises:
+        UsageError: no such session.
+    """
+    sid, at = text, None
+    if "@" in text and not _sessions.exists(root, text):
+        sid, _, point = text.rpartition("@")
+        at = int(point) if point.isdigit() else point
+    if sid in {".", ""}:
+        store = root
+    else:
+        if not _sessions.exists(root, sid):
+            hint = "see `resumable sessions`; '.' is the default session"
+            msg = f"no session {sid!r} in {root.location} ({hint})"
+            raise UsageError(msg)
+        store = _sessions.session_store(root, sid)
+    return side_now(text, store, secret) if at is None else side_at(text, store, secret, at)
+
+
+def header(side: Side, slot: str) -> dict[str, Any] | None:
+    """The output header of *slot* on *side* (None if it has no readable output there)."""
+    key = side.files.get(slot)
+    return None if key is None else _header(side.store, key)
 
 
 def _header(store: Store, key: str) -> dict[str, Any] | None:

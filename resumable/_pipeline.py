@@ -555,9 +555,11 @@ class Pipeline:
         ``resumable report``; it takes no lock and writes nothing in the state, so it works
         during a run (events this process has not written yet are written first).
 
-        *run* is a run number, ``"last"`` or ``"all"``; *compare* a run number (or ``"run3"``)
-        or a checkpoint (``"checkpoint12"``) to compare the current state with. Returns the
-        absolute path of the file written.
+        *run* is a run number, ``"last"`` or ``"all"``; *compare* a run number (or ``"run3"``),
+        a checkpoint (``"checkpoint12"``) or another session (``"ID"``, ``"ID@CHECKPOINT"``,
+        ``"."`` for the default session) to compare the current state with. A session
+        (``pipe.session(id).report(...)``) reports its own runs. Returns the absolute path of
+        the file written.
 
         Raises:
             UsageError: *run* or *compare* names something the event log does not hold.
@@ -567,7 +569,10 @@ class Pipeline:
         active = self._run
         if active is not None and not active.closed:
             active.journal.write_pending(durable=False)
-        return report(self.store, self._secret, path, run=run, compare=compare)
+        return report(
+            self.store, self._secret, path, run=run, compare=compare,
+            root=self._root_store, session=self._session_id,
+        )  # fmt: skip
 
     def why(self, step: str, key: str | None = None) -> list[Decision]:
         """

@@ -816,9 +816,13 @@ def write(path: str | os.PathLike[str], page: str) -> str:
     return target
 
 
-def report(
+def report(  # noqa: PLR0913 - what to show, and where the state is
     store: Any, secret: bytes | None, path: str | os.PathLike[str], *, run: int | str = "all",
-    compare: int | str | None = None,
+    compare: int | str | None = None, root: Any = None, session: str | None = None,
 ) -> str:  # fmt: skip
-    """Read the state root *store* (no lock, nothing written in it) and write its report to *path*."""
-    return write(path, render(collect(store, secret, run=run, compare=compare)))
+    """
+    Read the state *store* (no lock, nothing written in it) and write its report to *path*;
+    *root* and *session* say which session of which store it is, for comparing with another.
+    """
+    data = collect(store, secret, run=run, compare=compare, root=root, session=session)
+    return write(path, render(data))

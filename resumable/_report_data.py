@@ -14,7 +14,7 @@ import datetime as dt
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from . import _history, _render, _why
+from . import _diff, _history, _render, _why
 from ._codec import DamagedFileError, read_verified
 from ._journal import read_state
 from ._manifest import skip_fields
@@ -308,16 +308,22 @@ def _selected(runs: list[_Run], which: int | str) -> list[_Run]:
     return chosen
 
 
-def collect(
+def collect(  # noqa: PLR0913 - what to show, and where the state is
     store: Store,
     secret: bytes | None,
     *,
     run: int | str = "all",
     compare: int | str | None = None,
+    root: Store | None = None,
+    session: str | None = None,
 ) -> dict[str, Any]:
-    """The report's data for the state root *store*: plain, JSON-serialisable, deterministic."""
+    """
+    The report's data for the state root *store* (session *session* of the store *root*, if
+    given): plain, JSON-serialisable, deterministic. *compare* is a run, a checkpoint, or another
+    session of *root* (``ID``, ``ID@CHECKPOINT``, ``.`` for the default session).
+    """
     manifest = read_state(store, secret=secret)
-    target = _compare_target(compare)
+    target = _compare_target(compare, sessions=root is not None)
     base = _history._base_id(store, secret)  # noqa: SLF001 - checkpoints folded into the base
     scan = _Scan(target[1] if target[0] == "checkpoint" else None, base)
     for event in _events(store, secret):
@@ -341,7 +347,13 @@ def collect(
     data["slots"], data["groups"] = _slots(store, secret, scan, chosen, manifest)
     data["batches"] = _batches(chosen)
     against = run if isinstance(run, int) else None  # --run N: compare with the state after it
-    data["compare"] = _compare(store, scan, manifest, target, against) if compare is not None else None
+    if target[0] == "session" and root is not None:
+        this = _diff.side_now("." if session is None else session, store, secret)
+        data["compare"] = _compare_sessions(_diff.side(root, str(compare), secret), this)
+    elif compare is not None:
+        data["compare"] = _compare(store, scan, manifest, target, against)
+    else:
+        data["compare"] = None
     error = manifest.error
     if error is not None:
         data["error"] = {
@@ -632,7 +644,7 @@ def _batches(chosen: list[_Run]) -> list[dict[str, Any]]:
     return [out[k] for k in sorted(out)]
 
 
-def _compare_target(compare: int | str | None) -> tuple[str, int | None]:
+def _compare_target(compare: int | str | None, *, sessions: bool = False) -> tuple[str, int | None]:
     if compare is None:
         return ("none", None)
     if isinstance(compare, int):
@@ -643,9 +655,53 @@ def _compare_target(compare: int | str | None) -> tuple[str, int | None]:
             return (kind, int(text[len(prefix) :].strip(" :=")))
     if text.isdigit():
         return ("run", int(text))
-
+    if sessions:
+        return ("session", None)
     msg = f"--compare {compare!r}: pass a run number (3 or run3) or a checkpoint (checkpoint12)"
     raise UsageError(msg)
+
+
+def _compare_sessions(other: _diff.Side, this: _diff.Side) -> dict[str, Any]:
+    """Another session (or a checkpoint of it) against this one, slot by slot, as ``resumable diff``."""
+    diffs, first = _diff.compare(other, this)
+    rows = []
+    for d in diffs:
+        verdict = d.verdict
+        if verdict == f"only in {other.name}":
+            verdict = "removed"
+        elif verdict == f"only in {this.name}":
+            verdict = "added"
+        changes = [
+            {
+                "kind": c.kind,
+                "name": c.name,
+                "old": c.old,
+                "new": c.new,
+                "diff": _clip(c.diff or "", 4000) or None,
+            }
+            for c in d.changes
+        ]
+        rows.append({
+            "slot": d.slot, "verdict": verdict, "a": _header_side(other, d.slot),
+            "b": _header_side(this, d.slot), "changes": changes,
+        })  # fmt: skip
+    same = sum(1 for r in rows if r["verdict"] == "same")
+    shown = [r for r in rows if r["verdict"] != "same"][:SLOT_ROWS] + [
+        r for r in rows if r["verdict"] == "same"
+    ][:50]
+    a, b = f"session {other.name}", f"session {this.name}"
+    return {"a": a, "b": b, "first": first, "same": same, "total": len(rows), "rows": shown}
+
+
+def _header_side(side: _diff.Side, slot: str) -> dict[str, Any] | None:
+    header = _diff.header(side, slot)
+    if header is None:
+        return None
+    return {
+        "fingerprint": str(header.get("fingerprint") or "")[:12],
+        "file": str(header.get("hsum") or "")[:12],
+        "run": None,
+    }
 
 
 def _compare(

@@ -105,21 +105,7 @@ def sessions_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:
 
 
 def _side(root: Store, text: str) -> _diff.Side:
-    sid, at, point = text, None, ""
-    if "@" in text and not _sessions.exists(root, text):
-        sid, _, point = text.rpartition("@")
-        at = int(point) if point.isdigit() else point
-    if sid in {".", ""}:
-        store = root
-    else:
-        if not _sessions.exists(root, sid):
-            raise UsageError(
-                f"no session {sid!r} in {root.location} (see `resumable sessions`; "
-                "'.' is the default session)"
-            )
-        store = _sessions.session_store(root, sid)
-    secret = secret_bytes(None)
-    return _diff.side_now(text, store, secret) if at is None else _diff.side_at(text, store, secret, at)
+    return _diff.side(root, text, secret_bytes(None))
 
 
 def diff_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:

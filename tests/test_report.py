@@ -586,3 +586,36 @@ def test_two_runs_compared(shop, tmp_path):
     text = _report(shop, tmp_path / "two.html", "--run", "3", "--compare", "2").read_text()
     assert "after run 2 → after run 3" in text
     assert 'id="first-divergence"' in text
+
+
+def test_a_session_is_reported_and_compared_with_another(tmp_path):
+    """--session picks the session; --compare SESSION[@CHECKPOINT] aligns it with another, slot by slot."""
+    state = tmp_path / "state"
+    pipe = Pipeline("sessions", state_dir=state)
+
+    @pipe.step
+    def prompt(topic: str) -> str:
+        return f"write about {topic}"
+
+    @pipe.step
+    def answer(prompt: str) -> str:
+        return prompt.upper()
+
+    for sid, topic in (("alice", "cats"), ("bob", "dogs")):
+        with pipe.session(sid):
+            answer(prompt(topic))
+    out = tmp_path / "bob.html"
+    assert 0 == cli(["--state-dir", str(state), "--session", "bob", "report", "-o", str(out), "--compare", "alice"])
+    text = out.read_text()
+    assert "session alice → session bob" in text
+    assert 'id="first-divergence"' in text
+    rows = text[text.index('id="first-divergence"') - 300 :]
+    assert 'data-slot="prompt"' in rows  # the first slot to differ, in completion order
+    assert "inputs changed" in text
+    # the same through the API, from the session, and against a checkpoint of the other session
+    same = pipe.session("bob").report(tmp_path / "api.html", compare="alice")
+    assert "session alice → session bob" in Path(same).read_text()
+    early = pipe.session("bob").report(tmp_path / "early.html", compare="alice@1")
+    assert "session alice@1 → session bob" in Path(early).read_text()
+    unknown = ["--session", "bob", "report", "-o", str(tmp_path / "x.html"), "--compare", "carol"]
+    assert 2 == cli(["--state-dir", str(state), *unknown])
