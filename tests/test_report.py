@@ -605,7 +605,9 @@ def test_a_session_is_reported_and_compared_with_another(tmp_path):
         with pipe.session(sid):
             answer(prompt(topic))
     out = tmp_path / "bob.html"
-    assert 0 == cli(["--state-dir", str(state), "--session", "bob", "report", "-o", str(out), "--compare", "alice"])
+    assert 0 == cli(
+        ["--state-dir", str(state), "--session", "bob", "report", "-o", str(out), "--compare", "alice"]
+    )
     text = out.read_text()
     assert "session alice → session bob" in text
     assert 'id="first-divergence"' in text
