@@ -15,6 +15,7 @@ and a summary lost to a crash is read from them again. Two forms:
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import fcntl
 import json
@@ -32,25 +33,25 @@ INDEX_DIR = f"{SESSIONS_DIR}/.index"
 _MIN_COMPACT = 64 * 1024  # a log smaller than this is never compacted
 
 
-class Index:
+class Index(abc.ABC):
     """Summaries of sessions by id: :meth:`put`, :meth:`drop`, :meth:`read`."""
 
+    @abc.abstractmethod
     def put(self, summary: Mapping[str, Any], *, durable: bool = False, merge: bool = False) -> None:
         """
         Record *summary* (a dict with an ``id``) as the session's current one; with *merge*,
         only the fields it has change.
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def drop(self, session: str, *, durable: bool = False) -> None:
         """Forget *session* (deleted)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read(self) -> dict[str, dict[str, Any]]:
         """Every session's summary, by id; reads only, takes no lock."""
-        raise NotImplementedError
 
-    def compact(self, *, durable: bool = False) -> None:
+    def compact(self, *, durable: bool = False) -> None:  # noqa: B027 - a no-op where there is no log
         """Rewrite the index as its fold (the log form only)."""
 
 
