@@ -587,6 +587,24 @@ def _rewrite_interval(size: int) -> float:
     return min(_MAX_INTERVAL, FLUSH_INTERVAL * max(1.0, size / 65536))
 
 
+def read_head(store: Store) -> dict[str, bytes]:
+    """
+    The manifest, then the event log up to its last whole line, read before anything else
+    (a line being appended is not taken): what a copy of a state made without its lock starts
+    from, since outputs are written before the events that name them.
+    """
+    files: dict[str, bytes] = {}
+    for key in (MANIFEST, EVENTS):
+        try:
+            files[key] = bytes(store.read(key))
+        except FileNotFoundError:
+            continue
+    if EVENTS in files:
+        log = files[EVENTS]
+        files[EVENTS] = log[: log.rfind(b"\n") + 1]
+    return files
+
+
 def read_state(
     store: Store, *, pipeline: str = "", secret: bytes | None = None, records: bool = True
 ) -> Manifest:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar, overload
 from . import _context, _sessions
 from ._codec import DamagedFileError, parse_header, secret_bytes, utcnow, verify
 from ._exit import exit_hooks, status_for
-from ._journal import read_state
+from ._journal import read_head, read_state
 from ._manifest import Manifest
 from ._plan import Plan
 from ._runner import Run, run_steps, run_without_state
@@ -33,9 +33,7 @@ from ._session import RunState
 from ._sessions import SessionInfo
 from ._slots import (
     BATCHES,
-    EVENTS,
     INTERNAL_DIR,
-    MANIFEST,
     OUTPUT_SUFFIX,
     check_session_id,
     is_output_file,
@@ -758,15 +756,7 @@ def snapshot(store: Store) -> dict[str, Any]:
     """
     from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
 
-    files: dict[str, bytes] = {}
-    for key in (MANIFEST, EVENTS):
-        try:
-            files[key] = bytes(store.read(key))
-        except FileNotFoundError:
-            continue
-    if EVENTS in files:
-        log = files[EVENTS]
-        files[EVENTS] = log[: log.rfind(b"\n") + 1]  # a line being appended is not taken
+    files = read_head(store)
     for key in sorted(store.list()):
         name = key.rsplit("/", 1)[-1]
         if key in files or key == _LOCK_KEY or (name.startswith(".") and name.endswith(".tmp")):

@@ -28,9 +28,19 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ._codec import DamagedFileError, parse_header, read_verified, utcnow
+from ._journal import read_head
 from ._sessions_index import index_of
-from ._slots import INTERNAL_DIR, OBJECTS, is_output_file, session_prefix, slot_file, step_of
+from ._slots import (
+    INTERNAL_DIR,
+    OBJECTS,
+    is_output_file,
+    session_of_prefix,
+    session_prefix,
+    slot_file,
+    step_of,
+)
 from ._stores import Store, check_key
+from ._stores._local import LocalStore
 from ._stores._prefix import sub_store
 from .exceptions import ResumableError, SessionBusyError, StateLockedError, UsageError
 
@@ -256,8 +266,6 @@ def delete(root: Store, session: str, *, durable: bool) -> None:
 
 def _local_root(store: Store) -> str | None:
     """The directory of a local store (None for other stores)."""
-    from ._stores._local import LocalStore  # noqa: PLC0415 - keep import light
-
     return store.root if isinstance(store, LocalStore) else None
 
 
@@ -295,19 +303,10 @@ def copy_state(  # noqa: PLR0913 - the two sessions, as stores and as prefixes
     which every run resumes. Immutable files are linked; returns the bytes copied.
     """
     from ._history import copy_object  # noqa: PLC0415 - kept out of `import resumable`
-    from ._slots import EVENTS, MANIFEST  # noqa: PLC0415
 
     copied = 0
     link = _local_linker(src, dst)
-    firsts: dict[str, bytes] = {}
-    for key in (MANIFEST, EVENTS):
-        try:
-            firsts[key] = bytes(src.read(key))
-        except FileNotFoundError:
-            continue
-    if EVENTS in firsts:
-        log = firsts[EVENTS]
-        firsts[EVENTS] = log[: log.rfind(b"\n") + 1]
+    firsts = read_head(src)
     for key in sorted(src.list()):
         name = key.rpartition("/")[2]
         if (
@@ -442,8 +441,6 @@ def outputs(
 
 
 def _original_key(store: Store, slot: str) -> str | None:
-    from ._slots import session_of_prefix  # noqa: PLC0415 - the same decoding
-
     encoded = slot.split("/", 1)[1]
     key = session_of_prefix(encoded) if encoded != "%" else ""
     if key is not None:

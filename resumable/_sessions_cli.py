@@ -16,6 +16,7 @@ from . import _diff, _render, _sessions
 from ._codec import secret_bytes
 from ._sessions_index import index_of
 from ._stores import Store
+from ._units import human_size
 from .exceptions import UsageError
 
 Out = Callable[[str], None]
@@ -86,8 +87,6 @@ def sessions_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:
         out(f"no sessions in {root.location}")
         return 0
     rows = [["SESSION", "STATUS", "UPDATED", "RUNS", "DONE", "SIZE", "PARENT"]]
-    from ._units import human_size  # noqa: PLC0415
-
     rows.extend(
         [
             s.id,

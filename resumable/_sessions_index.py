@@ -25,6 +25,7 @@ from typing import Any
 
 from ._slots import SESSIONS_DIR, encode_key
 from ._stores import Store
+from ._stores._local import LocalStore
 from ._stores._prefix import sub_store
 
 INDEX_LOG = f"{SESSIONS_DIR}/.index.jsonl"
@@ -57,8 +58,6 @@ class Index(abc.ABC):
 
 def index_of(store: Store) -> Index:
     """The index of *store*'s sessions (*store* is the root: the default session's store)."""
-    from ._stores._local import LocalStore  # noqa: PLC0415 - keep import light
-
     if isinstance(store, LocalStore):
         return LogIndex(store.root)
     return ObjectIndex(store)
