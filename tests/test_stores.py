@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from resumable import Pipeline, ResumableError, StateDirectoryError, StateLockedError, Store
-from resumable._stores import _local, open_store
+from resumable._stores import open_store
 from resumable._stores._local import LocalStore
 from resumable._stores._memory import MemoryStore
 
@@ -112,48 +112,28 @@ def _fsynced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def test_local_fsyncs_only_when_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """
-    durable=False fsyncs nothing. durable=True fsyncs the file and its directory; for an
-    output the directory's fsync is shared with the outputs stored after it, and made by
-    any other durable change first (so nothing recorded reaches the disk before them).
+    durable=False fsyncs nothing. durable=True fsyncs the file, then its directory (and the
+    parent of a directory it makes), before the write returns.
     """
     store = LocalStore(tmp_path)
     synced = _fsynced(monkeypatch)
     store.write("a.msgpack", [b"x"], durable=False)
     store.write("manifest.json", [b"x"], durable=False)
     store.append("events.jsonl", b"x", durable=False)
+    store.delete("a.msgpack", durable=False)
     assert [] == synced
     store.write("manifest.json", [b"x"], durable=True)
     assert [str(tmp_path / "manifest.json"), str(tmp_path)] == synced
     synced.clear()
-    store.write("a.msgpack", [b"x"], durable=True)
     store.write("step/1.msgpack", [b"x"], durable=True)
-    # the files; the root once, as the new directory "step" is made
-    assert [str(tmp_path / "a.msgpack"), str(tmp_path), str(tmp_path / "step" / "1.msgpack")] == synced
+    # the root as the new directory "step" is made, the file, then its directory
+    assert [str(tmp_path), str(tmp_path / "step" / "1.msgpack"), str(tmp_path / "step")] == synced
     synced.clear()
-    store.append("events.jsonl", b"y", durable=True)  # the pending directories first
-    assert {str(tmp_path), str(tmp_path / "step")} == set(synced[:2])
-    assert [str(tmp_path / "events.jsonl")] == synced[2:]
-
-
-def test_outputs_stored_together_share_their_directory_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """
-    A burst of durable outputs fsyncs each file, and their directory once per window; the
-    lock's release fsyncs what is left.
-    """
-    clock = [1000.0]
-    monkeypatch.setattr(_local.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(_local, "GROUP_WINDOW", 1.0)
-    store = LocalStore(tmp_path)
-    lock = store.lock({"pid": os.getpid()})
-    synced = _fsynced(monkeypatch)
-    for i in range(10):
-        store.write(f"step/{i}.msgpack", [b"x"], durable=True)
-        clock[0] += 0.5
-    directory = str(tmp_path / "step")
-    assert 10 == sum(p.endswith(".msgpack") for p in synced)
-    assert 3 == synced.count(directory)  # at the 3rd, 6th and 9th store: a window after the first pending
-    lock.release()
-    assert 4 == synced.count(directory)
+    store.append("events.jsonl", b"y", durable=True)
+    assert [str(tmp_path / "events.jsonl")] == synced
+    synced.clear()
+    store.delete("manifest.json", durable=True)
+    assert [str(tmp_path)] == synced
 
 
 def test_local_failed_write_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -424,14 +404,14 @@ def test_temporary_files_of_a_dead_lock_holder_are_removed_by_the_next(tmp_path:
     assert (state / ".b.msgpack.1-1-2.tmp").exists()
 
 
-def test_a_completed_step_leaves_no_directory_fsync_pending(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_a_durable_step_returns_with_its_output_and_directory_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     """
-    When a durable step call returns, its output's directory is fsynced (made before its
-    completion is logged), whatever the grouping window and whether it is idempotent.
+    When a durable step call returns, its output file and its directory are fsynced; a
+    non-idempotent step's completion is fsynced to the log after them.
     """
-    monkeypatch.setattr(_local, "GROUP_WINDOW", 3600.0)  # nothing is synced for its age
     pipe = Pipeline("p", state_dir=tmp_path)
-    pending: list[set[str]] = []
 
     @pipe.step(key="{i}")
     def safe(i: int) -> int:
@@ -442,9 +422,14 @@ def test_a_completed_step_leaves_no_directory_fsync_pending(tmp_path: Path, monk
         return i
 
     with pipe:
-        store = pipe.store
-        assert isinstance(store, LocalStore)
-        for call in (safe, safe, charge):
-            call(len(pending))
-            pending.append(set(store._unsynced))
-    assert [set(), set(), set()] == pending
+        safe(0)  # the step directories exist from here on
+        charge(0)
+        synced = _fsynced(monkeypatch)
+        safe(1)
+        assert [str(tmp_path / "safe" / "1.msgpack"), str(tmp_path / "safe")] == synced
+        synced.clear()
+        charge(1)
+        events = str(tmp_path / "events.jsonl")
+        output = [str(tmp_path / "charge" / "1.msgpack"), str(tmp_path / "charge")]
+        # its start before it runs; its output, its directory, then its completion
+        assert [events, *output, events] == synced

@@ -43,8 +43,7 @@ class Store(abc.ABC):
 
     - ``write`` is atomic: a reader sees the previous object or the new one, never a mix,
       even if the writer is killed; with ``durable=True`` the new object survives a
-      power loss once ``write`` returns (or, for a step's output, once a later durable
-      change or the lock's release returns: see docs/storage.md).
+      power loss once ``write`` returns.
     - ``read`` returns the whole object or raises ``FileNotFoundError``.
     - ``lock`` lets one holder at a time in, raises :class:`StateLockedError` naming the
       holder otherwise, and never stays held after its holder died (a lease: once it expired).

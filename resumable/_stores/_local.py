@@ -9,9 +9,8 @@ FIFO would block). The run lock is a ``flock`` that forked children (process-poo
 workers) give up at once, so a run killed with its workers still alive never blocks the
 next one.
 
-A durable output is fsynced and renamed into place before :meth:`LocalStore.write`
-returns; the fsync of its directory, which makes the new name itself survive a power loss,
-is shared by the outputs stored within :data:`GROUP_WINDOW` (see :meth:`LocalStore.sync`).
+A durable write returns once its file is fsynced, renamed into place and its directory
+fsynced (which makes the new name itself survive a power loss).
 """
 
 from __future__ import annotations
@@ -25,19 +24,16 @@ import json
 import os
 import stat
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._slots import INTERNAL_DIR, SESSIONS_DIR, is_output_file
+from .._slots import INTERNAL_DIR, SESSIONS_DIR
 from ..exceptions import StateDirectoryError, StateLockedError
 from ._base import Buffer, Stamp, Store, check_key, stamp_of
 
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _counter = itertools.count()
 _MAX_OPEN = 16  # appended files a store keeps open
-GROUP_WINDOW = 0.1
-"""Seconds the directory fsync of a durable output may wait for the outputs stored after it."""
 # link() failing with these means "no hard links here" (another file system, one that has
 # none, or too many links): copy the bytes instead.
 _NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
@@ -166,9 +162,6 @@ class LocalStore(Store):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self.location = self.root
-        self._sync_lock = threading.Lock()
-        self._unsynced: set[str] = set()  # directories holding renames not fsynced yet
-        self._unsynced_since = 0.0
         # Files appended to are kept open while this store holds the lock (the event log and
         # the batches' chunk logs are appended to again and again), and closed at its release.
         self._fds: dict[str, int] = {}
@@ -299,38 +292,8 @@ class LocalStore(Store):
     # writing -----------------------------------------------------------------------------
 
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
-        """
-        Write a temp file, fsync it (if *durable*), rename it over *key*, fsync the
-        directory. The directory fsync of an output file is shared with the outputs stored
-        after it within :data:`GROUP_WINDOW` (see :meth:`sync`).
-        """
-        self._replace(key, lambda fd: write_all(fd, chunks), durable=durable, group=is_output_file(key))
-
-    def sync(self) -> None:
-        """
-        fsync the directories of the outputs renamed and not yet made durable there. Every
-        other durable change (a delete, a write that is not an output's), every append (an
-        event: the next step's start among them) and the release of the lock call it first,
-        so that nothing recorded as done reaches the disk before the outputs it describes,
-        and no step runs while they wait; a durable output's write calls it once the oldest
-        deferred rename is :data:`GROUP_WINDOW` old.
-        """
-        with self._sync_lock:
-            while self._unsynced:
-                directory = next(iter(self._unsynced))
-                with contextlib.suppress(FileNotFoundError):  # removed since (emptied by deletes)
-                    fsync_dir(directory)
-                self._unsynced.discard(directory)
-
-    def _defer_sync(self, directory: str) -> None:
-        now = time.monotonic()
-        with self._sync_lock:
-            if not self._unsynced:
-                self._unsynced_since = now
-            self._unsynced.add(directory)
-            due = now - self._unsynced_since >= GROUP_WINDOW
-        if due:
-            self.sync()
+        """Write a temp file, fsync it (if *durable*), rename it over *key*, fsync the directory."""
+        self._replace(key, lambda fd: write_all(fd, chunks), durable=durable)
 
     def copy(self, src: str, dst: str, *, durable: bool) -> None:
         """
@@ -341,8 +304,6 @@ class LocalStore(Store):
         self._check_dirs(src)
         self._check_dirs(dst)
         self._forget(dst)
-        if durable:
-            self.sync()  # the link must not outlive, after a power loss, the name it copies
         directory = os.path.dirname(target)
         tmp = _temp_path(target)
         try:
@@ -383,17 +344,15 @@ class LocalStore(Store):
                     return
 
         try:
-            self._replace(dst, fill, durable=durable, group=False)
+            self._replace(dst, fill, durable=durable)
         finally:
             os.close(fd_in)
 
-    def _replace(self, key: str, fill: Callable[[int], None], *, durable: bool, group: bool) -> None:
+    def _replace(self, key: str, fill: Callable[[int], None], *, durable: bool) -> None:
         """Write a temp file with *fill*, fsync it, rename it over *key*, fsync the directory."""
         target = self.path(key)
         self._forget(key)
         self._check_dirs(key)
-        if durable and not group:
-            self.sync()
         directory = os.path.dirname(target)
         tmp = _temp_path(target)
         # O_EXCL: never opens an existing file, nor follows a symbolic link planted there
@@ -420,11 +379,7 @@ class LocalStore(Store):
             if isinstance(exc, OSError):
                 raise self.error(exc, target) from exc
             raise
-        if not durable:
-            return
-        if group:
-            self._defer_sync(directory)
-        else:
+        if durable:
             fsync_dir(directory)
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:
@@ -433,8 +388,6 @@ class LocalStore(Store):
         *durable*, the file is synced, and its directory too when this append created it.
         """
         path = self.path(key)
-        if durable or self._unsynced:  # any event (the next step's start) ends the shared window
-            self.sync()
         created = False
         try:
             with self._fd_lock:
@@ -481,13 +434,12 @@ class LocalStore(Store):
                     os.close(fd)
 
     def _released(self) -> None:
-        """Before the lock goes: close the appended files, fsync the pending directories."""
+        """Before the lock goes: close the appended files."""
         with self._fd_lock:
             self._locked = False
             fds, self._fds = list(self._fds.values()), {}
             for fd in fds:
                 os.close(fd)
-        self.sync()
 
     def delete(self, key: str, *, durable: bool) -> None:
         path = self.path(key)
@@ -508,7 +460,6 @@ class LocalStore(Store):
             else:
                 directory = os.path.dirname(directory)
         if durable:
-            self.sync()
             fsync_dir(directory)
 
     # listing -----------------------------------------------------------------------------
