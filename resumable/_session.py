@@ -44,7 +44,7 @@ from ._codec import (
 from ._codec_types import qualified_name
 from ._files import file_digests
 from ._fingerprint import StoredOutput, content_digest, provenance
-from ._journal import Journal, read_header
+from ._journal import Journal, header_authentic, read_header
 from ._plan import Plan, StepView
 from ._slots import STEP_BATCHES, batch_dir, slot_file
 from ._stores import Stamp, Store
@@ -361,11 +361,16 @@ class RunState:
         return self._hit(spec, plan, value, header, head_len)
 
     def peek(self, spec: StepView, plan: Plan) -> Found:
-        """Like :meth:`lookup`, reading only the header: a hit's value is a :class:`StoredOutput`."""
+        """
+        Like :meth:`lookup`, reading only the header (authenticated, with a secret): a hit's
+        value is a :class:`StoredOutput`.
+        """
         try:
             header, head_len = read_header(self.store, slot_file(plan.slot))
         except (FileNotFoundError, DamagedFileError) as exc:
             return self._unusable(plan, exc)
+        if self.secret is not None and not header_authentic(header, self.secret):
+            return self._corrupt(plan, "authentication failed (written without the secret, or tampered with)")
         miss = self._check_header(spec, plan, header)
         if miss is not None:
             return miss

@@ -339,6 +339,28 @@ def test_secret_authenticates_files(state_dir: Path, monkeypatch: pytest.MonkeyP
     assert "f.msgpack cannot be used (authentication failed" in messages
 
 
+def test_run_refuses_an_output_header_that_fails_authentication(state_dir: Path):
+    """
+    With a secret, the runner trusts the header of an output it does not load only if its
+    MAC checks: a header written with another key is damage (reason corrupt), recomputed.
+    """
+    other = Pipeline(state_dir=state_dir, secret="k2")
+    _etl(other, [])
+    other.run(url="x")
+    calls: list[str] = []
+    pipe = Pipeline(state_dir=state_dir, secret="k1")
+    _etl(pipe, calls)
+    with pytest.warns(resumable.ResumableWarning) as caught:
+        run = pipe.run(url="x")
+    assert ["download", "parse", "count"] == calls
+    assert 3 == run.outputs["count"]
+    messages = " ".join(str(w.message) for w in caught)
+    assert "download.msgpack cannot be used (authentication failed" in messages
+    events = [json.loads(line) for line in (state_dir / "events.jsonl").read_text().splitlines()]
+    started = [e for e in events if e["event"] == "step_started" and e["slot"] == "download"]
+    assert "corrupt" == started[-1]["reason"]
+
+
 def test_manifest_and_events_content(pipe: Pipeline, state_dir: Path):
     """manifest.json holds the documented keys; events.jsonl tells the history."""
 
