@@ -95,8 +95,8 @@ class ChunkStore:
             chunks += self._scan()
         return has_record, chunks
 
-    def _read_log(self, start: int, end: int) -> bytes:
-        return self.run.store.read_range(self.log_key, start, end)
+    def _read_log(self, start: int, end: int) -> bytes | bytearray:
+        return self.run.store.read(self.log_key, start, end)
 
     def _scan(self) -> list[Chunk]:
         found = scan(self._read_log, self.directory)
@@ -152,7 +152,7 @@ class ChunkStore:
     def _cut(self, size: int, *, durable: bool) -> None:
         """Rewrite the log without what follows its first *size* bytes (a record cut short)."""
         store = self.run.store
-        store.write(self.log_key, [store.read_range(self.log_key, 0, size)], durable=durable)
+        store.write(self.log_key, [store.read(self.log_key, 0, size)], durable=durable)
 
     def _void(self, offsets: list[int]) -> None:
         """Append a void record: the records (or damaged bytes) at *offsets* no longer count."""

@@ -32,7 +32,7 @@ _BLOCK = 1 << 20  # bytes read at once while scanning
 _HEAD_WINDOW = 1 << 16  # bytes a header is looked for in first (more if it needs more)
 _HEAD_MAX = 64 * 1024 * 1024
 
-ReadRange = Callable[[int, int], bytes]
+ReadRange = Callable[[int, int], bytes | bytearray]
 
 
 class Record(NamedTuple):
@@ -81,7 +81,7 @@ class _Reader:
 
     def __init__(self, read_range: ReadRange) -> None:
         self._read = read_range
-        self._buf = b""
+        self._buf: bytes | bytearray = b""
         self._start = 0
         self._seen = 0  # the log is at least this long
         self.size: int | None = None  # exactly, once a read came back short

@@ -73,7 +73,7 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
 
 def _remove(store: Store, key: str, what: str, report: CleanReport, *, dry_run: bool) -> None:
     try:
-        size = len(store.read_range(key, 0, None))
+        size = len(store.read(key, 0, None))
     except FileNotFoundError:
         return
     report.lines.append(f"{key} ({what})")

@@ -215,7 +215,7 @@ def _state(args: argparse.Namespace) -> Store:
         raise _NoState(store.location)  # a fork or delete was killed: it holds nothing
     for key in (MANIFEST, EVENTS):
         try:
-            store.read_range(key, 0, 0)
+            store.read(key, 0, 0)
         except FileNotFoundError:
             continue
         except OSError:

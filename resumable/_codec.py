@@ -39,7 +39,7 @@ from ._codec_types import (
     qualified_name,
     use_array_codec,
 )
-from ._stores._base import Stamp, Store
+from ._stores import Stamp, Store, key_stamp
 from .exceptions import SerializationError, StateFormatError
 
 
@@ -446,7 +446,7 @@ def read_output(store: Store, key: str) -> Reading:
     """
     # The stamp first: if the file is replaced in between, the stamp is of an older version
     # and the next lookup reads the file again (the other order could keep a stale copy).
-    stamp = store.stamp(key)
+    stamp = key_stamp(store, key)
     data = store.read(key)
     header, head_len = parse_header(data)
     return Reading(data, header, head_len, stamp)

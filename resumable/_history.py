@@ -151,7 +151,7 @@ def _events_from(store: Store, secret: bytes | None, start: int) -> Iterator[tup
     size = None if store.slow_appends else _LOG_PIECE
     while True:
         try:
-            piece = store.read_range(EVENTS, offset, None if size is None else offset + size)
+            piece = store.read(EVENTS, offset, None if size is None else offset + size)
         except FileNotFoundError:
             return
         except OSError as exc:
@@ -420,7 +420,7 @@ def _replay_start(store: Store, secret: bytes | None) -> tuple[int, Fold, Checkp
     if base is not None:
         start, manifest, first = base
         try:  # the base must point just after a line of this log
-            if store.read_range(EVENTS, start - 1, start) == b"\n":
+            if store.read(EVENTS, start - 1, start) == b"\n":
                 return start, Fold(manifest), first
         except FileNotFoundError:
             pass

@@ -143,7 +143,7 @@ def read_header(store: Store, key: str) -> tuple[dict[str, Any], int]:
     """Read just the header of a stored output (a few KB at most)."""
     size = _HEAD
     while True:
-        head = store.read_range(key, 0, size)
+        head = store.read(key, 0, size)
         try:
             return parse_header(head)
         except DamagedFileError:
@@ -301,23 +301,23 @@ class Journal:
             file=event["file"],
         )
 
-    def _read_log(self, start: int) -> tuple[int, bytes] | None:
+    def _read_log(self, start: int) -> tuple[int, bytes | bytearray] | None:
         """
         The log from *start*, with *start*; None if *start* is not where a line of the log
         begins (the manifest is then out of step with the log).
         """
         try:
             if start == 0:
-                return 0, self.store.read_range(EVENTS, 0)
+                return 0, self.store.read(EVENTS)
             # one byte more: the one before *start* must end a line
-            tail = self.store.read_range(EVENTS, start - 1)
+            tail = self.store.read(EVENTS, start - 1)
         except FileNotFoundError:
             return 0, b""  # no log (yet, or deleted): the manifest is all there is
         except OSError as exc:
             raise state_error(exc, self.store, EVENTS) from exc
         return (start, tail[1:]) if tail[:1] == b"\n" else None
 
-    def _replay(self, start: int, tail: bytes) -> int:
+    def _replay(self, start: int, tail: bytes | bytearray) -> int:
         """Apply the complete lines of *tail*; return where they end in the log."""
         end = tail.rfind(b"\n") + 1
         damaged = forged = invalid = 0
@@ -353,7 +353,7 @@ class Journal:
     def _cut_log(self, size: int) -> None:
         """Make the log its first *size* bytes (which end a line), atomically and durably."""
         try:
-            kept = self.store.read_range(EVENTS, 0, size)
+            kept = self.store.read(EVENTS, 0, size)
             self.store.write(EVENTS, [kept], durable=True)
         except OSError as exc:
             raise state_error(exc, self.store, EVENTS) from exc

@@ -47,7 +47,7 @@ from ._fingerprint import StoredOutput, content_digest, provenance
 from ._journal import Journal, header_authentic, read_header
 from ._plan import Plan, StepView
 from ._slots import STEP_BATCHES, batch_dir, slot_file
-from ._stores import Stamp, Store
+from ._stores import Stamp, Store, key_stamp
 from ._units import human_size
 from ._warn import warn
 from .exceptions import SerializationError, StepChangedError, StepInterruptedError
@@ -341,7 +341,7 @@ class RunState:
         key = slot_file(plan.slot)
         try:
             known = self._verified.get(plan.slot)
-            if known is not None and known[0] == self.store.stamp(key):
+            if known is not None and known[0] == key_stamp(self.store, key):
                 return self._hit_verified(spec, plan, known[1])
             reading = read_output(self.store, key)
         except (FileNotFoundError, DamagedFileError) as exc:

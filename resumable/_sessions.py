@@ -123,7 +123,7 @@ def write_meta(store: Store, meta: Mapping[str, Any], *, durable: bool) -> None:
 def incomplete(store: Store) -> bool:
     """True if a fork or delete of the session did not finish (its files are garbage)."""
     try:
-        store.read_range(INCOMPLETE, 0, 0)
+        store.read(INCOMPLETE, 0, 0)
     except FileNotFoundError:
         return False
     return True
@@ -446,7 +446,7 @@ def _original_key(store: Store, slot: str) -> str | None:
     if key is not None:
         return key
     try:  # a long key is shortened in its file name: the header has it
-        head = store.read_range(slot_file(slot), 0, 64 * 1024)
+        head = store.read(slot_file(slot), 0, 64 * 1024)
         header, _ = parse_header(head)
     except (FileNotFoundError, DamagedFileError):
         return None

@@ -51,7 +51,7 @@ def record_code(store: Store, step: str, identity: Identity) -> bool:
     store = root_of(store)
     key = f"{CODE_DIR}{identity.code}.json"
     try:  # written once: a record is named by the digest of what it holds
-        store.read_range(key, 0, 0)
+        store.read(key, 0, 0)
     except (FileNotFoundError, OSError):
         pass
     else:

@@ -628,7 +628,7 @@ def test_store_never_follows_links_out(tmp_path: Path) -> None:
         lambda: store.append("fetch/log", b"x", durable=True),
         lambda: store.copy("a.msgpack", "fetch/3.msgpack", durable=True),
         lambda: store.read("b.msgpack"),
-        lambda: store.read_range("b.msgpack", 0),
+        lambda: store.read("b.msgpack", 0),
     ):
         with pytest.raises(StateDirectoryError) as info:
             action()

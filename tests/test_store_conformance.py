@@ -114,8 +114,8 @@ class _MinimalStore(Store):
         self._inner = MemoryStore.named(name)
         self.location = self._inner.location
 
-    def read(self, key: str) -> bytes | bytearray:
-        return self._inner.read(key)
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
+        return self._inner.read(key, start, end)
 
     def write(self, key: str, chunks: Any, *, durable: bool) -> None:
         self._inner.write(key, chunks, durable=durable)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from resumable import Pipeline, ResumableError, StateDirectoryError, StateLockedError, Store
-from resumable._stores import open_store
+from resumable._stores import key_stamp, open_store
 from resumable._stores._local import LocalStore
 from resumable._stores._memory import MemoryStore
 
@@ -32,8 +32,8 @@ def test_write_read_list_delete(store: Store):
     store.write("a.msgpack", [b"hello ", memoryview(b"world")], durable=True)
     store.write("step/k.msgpack", [b"x"], durable=False)
     assert b"hello world" == bytes(store.read("a.msgpack"))
-    assert b"world" == store.read_range("a.msgpack", 6)
-    assert b"lo" == store.read_range("a.msgpack", 3, 5)
+    assert b"world" == bytes(store.read("a.msgpack", 6))
+    assert b"lo" == bytes(store.read("a.msgpack", 3, 5))
     assert {"a.msgpack", "step/k.msgpack"} == set(store.list())
     assert ["step/k.msgpack"] == store.list("step/")
     store.write("a.msgpack", [b"new"], durable=True)
@@ -43,7 +43,7 @@ def test_write_read_list_delete(store: Store):
     with pytest.raises(FileNotFoundError):
         store.read("a.msgpack")
     with pytest.raises(FileNotFoundError):
-        store.read_range("a.msgpack", 0)
+        store.read("a.msgpack", 0)
 
 
 def test_append(store: Store):
@@ -134,6 +134,22 @@ def test_local_fsyncs_only_when_durable(tmp_path: Path, monkeypatch: pytest.Monk
     synced.clear()
     store.delete("manifest.json", durable=True)
     assert [str(tmp_path)] == synced
+
+
+def test_local_stamps_follow_versions(tmp_path: Path):
+    """A local file's stamp stays while it is unchanged and changes with a new version; other stores have none."""
+    store = LocalStore(tmp_path)
+    store.write("s.bin", [b"one"], durable=False)
+    stamp = key_stamp(store, "s.bin")
+    assert stamp is not None
+    assert stamp == key_stamp(store, "s.bin")
+    store.write("s.bin", [b"two!"], durable=False)
+    assert stamp != key_stamp(store, "s.bin")
+    with pytest.raises(FileNotFoundError):
+        key_stamp(store, "missing.bin")
+    memory = MemoryStore()
+    memory.write("s.bin", [b"one"], durable=False)
+    assert key_stamp(memory, "s.bin") is None
 
 
 def test_local_failed_write_keeps_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
@@ -344,7 +360,7 @@ def test_a_fifo_in_place_of_a_state_file_is_refused_at_once(tmp_path: Path):
     os.mkfifo(tmp_path / "events.jsonl")
     for action in (
         lambda: store.read("a.msgpack"),
-        lambda: store.read_range("a.msgpack", 0, 10),
+        lambda: store.read("a.msgpack", 0, 10),
         lambda: store.append("events.jsonl", b"x", durable=False),
     ):
         with pytest.raises(StateDirectoryError, match="not a plain file"):

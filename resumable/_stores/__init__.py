@@ -10,11 +10,34 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ._base import Buffer, Stamp, Store, StoreLock, as_store, check_key, unchanged_since
+from ._base import Buffer, Stamp, Store, StoreLock, as_store, check_key
 from ._local import LocalStore
 from ._memory import MemoryStore
 
-__all__ = ["Buffer", "Stamp", "Store", "StoreLock", "check_key", "open_store", "unchanged_since"]
+__all__ = ["Buffer", "Stamp", "Store", "StoreLock", "check_key", "key_stamp", "open_store", "unchanged_since"]
+
+
+def key_stamp(store: Store, key: str) -> Stamp | None:
+    """
+    What identifies the current version of *key* (device, inode, size, times) in a local
+    directory; ``None`` in any other store (then nothing is cached by version).
+
+    Raises:
+        FileNotFoundError: a local directory holds no such file.
+    """
+    return store.stamp(key) if isinstance(store, LocalStore) else None
+
+
+def unchanged_since(store: Store, key: str, ns: int) -> bool:
+    """
+    True if *key* is a local file that has not changed (been written, renamed or linked)
+    since *ns*, nanoseconds since the epoch.
+    """
+    try:
+        found = key_stamp(store, key)
+    except OSError:
+        return False
+    return found is not None and found[4] < ns
 
 
 def open_store(

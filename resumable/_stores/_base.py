@@ -36,15 +36,15 @@ class StoreLock(Protocol):
 
 class Store(abc.ABC):
     """
-    The storage behind a pipeline: subclass it, implement the six primitives, and override
-    the optional methods you can do better than their defaults.
+    The storage behind a pipeline: subclass it, set :attr:`location`, implement the six
+    primitives, and override the optional members you can do better than their defaults.
 
     Keys are relative, ``/``-separated paths. Implementations must guarantee:
 
     - ``write`` is atomic: a reader sees the previous object or the new one, never a mix,
       even if the writer is killed; with ``durable=True`` the new object survives a
       power loss once ``write`` returns.
-    - ``read`` returns the whole object or raises ``FileNotFoundError``.
+    - ``read`` returns the whole object (or the range asked for) or raises ``FileNotFoundError``.
     - ``lock`` lets one holder at a time in, raises :class:`StateLockedError` naming the
       holder otherwise, and never stays held after its holder died (a lease: once it expired).
     """
@@ -61,8 +61,11 @@ class Store(abc.ABC):
     # primitives ------------------------------------------------------------------------
 
     @abc.abstractmethod
-    def read(self, key: str) -> bytes | bytearray:
-        """Return the whole object; raise ``FileNotFoundError`` if there is none."""
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
+        """
+        Bytes *start* to *end* (exclusive, clipped to the object; ``None``: to its end) of
+        the object, by default all of it; raise ``FileNotFoundError`` if there is none.
+        """
 
     @abc.abstractmethod
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
@@ -86,10 +89,6 @@ class Store(abc.ABC):
 
     # optional: defaults built on the primitives ------------------------------------------
 
-    def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
-        """Bytes ``start`` to ``end`` (exclusive; ``None``: to the end) of an object."""
-        return bytes(memoryview(self.read(key))[start:end])
-
     def copy(self, src: str, dst: str, *, durable: bool) -> None:
         """
         Make *dst* an atomic copy of *src* (history keeps versions this way). Default: read
@@ -98,32 +97,12 @@ class Store(abc.ABC):
         """
         self.write(dst, [self.read(src)], durable=durable)
 
-    def stamp(self, key: str) -> Stamp | None:  # noqa: ARG002 - the default cannot tell
-        """
-        What identifies the current version of *key*, cheaply (device, inode, size, times);
-        ``None`` if the store cannot tell (then nothing is cached by version). Raises
-        ``FileNotFoundError`` for a missing key where it can tell.
-        """
-        return None
-
     def remove_temp_files(self, *, dry_run: bool = False) -> builtins.list[str]:  # noqa: ARG002 - none by default
         """
         Remove what killed writers left behind (temporary objects) and return their keys
         (with *dry_run*, only return them). Called holding the lock. Default: there are none.
         """
         return []
-
-
-def unchanged_since(store: Store, key: str, ns: int) -> bool:
-    """
-    True if the store can tell that *key* has not changed (been written, renamed or linked)
-    since *ns*, nanoseconds since the epoch (its :meth:`Store.stamp` holds the change time).
-    """
-    try:
-        stamp = store.stamp(key)
-    except OSError:
-        return False
-    return stamp is not None and stamp[4] < ns
 
 
 def as_store(obj: object) -> Store:

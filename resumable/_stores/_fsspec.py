@@ -184,12 +184,10 @@ class FsspecStore(SegmentedLogs, Store):
                 return b""
             raise named_error(exc, where) from exc
 
-    def read(self, key: str) -> bytearray:
-        # a fresh writable buffer, as from a local file: arrays decoded from it are writable
-        return bytearray(self._read(key, 0, None))
-
-    def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
-        return self._read(key, start, end)
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
+        data = self._read(key, start, end)
+        # a whole object in a fresh writable buffer, as from a local file: arrays decoded from it are writable
+        return bytearray(data) if start == 0 and end is None else data
 
     def _read(self, key: str, start: int, end: int | None) -> bytes:
         if end is not None and end <= start:

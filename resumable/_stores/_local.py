@@ -258,15 +258,15 @@ class LocalStore(Store):
 
     # reading -----------------------------------------------------------------------------
 
-    def read(self, key: str) -> bytearray:
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytearray:
         path = self.path(key)
         fd = self._open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            buf = bytearray(size)
+            buf = bytearray(max(0, (size if end is None else min(end, size)) - start))
             done = 0
             with memoryview(buf) as view:
-                while done < size and (n := os.readv(fd, [view[done:]])):
+                while done < len(buf) and (n := os.preadv(fd, [view[done:]], start + done)):
                     done += n
         except OSError as exc:
             raise self.error(exc, path) from None
@@ -276,18 +276,8 @@ class LocalStore(Store):
         return buf
 
     def stamp(self, key: str) -> Stamp:
-        """What identifies the current version of *key*; raises FileNotFoundError."""
+        """What identifies the current version of *key* (see :func:`key_stamp`); raises FileNotFoundError."""
         return stamp_of(os.stat(self.path(key)))
-
-    def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
-        path = self.path(key)
-        fd = self._open(path, os.O_RDONLY)
-        try:
-            with open(fd, "rb") as f:
-                f.seek(start)
-                return f.read(-1 if end is None else max(0, end - start))
-        except OSError as exc:
-            raise self.error(exc, path) from None
 
     # writing -----------------------------------------------------------------------------
 

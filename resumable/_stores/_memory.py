@@ -54,16 +54,10 @@ class MemoryStore(Store):
                 store = cls._named[name] = cls(name)
             return store
 
-    def read(self, key: str) -> bytearray:
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytearray:
         try:
             # a copy: values decoded from it (NumPy arrays) must not alias the store
-            return bytearray(self._objects[key])
-        except KeyError:
-            raise FileNotFoundError(f"{self.location}/{key}") from None
-
-    def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
-        try:
-            return bytes(self._objects[key][start:end])
+            return bytearray(memoryview(self._objects[key])[start:end])
         except KeyError:
             raise FileNotFoundError(f"{self.location}/{key}") from None
 

@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..exceptions import StateLockedError, UsageError
-from ._base import Buffer, Stamp, Store
+from ._base import Buffer, Store
 
 
 def sub_store(store: Store, prefix: str) -> Store:
@@ -85,11 +85,8 @@ class PrefixStore(Store):
     def __repr__(self) -> str:
         return f"PrefixStore({self.location!r})"
 
-    def read(self, key: str) -> bytes | bytearray:
-        return self.base.read(self.prefix + key)
-
-    def read_range(self, key: str, start: int, end: int | None = None) -> bytes:
-        return self.base.read_range(self.prefix + key, start, end)
+    def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
+        return self.base.read(self.prefix + key, start, end)
 
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
         self.base.write(self.prefix + key, chunks, durable=durable)
@@ -106,9 +103,6 @@ class PrefixStore(Store):
 
     def copy(self, src: str, dst: str, *, durable: bool) -> None:
         self.base.copy(self.prefix + src, self.prefix + dst, durable=durable)
-
-    def stamp(self, key: str) -> Stamp | None:
-        return self.base.stamp(self.prefix + key)
 
     def lock(self, holder: Mapping[str, Any]) -> _PrefixLock:
         with _holders_lock:
