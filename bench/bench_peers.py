@@ -907,7 +907,7 @@ def bench_first_skip(base: Path, rounds: int) -> list[Row]:
 def bench_store(base: Path, rounds: int) -> list[Row]:
     n = 40
     langgraph = load_peer("langgraph.checkpoint.sqlite")
-    res: dict[str, Samples] = {"library": [], "atomic": [], "grouped": [], "langgraph": [], "dbos": []}
+    res: dict[str, Samples] = {"library": [], "atomic": [], "langgraph": [], "dbos": []}
     if langgraph is None:
         res["langgraph"] = not_installed("langgraph")
     with dbos_child(base / "store-dbos.sqlite") as dbos:
@@ -919,7 +919,6 @@ def bench_store(base: Path, rounds: int) -> list[Row]:
             # Fresh state each round, for every side: each stores into a store holding < 100 outputs.
             root = base / f"store-{r}"
             (root / "atomic").mkdir(parents=True)
-            (root / "grouped").mkdir(parents=True)
             counter = itertools.count(1)
             blocks: dict[str, Callable[[], float]] = {}
 
@@ -930,17 +929,6 @@ def bench_store(base: Path, rounds: int) -> list[Row]:
                     atomic_store(directory, i, SMALL, durable=True)
                 return (time.perf_counter() - t0) / n
 
-            def grouped(directory: str = str(root / "grouped"), counter: Iterator[int] = counter) -> float:
-                # the library's fsyncs: each file, and the directory once for the block's renames
-                start = next(counter) * n
-                t0 = time.perf_counter()
-                for i in range(start, start + n):
-                    target = os.path.join(directory, f"{i}.msgpack")
-                    write_file(target + ".tmp", msgpack.packb(SMALL), fsync=True)
-                    os.replace(target + ".tmp", target)
-                fsync_dir(directory)
-                return (time.perf_counter() - t0) / n
-
             def library(counter: Iterator[int] = counter) -> float:
                 start = next(counter) * n
                 t0 = time.perf_counter()
@@ -948,7 +936,7 @@ def bench_store(base: Path, rounds: int) -> list[Row]:
                     store_small(i)
                 return (time.perf_counter() - t0) / n
 
-            blocks |= {"library": library, "atomic": atomic, "grouped": grouped}
+            blocks |= {"library": library, "atomic": atomic}
             if langgraph is not None:
                 saver = langgraph_saver(root / "langgraph.sqlite")
                 langgraph_put(saver, langgraph_checkpoints(1), "warm")
@@ -991,17 +979,10 @@ def bench_store(base: Path, rounds: int) -> list[Row]:
         versus(
             name,
             library_s,
-            "atomic replace with the same fsyncs (each file; the directory once per 40 renames)",
-            res["grouped"],
+            "atomic replace with the same fsyncs (write, fsync, rename, fsync dir)",
+            res["atomic"],
             target="≤ 1.1",
             check=lambda r: r <= 1.1,
-            details=details,
-        ),
-        versus(
-            name,
-            library_s,
-            "naive atomic replace (write, fsync, rename, fsync dir)",
-            res["atomic"],
             details=details,
         ),
         versus(name, library_s, "DBOS step (SQLite)", res["dbos"], best=best == "dbos", details=details),
