@@ -5,10 +5,9 @@ A store holds opaque objects under ``/``-separated keys such as ``parse.msgpack`
 ``fetch_page/3.msgpack``. Everything resumable guarantees about durability rests on the
 primitives a backend must implement (abstract here); every faster way of doing something
 a backend may offer is a method with a plain default built on the primitives, which a
-backend overrides when it can do better. The core calls these methods and nothing else:
-it never asks a store what it happens to have.
-
-The :data:`Stamp` of a file version (:func:`stamp_of`) serves the local directory store.
+backend overrides when it can do better. The core calls these methods; only of a local
+directory does it ask more: the :data:`Stamp` of a file version (:func:`stamp_of`), which
+tells an unchanged file without reading it.
 """
 
 from __future__ import annotations
