@@ -40,10 +40,11 @@ SLOTS = 6
 
 
 def _tree(path: Path) -> dict[str, str]:
+    """The files of a state and their digests; not its lock, nor a killed writer's temporary file."""
     return {
         str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
         for p in sorted(path.rglob("*"))
-        if p.is_file() and p.name != "lock"
+        if p.is_file() and p.name != "lock" and not (p.name.startswith(".") and p.name.endswith(".tmp"))
     }
 
 
