@@ -189,6 +189,7 @@ class Journal:
         self.repaired = False
         self.large = False  # the manifest read was over LARGE_MANIFEST bytes
         self.unsaved = False  # the manifest holds something manifest.json does not
+        self.saved_offset = 0  # how much of the log manifest.json (as read or last written) covers
 
     @property
     def manifest(self) -> Manifest:
@@ -216,6 +217,7 @@ class Journal:
         before = manifest.events_offset
         self._offset = manifest.events_offset = self._replay(*(tail or (0, b"")))
         self.unsaved = problem is not None or self._offset != before
+        self.saved_offset = 0 if problem is not None else before
         # a log this journal creates: its directory entry is made durable with the first sync
         self._log_entry_durable = self._offset > 0
         if problem is not None or manifest.status == "running":
@@ -556,10 +558,12 @@ class Journal:
                 self._write_pending(durable=durable)
                 snapshot = self._snapshot()
                 self.unsaved = False
+                offset = self._offset
             # encoded outside the lock: steps keep running while a large manifest is written
             chunks = dump_chunks(_signed(snapshot, self.secret))
             del snapshot  # what a large manifest holds twice while it is written: its pieces
             self._write_manifest(chunks, durable=durable)
+            self.saved_offset = offset
             # A large manifest is rewritten less often: a rewrite costs the step that makes
             # it. Readers replay the log, so none sees it stale.
             self._manifest_interval = _rewrite_interval(sum(map(len, chunks)))

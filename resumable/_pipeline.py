@@ -218,6 +218,7 @@ class Pipeline:
             allow_pickle=self.allow_pickle,
             secret=self._secret,
             keep_checkpoints=self.keep_checkpoints,
+            lagging_manifest=self._session_id is not None,
         )
         if prepare is None and self._session_id is not None:
             prepare = self._prepare_session

@@ -62,6 +62,7 @@ _MAX_TRACEBACK = 20_000
 # A run logs the skips of the slots completed last (at most this many), and of slots the
 # manifest does not hold as completed; the skips of older slots are not logged.
 SKIPS_LOGGED = 32
+LAG = 16 * 1024  # bytes of log a named session's manifest.json may lag (replayed by each open)
 
 
 class Execution:
@@ -207,9 +208,12 @@ class RunState:
         allow_pickle: bool,
         secret: bytes | None,
         keep_checkpoints: int = 20,
+        lagging_manifest: bool = False,
     ) -> None:
         self.store = store
         self.durable = durable
+        # a named session: manifest.json is rewritten once its log has grown LAG bytes past it
+        self.lagging_manifest = lagging_manifest
         self.keep_checkpoints = keep_checkpoints
         self.allow_pickle = allow_pickle
         self.secret = secret
@@ -285,12 +289,12 @@ class RunState:
                     pid=holder["pid"],
                     host=holder["host"],
                 )
-                if self.journal.rebuilt or not self.journal.large:
+                if self.journal.rebuilt or not (self.journal.large or self.lagging_manifest):
                     self.journal.flush(durable=False)  # manifest.json says "running" at once
                 else:
                     # Rewriting a manifest of many thousand slots would be most of the cost of
-                    # opening: it is rewritten after its interval, and readers that fold the
-                    # log (status, show, history) see the run as running already.
+                    # opening (and most of a session's request): it is rewritten later, and
+                    # readers that fold the log (status, show, history) see the run as running.
                     self.journal.write_pending(durable=False)
         except BaseException:
             self._release()
@@ -303,15 +307,21 @@ class RunState:
         """
         try:
             self.loops.close()  # loops of named batches left by an exception: commit their rows
+            lagging = self.lagging_manifest and not self.journal.rebuilt
             if not self.maintenance:
                 fields: dict[str, Any] = {"status": status}
                 if error is not None and status == "failed" and error is not self.last_failure:
                     fields["error"] = _error_fields(error)
-                self.journal.record("run_finished", defined=sorted(defined), **fields)
+                # lagging: the close is durable in the log (one fsync), not in manifest.json
+                self.journal.record("run_finished", sync=lagging, defined=sorted(defined), **fields)
             if not self.maintenance:  # a maintenance lock (CLI, reset ...) keeps all history
                 self.prune()
                 file_digests.save(self.store, self.secret)
-            if not self.maintenance or self.journal.unsaved:  # a look at the state writes nothing
+            if lagging and not self.maintenance:
+                self.journal.write_pending(durable=False)
+                if self.journal.manifest.events_offset - self.journal.saved_offset >= LAG:
+                    self.journal.flush(durable=False)
+            elif not self.maintenance or self.journal.unsaved:  # a look at the state writes nothing
                 self.journal.flush(durable=self.durable)
         finally:
             self._release()

@@ -5,7 +5,7 @@ It is a cache: each session's own files (its ``session.json`` and manifest) are 
 and a summary lost to a crash is read from them again. Two forms:
 
 - a local directory keeps ``.sessions/.index.jsonl``: one JSON line per change (a session's
-  whole summary, or its removal), appended under a short ``flock`` on ``.sessions/.index.lock``
+  whole summary, or its removal), appended under a short ``flock`` of the log itself
   and compacted (the fold, written to a temporary file renamed over the log) when it has
   grown to twice its folded size. A line cut by a kill is skipped, and the next append
   starts on a new line. Folding is idempotent: each line holds a whole summary.
@@ -29,9 +29,9 @@ from ._stores._local import LocalStore
 from ._stores._prefix import sub_store
 
 INDEX_LOG = f"{SESSIONS_DIR}/.index.jsonl"
-INDEX_LOCK = f"{SESSIONS_DIR}/.index.lock"
 INDEX_DIR = f"{SESSIONS_DIR}/.index"
 _MIN_COMPACT = 64 * 1024  # a log smaller than this is never compacted
+_APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
 class Index(abc.ABC):
@@ -100,35 +100,34 @@ class LogIndex(Index):
 
     def __init__(self, root: str) -> None:
         self.log = f"{root}/{INDEX_LOG}"
-        self.lock = f"{root}/{INDEX_LOCK}"
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        try:
-            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(self.lock), mode=0o700, exist_ok=True)
-            fd = os.open(self.lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # drops the flock
+    def _locked(self) -> Iterator[int]:
+        """The log, open for appending under its ``flock`` (reopened if a compaction replaced it)."""
+        while True:
+            try:
+                fd = os.open(self.log, _APPEND, 0o600)
+            except FileNotFoundError:
+                os.makedirs(os.path.dirname(self.log), mode=0o700, exist_ok=True)
+                fd = os.open(self.log, _APPEND, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if os.fstat(fd).st_ino == os.stat(self.log).st_ino:
+                    yield fd
+                    return
+            finally:
+                os.close(fd)  # drops the flock
 
     def _append(self, record: Mapping[str, Any], *, durable: bool) -> None:
         data = _line(record)
-        with self._locked():
-            fd = os.open(self.log, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-            try:
-                size = os.fstat(fd).st_size
-                if size and os.pread(fd, 1, size - 1) != b"\n":
-                    data = b"\n" + data  # the last append was cut by a kill: start a new line
-                os.write(fd, data)
-                if durable:
-                    os.fsync(fd)
-                first = os.pread(fd, 128, 0) if size > _MIN_COMPACT else b""
-            finally:
-                os.close(fd)
+        with self._locked() as fd:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                data = b"\n" + data  # the last append was cut by a kill: start a new line
+            os.write(fd, data)
+            if durable:
+                os.fsync(fd)
+            first = os.pread(fd, 128, 0) if size > _MIN_COMPACT else b""
             if first:
                 folded = _folded_size(first)
                 if size + len(data) > 2 * max(folded, _MIN_COMPACT // 2):

@@ -507,7 +507,7 @@ def test_long_ids_and_odd_characters(state_dir: Path) -> None:
             assert s.id == sid
     assert sorted(s.id for s in pipe.sessions()) == sorted(ids)
     names = set(os.listdir(state_dir / ".sessions"))
-    assert {".index.jsonl", ".index.lock", "%2Ehidden"} <= names  # no id leaves .sessions/ or looks internal
+    assert {".index.jsonl", "%2Ehidden"} <= names  # no id leaves .sessions/ or looks internal
     assert all(not name.startswith(".") or name.startswith(".index") for name in names)
     with pytest.raises(UsageError):
         pipe.session("y" * 201)
@@ -526,3 +526,28 @@ def test_is_cached_and_forget_act_in_the_entered_session(state_dir: Path) -> Non
         turn.forget(1, "x")
         assert not turn.is_cached(1, "x")
     assert not turn.is_cached(1, "x")  # the default session never had it
+
+
+def test_a_sessions_manifest_lags_its_log_by_at_most_lag_and_readers_see_every_run(state_dir: Path) -> None:
+    import json
+
+    from resumable._session import LAG
+
+    pipe, calls, turn = _chat(state_dir)
+    folder = state_dir / ".sessions" / "c"
+    for request in range(40):
+        with pipe.session("c") as s:
+            for i in range(request + 1):
+                turn(i, f"m{i}")
+        manifest = json.loads((folder / "manifest.json").read_bytes())
+        log_size = (folder / "events.jsonl").stat().st_size
+        assert log_size - manifest["events_offset"] < LAG  # rewritten at a close once it lags that much
+        status = s.status()
+        assert (status.runs, status.status, len(status.completed_steps)) == (
+            request + 1,
+            "completed",
+            request + 1,
+        )
+    assert len(calls) == 40
+    assert manifest["runs"] < 40  # it did lag
+    assert pipe.sessions()[0].runs == 40

@@ -141,6 +141,6 @@ def test_clean_idle_sessions(state_dir: Path, capsys: pytest.CaptureFixture[str]
     code, out, _ = _cli(capsys, state_dir, "clean", "--sessions", "--idle", "0s")
     assert code == 0
     assert pipe.sessions() == []
-    assert sorted(os.listdir(state_dir / ".sessions")) == [".index.jsonl", ".index.lock"]
+    assert sorted(os.listdir(state_dir / ".sessions")) == [".index.jsonl"]
     code, _, _err = _cli(capsys, state_dir, "clean", "--sessions")
     assert code == 2
