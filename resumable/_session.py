@@ -62,7 +62,7 @@ _MAX_TRACEBACK = 20_000
 # A run logs the skips of the slots completed last (at most this many), and of slots the
 # manifest does not hold as completed; the skips of older slots are not logged.
 SKIPS_LOGGED = 32
-LAG = 16 * 1024  # bytes of log a named session's manifest.json may lag (replayed by each open)
+LAG = 8 * 1024  # bytes of log a named session's manifest.json may lag (replayed by each open)
 
 
 class Execution:

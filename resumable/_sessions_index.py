@@ -9,13 +9,15 @@ and a summary lost to a crash is read from them again. Two forms:
   and compacted (the fold, written to a temporary file renamed over the log) when it has
   grown to twice its folded size. A line cut by a kill is skipped, and the next append
   starts on a new line. Folding is idempotent: each line holds a whole summary.
-- other stores keep one object per session, ``.sessions/.index/<id encoded>.json``, written
-  whole by the run holding the session's lock, so writers never share an object.
+- other stores keep one object per session, ``.sessions/.index/<id encoded>/<summary>``
+  (:class:`ObjectIndex`), written by the run holding the session's lock, so writers never
+  share an object.
 """
 
 from __future__ import annotations
 
 import abc
+import base64
 import contextlib
 import fcntl
 import json
@@ -23,7 +25,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ._slots import SESSIONS_DIR, encode_key
+from ._slots import SESSIONS_DIR, encode_key, session_of_prefix
 from ._stores import Store
 from ._stores._local import LocalStore
 from ._stores._prefix import sub_store
@@ -31,6 +33,7 @@ from ._stores._prefix import sub_store
 INDEX_LOG = f"{SESSIONS_DIR}/.index.jsonl"
 INDEX_DIR = f"{SESSIONS_DIR}/.index"
 _MIN_COMPACT = 64 * 1024  # a log smaller than this is never compacted
+_MAX_NAME = 240  # characters of an index object's name (file systems allow 255 bytes)
 _APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
@@ -181,39 +184,74 @@ def _folded_size(first: bytes) -> int:
 
 
 class ObjectIndex(Index):
-    """Other stores: an object per session, written by the holder of its lock."""
+    """
+    Other stores: an object per session, ``.sessions/.index/<id encoded>/<name>``, written by
+    the holder of the session's lock (the new one, then the old one deleted). Its name is its
+    summary (base64 of the JSON) where that fits in :data:`_MAX_NAME` characters, so a listing
+    (on S3 a request per 1,000 sessions) reads the index; the other objects are read.
+    """
 
     def __init__(self, store: Store) -> None:
         self.store = sub_store(store, INDEX_DIR)
 
     def put(self, summary: Mapping[str, Any], *, durable: bool = False, merge: bool = False) -> None:
-        key = f"{encode_key(summary['id'])}.json"
-        if merge:  # written by the holder of the session's lock only: a read, then a write
-            try:
-                before = fold(iter([bytes(self.store.read(key))]))
-            except FileNotFoundError:
-                before = {}
-            summary = {**before.get(summary["id"], {}), **summary}
+        sid = summary["id"]
+        old = self.store.list(f"{encode_key(sid)}/")
+        if merge:
+            summary = {**self._summaries(old).get(sid, {}), **summary}
+        name = base64.urlsafe_b64encode(_line({**summary, "id": None})[:-1]).rstrip(b"=").decode()
+        if len(name) > _MAX_NAME:
+            name = f"~{os.urandom(8).hex()}"  # not a summary: read
+        key = f"{encode_key(sid)}/{name}"
         self.store.write(key, [_line(summary)], durable=durable)
+        for k in old:
+            if k != key:
+                self.store.delete(k, durable=durable)
 
     def drop(self, session: str, *, durable: bool = False) -> None:
-        self.store.delete(f"{encode_key(session)}.json", durable=durable)
+        for key in self.store.list(f"{encode_key(session)}/"):
+            self.store.delete(key, durable=durable)
 
     def read(self) -> dict[str, dict[str, Any]]:
-        keys = [k for k in self.store.list() if k.endswith(".json") and "/" not in k]
+        return self._summaries(self.store.list())
+
+    def _summaries(self, keys: list[str]) -> dict[str, dict[str, Any]]:
+        """The summaries of the objects *keys*: from their names, else read (on a remote store in threads)."""
+        found: list[dict[str, Any]] = []
+        unread: list[str] = []
+        for key in keys:
+            folder, _, name = key.partition("/")
+            sid = session_of_prefix(folder)
+            summary = _named(name)
+            if sid is not None and isinstance(summary, dict):
+                found.append({**summary, "id": sid})
+            elif name:
+                unread.append(key)
 
         def one(key: str) -> bytes:
             try:
                 return bytes(self.store.read(key))
             except FileNotFoundError:
-                return b""
+                return b""  # replaced meanwhile: its successor is listed too, or it was deleted
 
-        if len(keys) > 8 and self.store.slow_appends:  # a remote store: a round trip each
+        if len(unread) > 8 and self.store.slow_appends:  # a remote store: a round trip each
             from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
 
             with ThreadPoolExecutor(16) as pool:
-                datas = list(pool.map(one, keys))
+                datas = list(pool.map(one, unread))
         else:
-            datas = [one(k) for k in keys]
-        found = fold(iter(datas))
-        return dict(sorted(found.items(), key=lambda kv: str(kv[1].get("updated_at", ""))))
+            datas = [one(k) for k in unread]
+        found += [s for s in map(_parsed, datas) if isinstance(s, dict) and isinstance(s.get("id"), str)]
+        # two objects of one session (a writer killed between writing one and deleting the other): the newer
+        found.sort(key=lambda s: str(s.get("updated_at", "")))
+        return {s["id"]: s for s in found}
+
+
+def _named(name: str) -> Any:
+    """The summary an index object's name holds (None if it holds none)."""
+    if not name or name.startswith("~"):
+        return None
+    try:
+        return json.loads(base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)))
+    except ValueError:
+        return None

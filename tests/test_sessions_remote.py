@@ -99,3 +99,41 @@ def test_session_lease_fork_and_delete_on_s3(s3) -> None:
         turn(5)
     assert pipe.store.list()
     assert not [k for k in pipe.store.list() if k.startswith(".sessions")]
+
+
+def test_listing_sessions_reads_the_index_in_a_few_requests(s3, monkeypatch) -> None:
+    import s3fs
+
+    url = s3.url("listing")
+    pipe = Pipeline("chat", store=url)
+
+    @pipe.step(key="{i}")
+    def turn(i: int) -> int:
+        return i
+
+    for n in range(25):
+        with pipe.session(f"user-{n:02d}", metadata={"plan": "free"}):
+            turn(n)
+    pipe.delete_session("user-03")
+    calls: list[str] = []
+    real = s3fs.S3FileSystem._call_s3
+
+    async def counting(self, method, *args, **kwargs):
+        calls.append(method)
+        return await real(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_call_s3", counting)
+    infos = pipe.sessions()
+    assert len(calls) <= 2, calls  # a listing: a request per 1,000 sessions
+    assert len(infos) == 24
+    assert "user-03" not in {s.id for s in infos}
+    assert infos[0].id == "user-24"
+    assert infos[0].metadata == {"plan": "free"}
+    assert all(s.status == "completed" and s.runs == 1 and s.completed == 1 for s in infos)
+    with pipe.session("user-05", metadata={"plan": "x" * 300}):  # too long for a name: read
+        turn(99)
+    calls.clear()
+    infos = {s.id: s for s in pipe.sessions()}
+    assert infos["user-05"].metadata == {"plan": "x" * 300}
+    assert infos["user-05"].runs == 2
+    assert calls.count("get_object") == 1, calls
