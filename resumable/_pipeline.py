@@ -915,8 +915,9 @@ class Session(Pipeline):
             fill = functools.partial(_sessions.fill_fork, self._root_store, src, self.id, store)
             run = self._new_run(maintenance=True, prepare=fill)
             try:
-                if at is not None:
-                    _history.rollback(run, at)
+                point = run.journal.manifest.checkpoints if at is None else _history.rollback(run, at).id
+                # where it came from, in its history (and a label to roll back to)
+                run.journal.record("snapshot", label=f"forked from {src}@{point}")
                 # complete: from here the session is dst's (a failure above leaves the marker,
                 # and whoever opens the session next empties it)
                 store.delete(_sessions.INCOMPLETE, durable=True)

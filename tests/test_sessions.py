@@ -342,11 +342,19 @@ def test_fork_at_a_checkpoint(state_dir: Path) -> None:
         s.snapshot("after-one")
         turn(2, "two")
     pipe.fork("a", "b", at="after-one")
+    pipe.fork("a", "c")
     with pipe.session("b") as b:
         assert list(b.outputs("turn")) == ["1"]
         calls.clear()
         turn(1, "one")
         assert calls == []
+        # its history says where it came from: a snapshot to roll back to
+        assert [(c.id, c.label) for c in b.checkpoints()][-1] == (4, "forked from a@2")
+    with pipe.session("c") as c:
+        assert c.checkpoints()[-1].label == "forked from a@3"
+        turn(3, "three")
+        c.rollback("forked from a@3")
+        assert list(c.outputs("turn")) == ["1", "2"]
     with pipe.session("a") as a:
         assert list(a.outputs("turn")) == ["1", "2"]
 
