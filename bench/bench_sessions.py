@@ -125,7 +125,24 @@ def _request_rows(base: Path, durable: bool, conversations: int, rounds: int) ->
     s, d, one = _median(got["session"]), _median(got["dirs"]), _median(got["store"])
     label = "durable" if durable else "durable=False"
     details = {"session_s": got["session"], "store_s": got["store"], "dirs_s": got["dirs"]}
+    syncs = []
+    if durable:  # where an fsync costs milliseconds (a disk, not this VM's cache) they are the request
+        request_syncs = _fsyncs(session_request) // conversations
+        store_syncs = _fsyncs(one_store) // conversations
+        syncs = [
+            Row(
+                "fsyncs per request (durable): open a session, 10 skips, 1 store, close",
+                str(request_syncs),
+                f"one durable store in an open run: {store_syncs}",
+                request_syncs / store_syncs,
+                "x one store",
+                "<= 1.5x",
+                request_syncs <= 1.5 * store_syncs,
+                {},
+            )
+        ]
     return [
+        *syncs,
         Row(
             f"request ({label}): open a session, 10 skips, 1 store, close",
             ms(s),
@@ -147,6 +164,22 @@ def _request_rows(base: Path, durable: bool, conversations: int, rounds: int) ->
             {},
         ),
     ]
+
+
+def _fsyncs(block: Callable[[], float]) -> int:
+    """How many times *block* calls ``os.fsync``."""
+    real, count = os.fsync, [0]
+
+    def counting(fd: int) -> None:
+        count[0] += 1
+        real(fd)
+
+    os.fsync = counting
+    try:
+        block()
+    finally:
+        os.fsync = real
+    return count[0]
 
 
 # --- 2. 10,000 sessions ----------------------------------------------------------------------

@@ -76,20 +76,21 @@ class SessionInfo:
 
     @classmethod
     def of(cls, summary: Mapping[str, Any]) -> SessionInfo:
-        """From an index summary."""
-        meta = summary.get("metadata")
+        """From an index summary (what it leaves out is None, 0 or empty)."""
+        get = summary.get
+        created = get("created_at") or ""
         return cls(
-            id=str(summary["id"]),
-            status=str(summary.get("status") or "new"),
-            created_at=str(summary.get("created_at") or ""),
-            updated_at=str(summary.get("updated_at") or summary.get("created_at") or ""),
-            runs=int(summary.get("runs") or 0),
-            completed=int(summary.get("completed") or 0),
-            current_step=summary.get("current_step"),
-            error=summary.get("error"),
-            bytes=int(summary.get("bytes") or 0),
-            parent=summary.get("parent"),
-            metadata=dict(meta) if isinstance(meta, dict) else {},
+            summary["id"],
+            get("status") or "new",
+            created,
+            get("updated_at") or created,
+            get("runs") or 0,
+            get("completed") or 0,
+            get("current_step"),
+            get("error"),
+            get("bytes") or 0,
+            get("parent"),
+            get("metadata") or {},
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -205,11 +206,12 @@ def list_sessions(
     """The sessions of *root*, newest first (by last update), filtered; reads only."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise UsageError(f"limit must be an int >= 0 or None, got {limit!r}")
-    found = newest_first(index_of(root).read().values())
+    found = list(index_of(root).read().values())
     if status is not None:
         found = [s for s in found if (s.get("status") or "new") == status]
     if prefix is not None:
         found = [s for s in found if s["id"].startswith(prefix)]
+    found = newest_first(found)
     return [SessionInfo.of(s) for s in (found if limit is None else found[:limit])]
 
 
@@ -217,7 +219,7 @@ def newest_first(summaries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Index summaries, the last updated first."""
     return sorted(
         summaries,
-        key=lambda s: (str(s.get("updated_at") or s.get("created_at") or ""), s["id"]),
+        key=lambda s: (s.get("updated_at") or "", s["id"]),
         reverse=True,
     )
 

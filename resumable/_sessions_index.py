@@ -73,21 +73,22 @@ def _line(record: Mapping[str, Any]) -> bytes:
 
 
 def fold(lines: Iterator[bytes]) -> dict[str, dict[str, Any]]:
-    """The summaries a log's lines leave, in the order sessions were last changed."""
+    """The summaries a log's lines leave, by id."""
     found: dict[str, dict[str, Any]] = {}
-    texts = [line for line in lines if line.strip()]
+    texts = [line for line in lines if line]
     try:  # one parse for all lines: a line cut short by a kill makes it fail
         records = json.loads(b"[" + b",".join(texts) + b"]")
     except ValueError:
         records = [_parsed(t) for t in texts]
     for rec in records:
-        if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
+        if type(rec) is not dict or type(sid := rec.get("id")) is not str:
             continue
-        sid = rec["id"]
-        before = found.pop(sid, None)
         if rec.get("deleted"):
-            continue
-        found[sid] = {**(before or {}), **rec} if rec.pop("merge", False) else rec
+            found.pop(sid, None)
+        elif rec.pop("merge", False):
+            found[sid] = {**found.get(sid, {}), **rec}
+        else:
+            found[sid] = rec
     return found
 
 
