@@ -235,7 +235,7 @@ class Pipeline:
         if meta is not None and not maintenance:
             if meta.pop("changed", False):  # new, or new metadata: the whole summary
                 self._index_session(run)
-            else:  # only what opening changed: no summary to work out
+            elif not self._root_store.slow_appends:  # (an object store's index changes at a close)
                 _sessions.record_running(self._root_store, meta["id"], run.journal.manifest.runs)
         return run
 
