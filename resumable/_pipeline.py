@@ -231,12 +231,8 @@ class Pipeline:
                 raise
             raise SessionBusyError(self._session_id, self.store.location, exc.holder) from None
         _open_runs[run.token] = run
-        meta = self._session_meta
-        if meta is not None and not maintenance:
-            if meta.pop("changed", False):  # new, or new metadata: the whole summary
-                self._index_session(run)
-            elif not self._root_store.slow_appends:  # (an object store's index changes at a close)
-                _sessions.record_running(self._root_store, meta["id"], run.journal.manifest.runs)
+        if not (maintenance or self._root_store.slow_appends):  # (an object store's index changes at a close)
+            self._index_session(run)  # running
         return run
 
     def _prepare_session(self) -> None:

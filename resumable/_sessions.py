@@ -153,10 +153,9 @@ def prepare(
     if meta is None or meta.get("id") != session:
         meta = {"id": session, "created_at": utcnow(), "parent": None, "metadata": dict(metadata or {})}
         write_meta(store, meta, durable=False)
-        meta["changed"] = True
     elif metadata is not None and meta.get("metadata") != dict(metadata):
-        meta = {**meta, "metadata": dict(metadata), "changed": True}
-        write_meta(store, {k: v for k, v in meta.items() if k != "changed"}, durable=False)
+        meta = {**meta, "metadata": dict(metadata)}
+        write_meta(store, meta, durable=False)
     return meta
 
 
@@ -187,14 +186,6 @@ def record(root: Store, meta: Mapping[str, Any], manifest: Manifest | None) -> N
     """Put a session's summary in the index (a cache: a failure to write it is not an error)."""
     with contextlib.suppress(OSError):
         index_of(root).put(summary(meta, manifest))
-
-
-def record_running(root: Store, session: str, runs: int) -> None:
-    """Mark a session running in the index, its other fields as they were (a run opened)."""
-    with contextlib.suppress(OSError):
-        index_of(root).put(
-            {"id": session, "status": "running", "updated_at": utcnow(), "runs": runs}, merge=True
-        )
 
 
 # listing ---------------------------------------------------------------------------------

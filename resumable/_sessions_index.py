@@ -41,11 +41,8 @@ class Index(abc.ABC):
     """Summaries of sessions by id: :meth:`put`, :meth:`drop`, :meth:`read`."""
 
     @abc.abstractmethod
-    def put(self, summary: Mapping[str, Any], *, durable: bool = False, merge: bool = False) -> None:
-        """
-        Record *summary* (a dict with an ``id``) as the session's current one; with *merge*,
-        only the fields it has change.
-        """
+    def put(self, summary: Mapping[str, Any], *, durable: bool = False) -> None:
+        """Record *summary* (a dict with an ``id``) as the session's current one."""
 
     @abc.abstractmethod
     def drop(self, session: str, *, durable: bool = False) -> None:
@@ -85,8 +82,6 @@ def fold(lines: Iterator[bytes]) -> dict[str, dict[str, Any]]:
             continue
         if rec.get("deleted"):
             found.pop(sid, None)
-        elif rec.pop("merge", False):
-            found[sid] = {**found.get(sid, {}), **rec}
         else:
             found[sid] = rec
     return found
@@ -137,8 +132,8 @@ class LogIndex(Index):
                 if size + len(data) > 2 * max(folded, _MIN_COMPACT // 2):
                     self._compact(durable=durable)
 
-    def put(self, summary: Mapping[str, Any], *, durable: bool = False, merge: bool = False) -> None:
-        self._append({**summary, "merge": True} if merge else summary, durable=durable)
+    def put(self, summary: Mapping[str, Any], *, durable: bool = False) -> None:
+        self._append(summary, durable=durable)
 
     def drop(self, session: str, *, durable: bool = False) -> None:
         self._append({"id": session, "deleted": True}, durable=durable)
@@ -195,11 +190,9 @@ class ObjectIndex(Index):
     def __init__(self, store: Store) -> None:
         self.store = sub_store(store, INDEX_DIR)
 
-    def put(self, summary: Mapping[str, Any], *, durable: bool = False, merge: bool = False) -> None:
+    def put(self, summary: Mapping[str, Any], *, durable: bool = False) -> None:
         sid = summary["id"]
         old = self.store.list(f"{encode_key(sid)}/")
-        if merge:
-            summary = {**self._summaries(old).get(sid, {}), **summary}
         name = base64.urlsafe_b64encode(_line({**summary, "id": None})[:-1]).rstrip(b"=").decode()
         if len(name) > _MAX_NAME:
             name = f"~{os.urandom(8).hex()}"  # not a summary: read
