@@ -4,8 +4,8 @@ The ``resumable`` command: look at and manage a state directory from the shell.
 Every command works on ``--state-dir`` (a directory or a store URL, given before or after
 the command), else ``$RESUMABLE_STATE_DIR``, else ``./state``. Commands that change state
 take the run lock and refuse, naming the holder, while a run is using the directory. Commands
-that read it (:data:`READ_ONLY`) take no lock and create nothing: they work on a read-only
-directory and while a run is going on.
+that only read it take no lock and create nothing: they work on a read-only directory and
+while a run is going on.
 Exit codes: :data:`EXIT_OK`, :data:`EXIT_FAILED` (also ``verify`` finding damage),
 :data:`EXIT_USAGE`, :data:`EXIT_NO_STATE`.
 """
@@ -20,6 +20,7 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 
+import attrs
 import msgpack
 
 from . import _history, _render, _sessions, _sessions_cli, _why
@@ -51,9 +52,6 @@ EXIT_USAGE = 2
 """Bad arguments, or a step, slot or checkpoint the state does not hold."""
 EXIT_NO_STATE = 3
 """There is no state where the command looked (nothing has run with that directory)."""
-
-# Commands that only read: no lock, nothing created or written (`why` joins them).
-READ_ONLY = frozenset({"status", "show", "why", "history", "verify", "export", "report", "sessions", "diff"})
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
@@ -251,16 +249,14 @@ def _status(args: argparse.Namespace) -> int:
         if not summary:
             raise
         store = None
-    data = read_state(store, secret=secret_bytes(None)).to_dict() if store is not None else None
+    manifest = read_state(store, secret=secret_bytes(None)) if store is not None else None
     if args.json:
-        _out(
-            json.dumps(
-                {**(data or {}), **({"sessions": summary} if summary else {})}, indent=2, ensure_ascii=False
-            )
-        )
+        data = manifest.to_dict() if manifest is not None else {}
+        if summary:
+            data["sessions"] = summary
+        _out(json.dumps(data, indent=2, ensure_ascii=False))
         return 0
-    if store is not None:
-        manifest = read_state(store, secret=secret_bytes(None))
+    if store is not None and manifest is not None:
         _out(_render.status(manifest, store.location))
     if summary:
         _out(_sessions_cli.render_summary(summary, default=store is not None))
@@ -335,20 +331,10 @@ def _history_cmd(args: argparse.Namespace) -> int:
     store = _state(args)
     points = read_checkpoints(store, secret=secret_bytes(None), newest=args.limit)
     if args.json:
-        _out(json.dumps([_checkpoint_dict(c) for c in points], indent=2))
+        _out(json.dumps([attrs.asdict(c) for c in points], indent=2))
     else:
         _out(_render.history(points, store.location))
     return 0
-
-
-def _checkpoint_dict(c: _history.Checkpoint) -> dict[str, object]:
-    return {
-        "id": c.id,
-        "created_at": c.created_at,
-        "slot": c.slot,
-        "label": c.label,
-        "completed_steps": c.completed_steps,
-    }
 
 
 def _rollback(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import attrs
 
-from ._codec import DamagedFileError, encode, frame, parse_header, read_verified, utcnow, verify
+from ._codec import DamagedFileError, encode, frame, parse_header, read_verified, verify
 from ._journal import _authentic, header_authentic, read_header, state_error
 from ._manifest import EVENT_KINDS, FORMAT, Fold, Manifest, StepRecord, Steps, json_values, valid_event
 from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
@@ -467,10 +467,6 @@ def current_versions(manifest: Manifest) -> dict[str, str]:
     return manifest.steps.completed_files()
 
 
-def _restorable(versions: dict[str, str], available: set[str]) -> bool:
-    return available.issuperset(versions.values())
-
-
 def _newest(manifest: Manifest, count: int) -> set[int]:
     """The ids of the newest *count* checkpoints (ids are numbered 1, 2, 3 ... in order)."""
     last = manifest.checkpoints
@@ -481,7 +477,7 @@ def checkpoints(store: Store, secret: bytes | None, newest: int, manifest: Manif
     """The checkpoints among the *newest* that can still be restored, oldest first."""
     available = _kept(store) | set(current_versions(manifest).values())
     points = _each_versions(replay(store, secret, _newest(manifest, newest), only_asked=True))
-    return [p.checkpoint for p, versions in points if _restorable(versions, available)]
+    return [p.checkpoint for p, versions in points if available.issuperset(versions.values())]
 
 
 def unneeded_versions(
@@ -719,19 +715,9 @@ def _reorder(before: list[str], after: list[str]) -> tuple[list[str], list[tuple
 # the whole state as data ---------------------------------------------------------------
 
 
-def save_state(store: Store) -> dict[str, Any]:
-    """Every file of the state (manifest, log, outputs, kept versions, row chunks) as data."""
-    files = {
-        key: bytes(store.read(key))
-        for key in sorted(store.list())
-        if key != _LOCK_KEY and not key.rsplit("/", 1)[-1].endswith(".tmp")
-    }
-    return {"kind": STATE_KIND, "format": STATE_FORMAT, "created_at": utcnow(), "files": files}
-
-
 def check_state(state: object, secret: bytes | None) -> dict[str, bytes]:
     """
-    Validate state data from :func:`save_state`; return its files.
+    Validate state data from ``Pipeline.save_state``; return its files.
 
     Raises:
         StateFormatError: it comes from a newer version.

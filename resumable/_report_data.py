@@ -11,8 +11,9 @@ root: the same :func:`collect` reads it through its own store.
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterable, Iterator
 from typing import Any
+
+import attrs
 
 from . import _diff, _history, _render, _why
 from ._codec import DamagedFileError, read_verified
@@ -161,12 +162,12 @@ class _Scan:
                 self.versions.pop(slot, None)
         elif kind == "snapshot":
             self._checkpoint()
-        elif kind == "rollback":
-            # the versions restored are not in the log: slots completed after it are forgotten
-            changes = event.get("changes") or {}
-            for slot in changes.get("removed") or [] if isinstance(changes, dict) else []:
-                if isinstance(slot, str):
+        elif kind == "rollback":  # the slots it changed hold the records it restored
+            for slot, rec in event["changes"]["steps"].items():
+                if rec is None or rec.get("status") != "completed":
                     self.versions.pop(slot, None)
+                else:
+                    self.versions[slot] = _Version(rec.get("fingerprint"), rec.get("file"), None, 0)
 
     def _close_previous(self, t: float | None) -> None:
         if self.runs and self.runs[-1].status == "running":
@@ -291,10 +292,6 @@ def _clip(text: str, size: int) -> str:
     return text if len(text) <= size else f"{text[:size]}… ({len(text):,} characters)"
 
 
-def _events(store: Store, secret: bytes | None) -> Iterator[dict[str, Any]]:
-    yield from _history.events(store, secret)
-
-
 def _selected(runs: list[_Run], which: int | str) -> list[_Run]:
     if which == "all":
         return list(runs)
@@ -326,7 +323,7 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
     target = _compare_target(compare, sessions=root is not None)
     base = _history._base_id(store, secret)  # noqa: SLF001 - checkpoints folded into the base
     scan = _Scan(target[1] if target[0] == "checkpoint" else None, base)
-    for event in _events(store, secret):
+    for event in _history.events(store, secret):
         scan.feed(event)
     scan.finish()
     chosen = _selected(scan.runs, run)
@@ -590,16 +587,11 @@ def _code_diff(store: Store, was: object, code: object) -> list[dict[str, Any]]:
     old, new = _why.read_code(store, was), _why.read_code(store, code)
     if old is None or new is None:
         return []
-    return [
-        {
-            "kind": c.kind,
-            "name": c.name,
-            "old": c.old,
-            "new": c.new,
-            "diff": _clip(c.diff or "", 4000) or None,
-        }
-        for c in _why.code_changes(old, new)
-    ]
+    return [_change_row(c) for c in _why.code_changes(old, new)]
+
+
+def _change_row(c: _why.Change) -> dict[str, Any]:
+    return {**attrs.asdict(c), "diff": _clip(c.diff or "", 4000) or None}
 
 
 def _preview(store: Store, secret: bytes | None, slot: str) -> str | None:
@@ -671,19 +663,9 @@ def _compare_sessions(other: _diff.Side, this: _diff.Side) -> dict[str, Any]:
             verdict = "removed"
         elif verdict == f"only in {this.name}":
             verdict = "added"
-        changes = [
-            {
-                "kind": c.kind,
-                "name": c.name,
-                "old": c.old,
-                "new": c.new,
-                "diff": _clip(c.diff or "", 4000) or None,
-            }
-            for c in d.changes
-        ]
         rows.append({
             "slot": d.slot, "verdict": verdict, "a": _header_side(other, d.slot),
-            "b": _header_side(this, d.slot), "changes": changes,
+            "b": _header_side(this, d.slot), "changes": [_change_row(c) for c in d.changes],
         })  # fmt: skip
     same = sum(1 for r in rows if r["verdict"] == "same")
     shown = [r for r in rows if r["verdict"] != "same"][:SLOT_ROWS] + [
@@ -766,8 +748,3 @@ def _verdict(a: _Version | None, b: _Version | None) -> str:  # noqa: PLR0911 - 
     if a.fingerprint != b.fingerprint:
         return "inputs changed"
     return "output differs"
-
-
-def iter_slots(data: dict[str, Any]) -> Iterable[str]:
-    """The slots listed in the steps table (for tests and tools)."""
-    return [row["slot"] for row in data["slots"]]

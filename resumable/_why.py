@@ -70,7 +70,7 @@ def read_code(store: Store, code: object) -> dict[str, Any] | None:
     if not isinstance(code, str) or not _DIGEST.fullmatch(code):
         return None
     try:
-        record = json.loads(_read_record(store, f"{CODE_DIR}{code}.json"))
+        record = json.loads(bytes(root_of(store).read(f"{CODE_DIR}{code}.json")))
     except (FileNotFoundError, ValueError, RecursionError):  # nested too deep: damaged
         return None
     if not isinstance(record, dict):
@@ -78,17 +78,6 @@ def read_code(store: Store, code: object) -> dict[str, Any] | None:
     return {key: _strings(record.get(key)) for key in ("components", "sources", "values", "left_out")} | {
         "step": str(record.get("step", ""))
     }
-
-
-def _read_record(store: Store, key: str) -> bytes:
-    """A code record: in the store sessions share, else (written before they shared them) in *store*."""
-    root = root_of(store)
-    try:
-        return bytes(root.read(key))
-    except FileNotFoundError:
-        if root is store:
-            raise
-    return bytes(store.read(key))
 
 
 def _strings(value: object) -> dict[str, str]:

@@ -21,6 +21,7 @@ import pytest
 
 from resumable import Pipeline
 from resumable._cli import main as cli
+from resumable._report_data import collect
 
 APT = "apt-get install -y --no-install-recommends chromium"
 
@@ -621,3 +622,20 @@ def test_a_session_is_reported_and_compared_with_another(tmp_path):
     assert "session alice@1 → session bob" in Path(early).read_text()
     unknown = ["--session", "bob", "report", "-o", str(tmp_path / "x.html"), "--compare", "carol"]
     assert 2 == cli(["--state-dir", str(state), *unknown])
+
+
+def test_a_rollback_restores_the_versions_compared(tmp_path):
+    """After a rollback, "now" holds the restored output, not the one the rollback replaced."""
+    pipe = Pipeline("rolled", store=tmp_path / "state")
+
+    @pipe.step
+    def value(x: int) -> int:
+        return x
+
+    for x in (1, 2):
+        with pipe:
+            value(x)
+    pipe.rollback(1)
+    rows = collect(pipe.store, None, compare=2)["compare"]["rows"]
+    assert ["inputs changed"] == [r["verdict"] for r in rows if r["slot"] == "value"]
+    assert [] == [r for r in collect(pipe.store, None, compare=1)["compare"]["rows"] if r["verdict"] != "same"]
