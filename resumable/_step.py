@@ -115,7 +115,6 @@ def by_arguments(*args: Any, **kwargs: Any) -> str:  # noqa: ARG001 - the signat
 # Argument types whose equal values always have equal digests (floats do not: 0.0 == -0.0).
 _MEMO_TYPES = frozenset({int, str, bytes, bool, type(None)})
 _MEMO_SIZE = 4096
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 class Step(Protocol[P, R_co]):
@@ -329,7 +328,7 @@ class StepSpec(Generic[P, R]):
         if not isinstance(key, str):
             msg = f"step {self.name!r}: the key function returned {type(key).__name__} {key!r}; return a str"
             raise StepDefinitionError(msg, step=self.name)
-        if _ADDRESS.search(key):
+        if re.search(r" at 0x[0-9a-fA-F]+", key):
             msg = (
                 f"step {self.name!r}: key {key!r} contains a memory address, which changes "
                 "every run; build the key from a stable attribute instead"

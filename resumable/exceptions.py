@@ -27,6 +27,7 @@ the manifest records it.
 from __future__ import annotations
 
 import sys
+import sysconfig
 from collections.abc import Mapping
 from typing import Any
 
@@ -130,8 +131,6 @@ def _fingerprint_hint(param: str, type_name: str) -> str:
 
 def _user_class(type_name: str) -> bool:
     """True if *type_name* is a class of the user's code (not built in, stdlib or installed)."""
-    import sysconfig  # noqa: PLC0415 - only this message needs it; nothing else loads it
-
     parts = type_name.split(".")
     for end in range(len(parts) - 1, 0, -1):
         module = sys.modules.get(".".join(parts[:end]))
