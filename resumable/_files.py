@@ -45,7 +45,7 @@ _Signature = tuple[int, int, int, int, int]  # size, mtime_ns, ctime_ns, inode, 
 
 
 class FileDigests:
-    """The stat cache: absolute path -> (signature, SHA-256 of the contents)."""
+    """The stat cache: absolute path -> (signature, BLAKE3 digest of the contents)."""
 
     def __init__(self) -> None:
         self._cache: dict[str, tuple[_Signature, bytes]] = {}
