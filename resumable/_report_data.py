@@ -19,7 +19,7 @@ from . import _diff, _history, _render, _why
 from ._codec import DamagedFileError, read_verified
 from ._journal import read_state
 from ._manifest import skip_fields
-from ._slots import slot_file, step_of
+from ._slots import decode_key, slot_file, step_of
 from ._stores import Store
 from .exceptions import UsageError
 
@@ -41,28 +41,9 @@ def when(stamp: str | None) -> float | None:
         return None
 
 
-def decode_key(slot: str) -> str | None:
+def _key_of(slot: str) -> str | None:
     """The key of a keyed slot as the user gave it (None for a shortened long key)."""
-    if "/" not in slot:
-        return None
-    encoded = slot.split("/", 1)[1]
-    if "~" in encoded:
-        return None
-    if encoded == "%":
-        return ""
-    raw = bytearray()
-    i = 0
-    while i < len(encoded):
-        if encoded[i] == "%" and i + 3 <= len(encoded):
-            try:
-                raw.append(int(encoded[i + 1 : i + 3], 16))
-                i += 3
-                continue
-            except ValueError:
-                pass
-        raw += encoded[i].encode()
-        i += 1
-    return raw.decode("utf-8", "replace")
+    return decode_key(slot.split("/", 1)[1]) if "/" in slot else None
 
 
 class _Run:
@@ -539,7 +520,7 @@ def _slots(  # noqa: C901, PLR0912 - one row per slot, each field from its sourc
         row = {
             "slot": slot,
             "step": step_of(slot),
-            "key": scan.keys.get(slot, decode_key(slot)),
+            "key": scan.keys.get(slot, _key_of(slot)),
             "run": run.number,
             "outcome": outcome,
             "reason": info.get("reason") if outcome != "skipped" else None,

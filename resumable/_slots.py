@@ -124,11 +124,18 @@ def session_prefix(session: str) -> str:
     return f"{SESSIONS_DIR}/{encode_key(check_session_id(session))}"
 
 
-def session_of_prefix(name: str) -> str | None:
-    """The session id a ``.sessions/`` directory name encodes (None if none does)."""
+def decode_key(encoded: str) -> str | None:
+    """The key :func:`encode_key` made *encoded* of (None for a shortened long key, or no key)."""
+    if encoded == "%":
+        return ""
     try:
-        raw = re.sub(rb"%([0-9A-F]{2})", lambda m: bytes([int(m.group(1), 16)]), name.encode("ascii"))
+        raw = re.sub(rb"%([0-9A-F]{2})", lambda m: bytes([int(m.group(1), 16)]), encoded.encode("ascii"))
         decoded = raw.decode("utf-8", "surrogatepass")
     except (UnicodeError, ValueError):
         return None
-    return decoded if "~" not in name and encode_key(decoded) == name else None
+    return decoded if "~" not in encoded and encode_key(decoded) == encoded else None
+
+
+def session_of_prefix(name: str) -> str | None:
+    """The session id a ``.sessions/`` directory name encodes (None if none does)."""
+    return decode_key(name) or None
