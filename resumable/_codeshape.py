@@ -623,11 +623,3 @@ def read_values(shape: CodeShape, step: str | None = None) -> tuple[dict[str, st
         else:
             digests[label] = digest
     return digests, left_out
-
-
-def code_components(fn: object, step_of: Callable[[object], Any]) -> dict[str, str]:
-    """All the digests of a step's code identity as of now: its shape, the values and steps it reads."""
-    shape = code_shape(fn, step_of)
-    found = shape.values(None, ())
-    assert found is not None  # noqa: S101 - the shape was just made
-    return {**shape.static, **found[0]}

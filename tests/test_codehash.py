@@ -25,7 +25,7 @@ import pytest
 
 from resumable import Pipeline, _codehash, _codeshape
 from resumable._codehash import combine, describe_change, function_digest
-from resumable._codeshape import code_components, snapshot_source
+from resumable._codeshape import code_shape, snapshot_source
 from resumable._step import _step_of
 
 ModuleFactory = Callable[..., types.ModuleType]
@@ -58,9 +58,12 @@ def digest_of(fn: types.FunctionType) -> str:
 
 
 def components_of(fn: types.FunctionType) -> dict[str, str]:
-    """code_components computed afresh, with steps identified as the runner does."""
+    """Every digest of *fn*'s code identity computed afresh, with steps identified as the runner does."""
     _codehash._cache.clear()
-    return code_components(fn, _step_of)
+    shape = code_shape(fn, _step_of)
+    found = shape.values(None, ())
+    assert found is not None
+    return {**shape.static, **found[0]}
 
 
 def function_without_source(source: str, filename: str) -> types.FunctionType:
