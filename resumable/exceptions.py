@@ -182,22 +182,22 @@ class DamagedStateError(ResumableError, ValueError):
     """State data given to ``load_state`` (or ``resumable import``) is damaged or not state data."""
 
 
+def _holder(holder: Mapping[str, Any], unknown: str) -> str:
+    if not holder:
+        return unknown
+    return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} since {holder.get('since', '?')}"
+
+
 class StateLockedError(ResumableError, RuntimeError):
     """Another run holds the state directory."""
 
     def __init__(self, location: str, holder: Mapping[str, Any] | None) -> None:
         self.location = location
         self.holder = dict(holder or {})
-        who = (
-            f"pid {self.holder.get('pid', '?')} on host {self.holder.get('host', '?')} "
-            f"since {self.holder.get('since', '?')}"
-            if self.holder
-            else "another process"
-        )
         super().__init__(
-            f"{location} is in use by a run of {who}. Only one run at a time may use a state "
-            "directory: wait for it to finish, stop it, or use another state directory "
-            "(state_dir= or $RESUMABLE_STATE_DIR)."
+            f"{location} is in use by a run of {_holder(self.holder, 'another process')}. Only one run "
+            "at a time may use a state directory: wait for it to finish, stop it, or use another "
+            "state directory (state_dir= or $RESUMABLE_STATE_DIR)."
         )
 
 
@@ -207,15 +207,10 @@ class SessionBusyError(StateLockedError):
     def __init__(self, session: str, location: str, holder: Mapping[str, Any] | None) -> None:
         super().__init__(location, holder)
         self.session = session
-        who = (
-            f"pid {self.holder.get('pid', '?')} on host {self.holder.get('host', '?')} "
-            f"since {self.holder.get('since', '?')}"
-            if self.holder
-            else "another run"
-        )
         message = (
-            f"session {session!r} is in use by a run of {who}. A session has one run at a time: "
-            "retry later, or pass wait=SECONDS to pipe.session() to wait for it."
+            f"session {session!r} is in use by a run of {_holder(self.holder, 'another process')}. A "
+            "session has one run at a time: retry later, or pass wait=SECONDS to pipe.session() "
+            "to wait for it."
         )
         self.args = (message,)
 
