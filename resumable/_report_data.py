@@ -648,12 +648,14 @@ def _compare_sessions(other: _diff.Side, this: _diff.Side) -> dict[str, Any]:
             "slot": d.slot, "verdict": verdict, "a": _header_side(other, d.slot),
             "b": _header_side(this, d.slot), "changes": [_change_row(c) for c in d.changes],
         })  # fmt: skip
-    same = sum(1 for r in rows if r["verdict"] == "same")
-    shown = [r for r in rows if r["verdict"] != "same"][:SLOT_ROWS] + [
-        r for r in rows if r["verdict"] == "same"
-    ][:50]
-    a, b = f"session {other.name}", f"session {this.name}"
-    return {"a": a, "b": b, "first": first, "same": same, "total": len(rows), "rows": shown}
+    return _comparison(f"session {other.name}", f"session {this.name}", first, rows)
+
+
+def _comparison(a: str, b: str, first: str | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The comparison of states *a* and *b*: the rows that differ (the first ones), 50 that do not."""
+    same = [r for r in rows if r["verdict"] == "same"]
+    shown = [r for r in rows if r["verdict"] != "same"][:SLOT_ROWS] + same[:50]
+    return {"a": a, "b": b, "first": first, "same": len(same), "total": len(rows), "rows": shown}
 
 
 def _header_side(side: _diff.Side, slot: str) -> dict[str, Any] | None:
@@ -701,12 +703,9 @@ def _compare(
         if first is None and verdict != "same":
             first = slot
         rows.append(row)
-    same = sum(1 for r in rows if r["verdict"] == "same")
-    shown = [r for r in rows if r["verdict"] != "same"][:SLOT_ROWS] + [
-        r for r in rows if r["verdict"] == "same"
-    ][:50]
-    shown.sort(key=lambda r: order.index(r["slot"]) if len(order) < 5000 else 0)
-    return {"a": label, "b": now_label, "first": first, "same": same, "total": len(rows), "rows": shown}
+    comparison = _comparison(label, now_label, first, rows)
+    comparison["rows"].sort(key=lambda r: order.index(r["slot"]) if len(order) < 5000 else 0)
+    return comparison
 
 
 def _side(v: _Version | None) -> dict[str, Any] | None:
