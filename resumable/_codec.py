@@ -140,18 +140,17 @@ def _sign(header: Mapping[str, Any], secret: bytes) -> str:
 class Framed:
     """An output ready to be written: its header (packed: *head*) and value chunks."""
 
-    __slots__ = ("head", "head_len", "header", "value_chunks")
+    __slots__ = ("head", "header", "value_chunks")
 
     def __init__(self, header: dict[str, Any], head: bytes, value_chunks: list[Buffer]) -> None:
         self.header = header
         self.head = head
-        self.head_len = len(head)
         self.value_chunks = value_chunks
 
     @property
     def size(self) -> int:
         """Total size of the file in bytes."""
-        return self.head_len + int(self.header["size"])
+        return len(self.head) + int(self.header["size"])
 
     def chunks(self) -> list[Buffer]:
         """The whole file as a list of chunks, header first."""
@@ -176,20 +175,26 @@ def _lay_out(header: dict[str, Any], body_len: int) -> int:
 
 def frame(encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = None) -> Framed:
     """Frame *encoded* as an output file with header *meta*."""
-    sizes = [b.nbytes for b in encoded.buffers]
     header: dict[str, Any] = {
         "format": FORMAT,
-        **{k: _valid_text(v) for k, v in meta.items()},
+        **meta,
         "created_at": utcnow(),
         "encoding": "msgpack+pickle" if encoded.pickled else "msgpack",
         "checksum": PREFIX + "0" * 64,
-        "size": 0,
-        "buffers": [[0, n] for n in sizes],
+        "size": len(encoded.body),
+        "buffers": [[0, b.nbytes] for b in encoded.buffers],
         "hsum": "0" * 32,
     }
     if secret is not None:
         header["mac"] = _MAC_PREFIX + "0" * 64
-    head_len = _lay_out(header, len(encoded.body))
+    try:
+        return _frame(encoded, header, secret)
+    except UnicodeEncodeError:  # a str holding lone surrogates (a key made of os.listdir() names)
+        return _frame(encoded, _valid_text(header), secret)
+
+
+def _frame(encoded: Encoded, header: dict[str, Any], secret: bytes | None) -> Framed:
+    head_len = _lay_out(header, len(encoded.body)) if encoded.buffers else None
     chunks = _value_chunks(encoded, [pad for pad, _ in header["buffers"]])
     header["checksum"] = checksum(chunks)
     packed: bytes = msgpack.packb(header)
@@ -199,21 +204,18 @@ def frame(encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = N
         head = bytes(msgpack.packb(header))
     else:  # hsum's value is the last thing packed: put it in place instead of packing again
         head = packed[: -len(header["hsum"])] + header["hsum"].encode()
-    if len(head) != head_len:  # pragma: no cover - _lay_out guarantees it
-        msg = f"header of {len(head)} bytes, expected {head_len}"
+    if head_len is not None and len(head) != head_len:  # pragma: no cover - _lay_out guarantees it
+        msg = f"header of {len(head)} bytes, expected {head_len}: the buffers would be misplaced"
         raise ValueError(msg)
     return Framed(header, head, chunks)
 
 
 def _valid_text(value: Any) -> Any:
     """
-    *value* with every str that is not valid Unicode (a lone surrogate, as in a key made of
-    ``os.listdir()`` names) turned into its bytes, losslessly: the header must stay readable
-    by any msgpack reader, and strict UTF-8 cannot hold a surrogate.
+    *value* with every str that is not valid Unicode turned into its bytes, losslessly: the
+    header must stay readable by any msgpack reader, and strict UTF-8 cannot hold a surrogate.
     """
     if isinstance(value, str):
-        if value.isascii():  # the usual case: valid, and quick to tell
-            return value
         try:
             value.encode()
         except UnicodeEncodeError:
@@ -234,7 +236,7 @@ def _value_chunks(encoded: Encoded, pads: Sequence[int]) -> list[Buffer]:
     return chunks
 
 
-def value_checksum(encoded: Encoded, pads: Sequence[int], like: str | None = None) -> str:  # noqa: ARG001 - callers still pass it
+def value_checksum(encoded: Encoded, pads: Sequence[int]) -> str:
     """
     The checksum a file would record for *encoded* laid out with these buffer *pads*: equal
     to a stored file's ``checksum`` exactly when the value encodes to the same bytes.

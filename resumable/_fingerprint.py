@@ -144,7 +144,7 @@ class _Provenance:
         baseline = None
         if loaded_pickle:
             try:
-                baseline = self._encoding_checksum(obj, pads, like=checksum)
+                baseline = self._encoding_checksum(obj, pads)
             except _Unhashable:
                 return  # it cannot be encoded again: it is fingerprinted as it is when passed on
         entry = _Entry(checksum, pads, ref, type(obj), baseline or checksum)
@@ -173,18 +173,18 @@ class _Provenance:
         Raises:
             _Unhashable: it cannot be encoded any more.
         """
-        actual = self._encoding_checksum(obj, entry.pads, like=entry.baseline)
+        actual = self._encoding_checksum(obj, entry.pads)
         if actual == entry.baseline:
             return True, entry.checksum.partition(":")[2]
         return False, actual.partition(":")[2]
 
     @staticmethod
-    def _encoding_checksum(obj: object, pads: tuple[int, ...], like: str | None = None) -> str:
+    def _encoding_checksum(obj: object, pads: tuple[int, ...]) -> str:
         try:
             encoded = encode(obj, allow_pickle=True)
         except SerializationError as exc:
             raise _Unhashable("value", obj, f"it cannot be encoded ({exc})") from None
-        return value_checksum(encoded, pads, like)
+        return value_checksum(encoded, pads)
 
     def lookup(self, obj: object) -> str | None:
         """The stored digest of *obj* if it is a step output that is unchanged, else None."""

@@ -180,9 +180,9 @@ def test_a_header_longer_than_the_first_read_is_read_whole(tmp_path):
     framed = _codec.frame(_codec.encode(EXPECTED, allow_pickle=False), {"slot": "x", "note": "n" * 100_000})
     path = tmp_path / "x.msgpack"
     path.write_bytes(b"".join(bytes(c) for c in framed.chunks()))
-    assert framed.head_len > 64 * 1024
+    assert len(framed.head) > 64 * 1024
     assert same(EXPECTED, resumable.load(path))
-    path.write_bytes(flipped(path.read_bytes(), framed.head_len + 5))
+    path.write_bytes(flipped(path.read_bytes(), len(framed.head) + 5))
     with pytest.raises(SerializationError, match="checksum mismatch"):
         resumable.load(path)
 
