@@ -630,13 +630,7 @@ class _Feeder:
 
     def _dict(self, obj: dict[Any, Any]) -> None:
         """A dict: its keys in canonical order, then its values in that order (two lists)."""
-        keys = list(obj)
-        if len(keys) > 1:
-            types = set(map(type, keys))
-            if len(types) == 1 and types <= _NATURAL:
-                keys.sort()
-            else:
-                keys = self._ordered(keys, " key ")
+        keys = self._ordered(list(obj), " key ")
         values = list(map(obj.__getitem__, keys))
         self._enter(obj)
         self.out += _DICT
