@@ -277,7 +277,7 @@ def _locate(name: str | None, api: str, items: object) -> Where | None:
         run = current_pipeline()._session_for(None)  # noqa: SLF001 - the Host protocol
         directory = batch_dir(None, name)
         remedy = f"To start it over, reset it: resumable reset {name} (or pipe.reset({name!r}))."
-        return Where(run, directory, label=name, display=name, remedy=remedy)
+        return Where(run=run, directory=directory, label=name, display=name, remedy=remedy)
     plan = execution.plan
     if name is None:
         n = next(execution.batches)
@@ -286,8 +286,8 @@ def _locate(name: str | None, api: str, items: object) -> Where | None:
         sub, display = f"{name}/", f"{plan.slot}:{name}"
     remedy = f"To start it over, reset the step: resumable reset {plan.slot} (or pipe.reset({plan.slot!r}))."
     return Where(
-        execution.run,
-        batch_dir(plan.slot) + sub,
+        run=execution.run,
+        directory=batch_dir(plan.slot) + sub,
         label=plan.slot,
         display=display,
         remedy=remedy,

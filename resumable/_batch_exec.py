@@ -19,6 +19,8 @@ from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import attrs
+
 from ._batch_input import Source
 from ._batch_ledger import Ledger, RowFailure
 
@@ -38,27 +40,16 @@ _ON = frozenset({"1", "true", "yes", "on"})
 _PENDING: Any = object()  # a row not finished yet (its result may be None)
 
 
+@attrs.define(kw_only=True)
 class Job:
     """What one ``checkpointed_map`` call runs, and how."""
 
-    __slots__ = ("concurrency", "executor", "fn", "progress", "record", "window")
-
-    def __init__(  # noqa: PLR0913 - plain data
-        self,
-        fn: Callable[[Any], Any],
-        *,
-        record: bool,
-        progress: bool | None,
-        executor: Executor | None = None,
-        window: int = 0,
-        concurrency: int = 0,
-    ) -> None:
-        self.fn = fn
-        self.record = record  # on_error="record"
-        self.progress = progress
-        self.executor = executor
-        self.window = window  # pieces submitted to the executor at once
-        self.concurrency = concurrency  # async calls in flight
+    fn: Callable[[Any], Any] = attrs.field(kw_only=False)
+    record: bool  # on_error="record"
+    progress: bool | None
+    executor: Executor | None = None
+    window: int = 0  # pieces submitted to the executor at once
+    concurrency: int = 0  # async calls in flight
 
 
 class Progress:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -59,43 +59,19 @@ class RowFailure:
         return cls(index, qualified_name(type(exc)), str(exc)[:2000])
 
 
+@attrs.define(kw_only=True)
 class Where:
     """Where a batch lives, what it is called, and (inside a step) whose it is."""
 
-    __slots__ = (
-        "args",
-        "directory",
-        "display",
-        "identity",
-        "items_params",
-        "label",
-        "params",
-        "remedy",
-        "run",
-    )
-
-    def __init__(  # noqa: PLR0913 - plain data
-        self,
-        run: RunState,
-        directory: str,
-        *,
-        label: str,
-        display: str,
-        remedy: str,
-        identity: str | None = None,
-        args: str | None = None,
-        params: dict[str, str] | None = None,
-        items_params: frozenset[str] = frozenset(),
-    ) -> None:
-        self.run = run
-        self.directory = directory
-        self.label = label  # the manifest's key: the step's slot, or the batch's name
-        self.display = display  # the batch's name in messages
-        self.remedy = remedy  # how to start over, for InputChangedError
-        self.identity = identity  # the owning step's code or version identity
-        self.args = args  # the digest of the owning step's arguments
-        self.params = params  # and a digest per parameter, to tell which ones changed
-        self.items_params = items_params  # the parameters that are the batch's items themselves
+    run: RunState
+    directory: str
+    label: str  # the manifest's key: the step's slot, or the batch's name
+    display: str  # the batch's name in messages
+    remedy: str  # how to start over, for InputChangedError
+    identity: str | None = None  # the owning step's code or version identity
+    args: str | None = None  # the digest of the owning step's arguments
+    params: dict[str, str] | None = None  # and a digest per parameter, to tell which ones changed
+    items_params: frozenset[str] = frozenset()  # the parameters that are the batch's items themselves
 
 
 class DamagedChunksError(Exception):
@@ -306,7 +282,7 @@ class StoredLedger(Ledger):
             return "the step's version changed: its results are declared different"
         failed = [c for c in chunks if c.failures]
         if failed:
-            self._delete(failed)
+            self._chunks.drop(failed)
             chunks[:] = [c for c in chunks if not c.failures]
         redo = f"; the {_rows(failed)} row(s) of chunks with failed rows are done again" if failed else ""
         if chunks:
@@ -352,7 +328,7 @@ class StoredLedger(Ledger):
                     f"batch {self.display!r}: chunk {chunk.label} overlaps another one; "
                     f"it is dropped and its rows are done again."
                 )
-                self._delete([chunk])
+                self._chunks.drop([chunk])
                 continue
             kept.append(chunk)
             end = chunk.end
@@ -463,7 +439,7 @@ class StoredLedger(Ledger):
 
     def salvage(self, start: int, rows: Sequence[Any], results: Any) -> None:
         """Commit the rows finished before an exception; a failure here is only logged."""
-        if not _is_open(self.where.run):
+        if self.where.run.closed:  # a generator closed late (at interpreter exit) writes nothing
             if rows:
                 log.warning(
                     "batch %r: the run was already closed; %d finished rows are not committed",
@@ -527,14 +503,11 @@ class StoredLedger(Ledger):
                 f"batch {self.display!r}: {_rows(chunks)} committed row(s) are done again because "
                 "its items changed, but the loop state restored already counts them."
             )
-        self._delete(chunks)
+        self._chunks.drop(chunks)
         dropped = set(chunks)
         self.chunks = [c for c in self.chunks if c not in dropped]
         self.done -= sum(c.end - c.start for c in chunks)
         self.failures -= sum(c.failures for c in chunks)
-
-    def _delete(self, chunks: Iterable[Chunk]) -> None:
-        self._chunks.drop(chunks)
 
     # assembling --------------------------------------------------------------------------
 
@@ -571,9 +544,6 @@ class StoredLedger(Ledger):
             out.extend(stored[chunk] if results is None else results)
         return out
 
-    def _read(self, chunk: Chunk) -> Any:
-        return self._chunks.read(chunk).decode(allow_pickle=self.where.run.allow_pickle)
-
     def restore_state(self, state: dict[str, Any]) -> None:
         """
         Put the loop state committed with the newest chunk into *state* (a ``checkpointed``
@@ -584,7 +554,7 @@ class StoredLedger(Ledger):
         self._carries_state = True
         newest = max(self.chunks, key=lambda c: c.end)
         try:
-            value = self._read(newest)
+            value = self._chunks.read(newest).decode(allow_pickle=self.where.run.allow_pickle)
         except (DamagedFileError, FileNotFoundError) as exc:
             value, why = None, f"{newest.label} cannot be used ({exc})"
         else:
@@ -619,8 +589,3 @@ def _results(value: Any, chunk: Chunk) -> list[Any]:
 
 def _rows(chunks: list[Chunk]) -> str:
     return f"{sum(c.end - c.start for c in chunks):,}"
-
-
-def _is_open(run: RunState) -> bool:
-    # A generator closed late (at interpreter exit) must not write into a closed run.
-    return not run.closed
