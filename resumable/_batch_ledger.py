@@ -164,28 +164,16 @@ class Ledger:
         return out
 
 
-def ledger_for(
-    where: Where | None, *, kind: str, every: int, total: int | None, record_failures: bool = False
-) -> Ledger:
-    """The ledger of a batch: in the store where it has a place, else in memory only."""
-    if where is None:
-        return Ledger(kind=kind, every=every, total=total, record_failures=record_failures)
-    return StoredLedger(where, kind=kind, every=every, total=total, record_failures=record_failures)
+def ledger_for(where: Where | None, **options: Any) -> Ledger:
+    """The ledger of a batch (``Ledger`` options): in the store where it has a place, else in memory only."""
+    return Ledger(**options) if where is None else StoredLedger(where, **options)
 
 
 class StoredLedger(Ledger):
     """The committed chunks of one batch in the store, and the commits of one call."""
 
-    def __init__(
-        self,
-        where: Where,
-        *,
-        kind: str,
-        every: int,
-        total: int | None,
-        record_failures: bool = False,
-    ) -> None:
-        super().__init__(kind=kind, every=every, total=total, record_failures=record_failures)
+    def __init__(self, where: Where, **options: Any) -> None:
+        super().__init__(**options)
         self.where = where
         self._stored: dict[str, Any] | None = None  # the batch record as stored
         self._lenient = False  # the owning step's arguments changed: drop what no longer matches
