@@ -23,6 +23,8 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import attrs
+
 from ._codec import DamagedFileError, parse_header, read_verified
 
 LOG = "chunks.log"
@@ -59,16 +61,14 @@ class Damage(NamedTuple):
     problem: str
 
 
+@attrs.define
 class Scan:
     """What :func:`scan` found: records, damage between them, and where the whole records end."""
 
-    __slots__ = ("damaged", "end", "records", "size")
-
-    def __init__(self) -> None:
-        self.records: list[Record] = []
-        self.damaged: list[Damage] = []
-        self.end = 0  # the end of the last record: bytes after it are a torn tail
-        self.size = 0  # the log's size
+    records: list[Record] = attrs.Factory(list)
+    damaged: list[Damage] = attrs.Factory(list)
+    end: int = 0  # the end of the last record: bytes after it are a torn tail
+    size: int = 0  # the log's size
 
     @property
     def tail(self) -> int:
