@@ -93,15 +93,21 @@ class Encoder:
         self.allow_pickle = allow_pickle
         self.buffers: list[memoryview] = []
         self.pickled = False
+        # One packer per level of nesting (an ext payload is packed while its container is):
+        # made once per value, not once per tuple or datetime in it.
+        self._packers: list[msgpack.Packer] = []
+        self._depth = 0
 
     def pack(self, obj: object) -> bytes:
         # Strict UTF-8 first: with an error handler, msgpack encodes every str through a new
         # bytes object (a third slower on a million small dicts). A lone surrogate (a name
         # from os.listdir) then packs the value again, losslessly, from the same state.
-        buffers, pickled = len(self.buffers), self.pickled
-        packer = msgpack.Packer(default=self.default, strict_types=True, use_bin_type=True)
+        buffers, pickled, depth = len(self.buffers), self.pickled, self._depth
+        if depth == len(self._packers):
+            self._packers.append(msgpack.Packer(default=self.default, strict_types=True, use_bin_type=True))
+        self._depth = depth + 1
         try:
-            packed: bytes = packer.pack(obj)
+            packed: bytes = self._packers[depth].pack(obj)
         except UnicodeEncodeError:
             del self.buffers[buffers:]
             self.pickled = pickled
@@ -109,6 +115,8 @@ class Encoder:
                 default=self.default, strict_types=True, use_bin_type=True, unicode_errors="surrogatepass"
             )
             packed = packer.pack(obj)
+        finally:
+            self._depth = depth
         return packed
 
     def ext(self, code: int, payload: object) -> msgpack.ExtType:
