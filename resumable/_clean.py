@@ -9,7 +9,7 @@ import attrs
 
 from . import _history
 from ._session import chunks_of_completed
-from ._slots import batch_dir, is_output_file, slot_file, step_of
+from ._slots import batch_dir, is_output_file, records_file, slot_file, step_of
 from ._stores import Store
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
         latest = max(manifest.defined.values(), default="")
         gone = sorted(name for name, when in manifest.defined.items() if when < min(latest, cutoff))
         slots = sorted(
-            {k[: -len(".msgpack")] for k in store.list() if is_output_file(k)} | manifest.steps.slots(),
+            {k[: -len(".msgpack")] for k in store.list() if is_output_file(k)} | set(manifest.steps),
         )
         dead = [s for s in slots if step_of(s) in gone]
         # a step whose process died between writing its output and deleting its chunks
@@ -68,6 +68,8 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
             _remove(store, key, "temporary file left by a killed run", report, dry_run=dry_run)
         if not dry_run and (dead or gone):
             run.journal.record("steps_removed", slots=dead, steps=gone)
+        for name in gone:  # after the event, which drops their records
+            _remove(store, records_file(name), f"records of removed step {name!r}", report, dry_run=dry_run)
     return report
 
 

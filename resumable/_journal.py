@@ -14,7 +14,9 @@ the log holds, and a lost or damaged manifest is rebuilt from the log and the st
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import functools
 import hashlib
 import hmac
 import json
@@ -22,14 +24,25 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import Any
+
+import msgpack
 
 from ._codec import DamagedFileError, parse_header, utcnow
 from ._codec import _sign as sign_header
-from ._manifest import FORMAT, Fold, Manifest, StepRecord, dump_chunks, valid_event
-from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
+from ._manifest import (
+    FORMAT,
+    Deferred,
+    Fold,
+    Manifest,
+    StepRecord,
+    dumps,
+    records_of,
+    valid_event,
+)
+from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, records_file
 from ._stores import Store, unchanged_since
 from ._warn import warn
 from .exceptions import ResumableWarning, StateDirectoryError, StateFormatError
@@ -93,6 +106,12 @@ def _signed(data: Mapping[str, Any], secret: bytes | None) -> Mapping[str, Any]:
     if secret is not None:
         out["mac"] = _mac(secret, _dumps(out).encode())
     return out
+
+
+def _packed(data: dict[str, Any], secret: bytes | None) -> bytes:
+    """*data* as msgpack, with the ``mac`` of that if there is a secret."""
+    packed: bytes = msgpack.packb(data)
+    return packed if secret is None else msgpack.packb({**data, "mac": _mac(secret, packed)})
 
 
 def _authentic(data: dict[str, Any], secret: bytes | None) -> bool:
@@ -188,6 +207,7 @@ class Journal:
         # just the fold of the log (a rollback then compares every slot)
         self.repaired = False
         self.large = False  # the manifest read was over LARGE_MANIFEST bytes
+        self.quiet = False  # damaged records files are rebuilt without a warning
         self.unsaved = False  # the manifest holds something manifest.json does not
         self.saved_offset = 0  # how much of the log manifest.json (as read or last written) covers
 
@@ -213,6 +233,8 @@ class Journal:
             workflow = manifest.workflow_id if manifest is not None else uuid.uuid4().hex
             manifest = Manifest(workflow_id=workflow, pipeline=self.pipeline)
             tail = self._read_log(0)
+        elif manifest.status == "running":
+            manifest.steps.parse_all()  # the fold needs the records of running slots
         self.fold = Fold(manifest)
         before = manifest.events_offset
         self._offset = manifest.events_offset = self._replay(*(tail or (0, b"")))
@@ -240,8 +262,7 @@ class Journal:
         # a large manifest is rewritten less often (see flush)
         self._manifest_interval = _rewrite_interval(len(raw))
         self.large = len(raw) > LARGE_MANIFEST
-        large = self._read_large(raw) if len(raw) > LAZY_RECORDS else None
-        return (large, None) if large is not None else self._parse_manifest(raw)
+        return self._parse_manifest(raw)
 
     def _parse_manifest(self, raw: bytes | bytearray) -> tuple[Manifest | None, str | None]:
         try:
@@ -256,52 +277,64 @@ class Journal:
         if not _authentic(data, self.secret):
             return None, "not authentic (written without the secret, or tampered with)"
         try:
-            return Manifest.from_dict(data), None
+            manifest = Manifest.from_dict(data)
         except (ValueError, TypeError, KeyError) as exc:
             return None, f"damaged ({exc})"
+        manifest.steps.lock = self.lock
+        completed = frozenset(manifest.completed_steps)
+        for step, summary in data.get("keyed", {}).items():
+            read = functools.partial(self._keyed_records, manifest, step)
+            manifest.steps.defer(step, Deferred(read, completed, summary))
+        return manifest, None
 
-    def _read_large(self, raw: bytes | bytearray) -> Manifest | None:
-        """
-        A large manifest with its completed records left as text until used (Manifest.loads);
-        None where that does not apply: then it is parsed whole. With a secret it always is,
-        since its signature covers the whole.
-        """
-        if self.secret is not None:
-            return None
+    def records_problem(self, step: str) -> tuple[dict[str, StepRecord] | None, str | None]:
+        """The records of keyed *step* in its file, or what is wrong with that file."""
+        key = records_file(step)
         try:
-            manifest = Manifest.loads(raw)
-        except (ValueError, TypeError, KeyError, StateFormatError):
-            return None  # parsed whole, which says what is wrong
-        if manifest is not None:
-            manifest.steps.lock = self.lock
-            manifest.steps.damaged = self._damaged_record
-            manifest.steps.invalid = self._invalid_record
-        return manifest
+            data = msgpack.unpackb(self.store.read(key))
+        except FileNotFoundError:
+            return None, "missing"
+        except OSError as exc:
+            raise state_error(exc, self.store, key) from exc
+        except (ValueError, TypeError):  # msgpack's errors: FormatError, StackError, ExtraData ...
+            return None, "damaged (not msgpack)"
+        mac = data.pop("mac", None) if type(data) is dict else None
+        if self.secret is not None and not (
+            isinstance(mac, str) and hmac.compare_digest(mac, _mac(self.secret, msgpack.packb(data)))
+        ):
+            return None, "not authentic (written without the secret, or tampered with)"
+        records = records_of(step, data)
+        return (records, None) if records is not None else (None, "damaged (a missing or wrong field)")
 
-    def _invalid_record(self, key: str) -> None:
-        where = f"{self.store.location}/{MANIFEST}"
-        warn(f"{where}: dropped a record under {key[:200]!r}, which is not a step or slot name.")
-
-    def _damaged_record(self, slot: str) -> StepRecord | None:
-        """A record of manifest.json found damaged when first used: rebuilt from its output file."""
+    def _keyed_records(self, manifest: Manifest, step: str) -> dict[str, StepRecord]:
+        """The records of keyed *step*: from its file, or rebuilt from its outputs if that is damaged."""
+        records, problem = self.records_problem(step)
+        if records is not None:
+            return records
         self.repaired = True
-        event = self._recovered(slot, slot + OUTPUT_SUFFIX)
-        where = f"{self.store.location}/{MANIFEST}"
-        if event is None:
-            warn(
-                f"{where}: the record of {slot} was damaged, and so is its output file (or it is gone): "
-                "dropped it."
+        records = {}
+        prefix = step + "/"
+        for slot in [s for s in manifest.completed_steps if s.startswith(prefix)]:
+            event = self._recovered(slot, slot + OUTPUT_SUFFIX)
+            if event is None:  # its output is gone or damaged too: it runs again
+                if self.fold.manifest is manifest:
+                    self.fold.forget_completed(slot)
+                else:
+                    manifest.completed_steps.remove(slot)  # read before its fold was made
+                continue
+            records[slot] = StepRecord(
+                status="completed",
+                fingerprint=event["fingerprint"],
+                finished_at=event["created_at"] or None,
+                bytes=event["bytes"],
+                file=event["file"],
             )
-            self.fold.forget_completed(slot)
-            return None
-        warn(f"{where}: the record of {slot} was damaged; rebuilt it from its output file.")
-        return StepRecord(
-            status="completed",
-            fingerprint=event["fingerprint"],
-            finished_at=event["created_at"] or None,
-            bytes=event["bytes"],
-            file=event["file"],
-        )
+        if not self.quiet:
+            warn(
+                f"{self.store.location}/{records_file(step)} was {problem}; rebuilt the records of "
+                f"{len(records)} completed slot(s) of {step} from their output files."
+            )
+        return records
 
     def _read_log(self, start: int) -> tuple[int, bytes | bytearray] | None:
         """
@@ -541,7 +574,7 @@ class Journal:
         if durable and not self._log_entry_durable:
             # A log this run created is fsynced, but its name may not be: a durable write
             # of the manifest fsyncs the directory the two share.
-            self._write_manifest(dump_chunks(_signed(self._snapshot(), self.secret)), durable=True)
+            self._write_state(*self.manifest.dump(), durable=True)
             self._log_entry_durable = True
 
     def write_pending(self, *, durable: bool) -> None:
@@ -556,34 +589,35 @@ class Journal:
         with self._flush_lock:
             with self.lock:
                 self._write_pending(durable=durable)
-                snapshot = self._snapshot()
+                data, records = self.manifest.dump()
                 self.unsaved = False
                 offset = self._offset
             # encoded outside the lock: steps keep running while a large manifest is written
-            chunks = dump_chunks(_signed(snapshot, self.secret))
-            del snapshot  # what a large manifest holds twice while it is written: its pieces
-            self._write_manifest(chunks, durable=durable)
+            size = self._write_state(data, records, durable=durable)
             self.saved_offset = offset
             # A large manifest is rewritten less often: a rewrite costs the step that makes
             # it. Readers replay the log, so none sees it stale.
-            self._manifest_interval = _rewrite_interval(sum(map(len, chunks)))
+            self._manifest_interval = _rewrite_interval(size)
             self._manifest_written = time.monotonic()
 
-    def _write_manifest(self, chunks: list[bytes | memoryview], *, durable: bool) -> None:
-        try:
-            self.store.write(MANIFEST, chunks, durable=durable)
-        except OSError as exc:
-            raise state_error(exc, self.store, MANIFEST) from exc
-
-    def _snapshot(self) -> dict[str, Any]:
-        """The manifest's data to write (records never parsed as their text, unless it is signed)."""
-        return self.manifest.to_dict(texts=self.secret is None)
+    def _write_state(
+        self, data: dict[str, Any], records: dict[str, dict[str, list[Any]]], *, durable: bool
+    ) -> int:
+        """
+        Write the records files of keyed steps, then ``manifest.json`` (which names them);
+        return the bytes written.
+        """
+        files = {records_file(step): _packed(columns, self.secret) for step, columns in records.items()}
+        files[MANIFEST] = dumps(_signed(data, self.secret))
+        for key, text in files.items():
+            try:
+                self.store.write(key, [text], durable=durable)
+            except OSError as exc:
+                raise state_error(exc, self.store, key) from exc
+        return sum(map(len, files.values()))
 
 
 LARGE_MANIFEST = 1 << 20  # bytes (about 3,000 slots): not rewritten just to say a run started
-
-
-LAZY_RECORDS = LARGE_MANIFEST  # bytes: over this, completed records are parsed when used (Steps)
 
 
 def _rewrite_interval(size: int) -> float:
@@ -593,18 +627,26 @@ def _rewrite_interval(size: int) -> float:
 
 def read_head(store: Store) -> dict[str, bytes]:
     """
-    The manifest, then the event log up to its last whole line, read before anything else
-    (a line being appended is not taken): what a copy of a state made without its lock starts
-    from, since outputs are written before the events that name them.
+    The manifest, the records files it names, then the event log up to its last whole line,
+    read before anything else (a line being appended is not taken): what a copy of a state
+    made without its lock starts from, since outputs are written before the events that name
+    them. Returned in the order to write them: the records files, the manifest, the log.
     """
+    try:
+        manifest = bytes(store.read(MANIFEST))
+    except FileNotFoundError:
+        manifest = None
+    keys = []
+    with contextlib.suppress(ValueError, RecursionError, TypeError, AttributeError):
+        keys = [records_file(step) for step in json.loads(manifest or b"{}").get("keyed", {})]
     files: dict[str, bytes] = {}
-    for key in (MANIFEST, EVENTS):
-        try:
+    for key in keys:
+        with contextlib.suppress(FileNotFoundError):
             files[key] = bytes(store.read(key))
-        except FileNotFoundError:
-            continue
-    if EVENTS in files:
-        log = files[EVENTS]
+    if manifest is not None:
+        files[MANIFEST] = manifest
+    with contextlib.suppress(FileNotFoundError):
+        log = bytes(store.read(EVENTS))
         files[EVENTS] = log[: log.rfind(b"\n") + 1]
     return files
 
@@ -614,28 +656,14 @@ def read_state(
 ) -> Manifest:
     """
     The current manifest of a store, without locking it or writing anything. Without
-    *records*, those of a large manifest are parsed when used, not now (what only lists
-    history needs none of them); either way, damage is handled quietly.
+    *records*, keyed steps' records are read when used, not now (what only lists history
+    needs none of them); either way, damage is handled quietly.
     """
     journal = Journal(store, pipeline=pipeline, secret=secret, readonly=True)
+    journal.quiet = True
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ResumableWarning)
         manifest = journal.load()
-        if records:
-            manifest.steps.parse_all()  # what is damaged is found now, quietly, as the rest of the load
-            return manifest
-    steps = manifest.steps
-    steps.damaged, steps.invalid = _quietly(steps.damaged), _quietly(steps.invalid)
+    if records:
+        manifest.steps.parse_all()
     return manifest
-
-
-T = TypeVar("T")
-
-
-def _quietly(report: Callable[[str], T]) -> Callable[[str], T]:
-    def quiet(slot: str) -> T:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ResumableWarning)
-            return report(slot)
-
-    return quiet

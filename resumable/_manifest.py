@@ -3,15 +3,17 @@ The progress manifest: what ``state/manifest.json`` holds, and how events update
 
 The manifest is a fold of the event log: every change is an event appended to
 ``events.jsonl`` and applied here. ``manifest.json`` is that fold written out, with the
-log offset it covers, so a reader replays only the few events written after it.
+log offset it covers, so a reader replays only the few events written after it. The records
+of a keyed step's slots are written beside its outputs, in ``<step>.records`` (msgpack)
+(:class:`Steps`); ``manifest.json`` keeps a summary of them.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import json
-import math
 import operator
 import re
 import threading
@@ -22,7 +24,7 @@ import attrs
 
 from .exceptions import StateFormatError
 
-FORMAT = 1
+FORMAT = 2
 RunStatus = Literal["running", "completed", "failed", "interrupted"]
 StepStatus = Literal["new", "running", "completed", "failed", "interrupted", "reset"]
 RUN_STATUSES: tuple[RunStatus, ...] = get_args(RunStatus)
@@ -69,219 +71,105 @@ class BatchRecord:
 
 class Steps(MutableMapping[str, StepRecord]):
     """
-    The slot records of a manifest, by slot, in insertion order.
+    The slot records of a manifest, by slot.
 
-    Records of completed slots read from a large ``manifest.json`` stay as their JSON text
-    until they are used (:meth:`Manifest.loads`): opening a state of 100,000 slots parses
-    none of them, holds them as plain strings (no objects for the garbage collector to
-    walk), and writing the manifest again copies the text of every record nothing touched.
-    A record is checked when it is parsed; one that is not valid goes to :attr:`damaged`,
-    which may give a record rebuilt from elsewhere, and is dropped otherwise.
-
-    Until a record is first used, the records stay the one block of text they were read as
-    (:meth:`of_block`): opening such a state costs no work per slot, a run that only skips
-    writes the block back as it is, and :meth:`is_completed` answers from the completed slots
-    the manifest lists. The first other use splits the block into records kept as text.
+    A keyed step's records live in a file of their own (``<step>.records``). Those of a
+    state read from disk are read when one of them is first used (:meth:`defer`): opening a
+    state of 100,000 keyed slots reads none of them, and a run that only skips writes none.
     """
 
-    __slots__ = ("_block", "_done", "_items", "_texts", "damaged", "invalid", "lock")
+    __slots__ = ("_deferred", "_steps", "lock")
 
     def __init__(self, records: Mapping[str, StepRecord] | None = None) -> None:
-        self._items: dict[str, StepRecord | str] = dict(records or {})
-        self._texts = 0  # how many records are still text: none, iterating costs nothing more
-        self._block: tuple[bytes | bytearray, int, int] | None = None  # raw[start:end], not split yet
-        self._done: frozenset[str] = frozenset()  # while there is a block: its completed slots
-        self.damaged: Callable[[str], StepRecord | None] = lambda _slot: None
-        # told of each record dropped from a block because its key is not a slot
-        self.invalid: Callable[[str], None] = lambda _key: None
-        # held while a record is parsed (the journal's lock, for one order of locks)
+        self._steps: dict[str, dict[str, StepRecord]] = {}  # per step name, its slots' records
+        for slot, record in (records or {}).items():
+            self._steps.setdefault(_step_of(slot), {})[slot] = record
+        self._deferred: dict[str, Deferred] = {}  # per keyed step not read yet
+        # held while a step's records are read (the journal's lock: they are read once)
         self.lock: threading.RLock | contextlib.nullcontext[None] = contextlib.nullcontext()
 
-    @classmethod
-    def of_text(cls, texts: dict[str, str]) -> Steps:
-        steps = cls()
-        steps._items = dict(texts)
-        steps._texts = len(texts)
-        return steps
+    def defer(self, step: str, deferred: Deferred) -> None:
+        """Leave the records of keyed *step* unread until one is used."""
+        self._deferred[step] = deferred
 
-    @classmethod
-    def of_block(cls, raw: bytes | bytearray, start: int, end: int, completed: Iterable[str]) -> Steps:
-        """
-        The records ``raw[start:end]`` (``"slot": record`` lines, as :func:`dump_chunks` writes them),
-        none of them running, of which the slots *completed* are the completed ones.
-        """
-        steps = cls()
-        steps._done = frozenset(completed)
-        steps._block = (raw, start, end)
-        return steps
-
-    def block(self) -> memoryview | None:
-        """The records as the block of text they were read as, if it was never split."""
-        block = self._block
-        return None if block is None else memoryview(block[0])[block[1] : block[2]]
-
-    def _split(self) -> None:
-        """Split the block into records kept as text; those not completed are parsed at once."""
-        with self.lock:
-            if self._block is None:
-                return  # split meanwhile
-            raw, start, end = self._block
-            try:
-                texts = _record_texts(raw, start, end)
-            except ValueError:
-                texts = None
-            if texts is None:
-                texts, invalid = _salvage_texts(bytes(raw[start:end]))
-                for key in invalid:
-                    self.invalid(key)
-            items: dict[str, StepRecord | str] = dict(texts)
-            for slot in self._done - items.keys():  # a completed slot whose line was damaged
-                record = self.damaged(slot)
-                if record is not None:
-                    items[slot] = record
-            waiting = [
-                slot for slot, text in items.items() if type(text) is str and not text.startswith(_COMPLETED)
-            ]
-            for slot in waiting:
-                record = _checked(items[slot]) or self.damaged(slot)  # type: ignore[arg-type]
-                if record is None:
-                    del items[slot]
-                else:
-                    items[slot] = record
-            # published whole, the block last: is_completed reads without the lock
-            self._items = items
-            self._texts = sum(type(text) is str for text in items.values())
-            self._block = None
-            self._done = frozenset()
-
-    def __getitem__(self, slot: str) -> StepRecord:
-        if self._block is not None:
-            self._split()
-        value = self._items[slot]
-        return self._parse(slot, value) if isinstance(value, str) else value
-
-    def get(self, slot: str, default: StepRecord | None = None) -> StepRecord | None:  # type: ignore[override]
-        # the hot path: no exception raised
-        if self._block is not None:
-            self._split()
-        value = self._items.get(slot)
-        if isinstance(value, str):
-            try:
-                return self._parse(slot, value)
-            except KeyError:
-                return default
-        return default if value is None else value
-
-    def is_completed(self, slot: str) -> bool:
-        """True if *slot*'s record says completed (a record kept as text is: see loads)."""
-        done = self._done  # read first: _split clears it only after the block is gone
-        if self._block is not None:
-            return slot in done
-        value = self._items.get(slot)
-        return isinstance(value, str) or (value is not None and value.status == "completed")
-
-    def _parse(self, slot: str, text: str) -> StepRecord:
-        with self.lock:  # two threads must not each make a record of one slot
-            value = self._items.get(slot, text)
-            if not isinstance(value, str):
-                return value  # parsed meanwhile
-            record = _checked(text) or self.damaged(slot)
-            self._texts -= 1
-            if record is None:
-                self._items.pop(slot, None)
-                raise KeyError(slot)
-            self._items[slot] = record
-            return record
-
-    def __setitem__(self, slot: str, record: StepRecord) -> None:
-        if self._block is not None:
-            self._split()
-        if isinstance(self._items.get(slot), str):
-            self._texts -= 1
-        self._items[slot] = record
-
-    def __delitem__(self, slot: str) -> None:
-        if self._block is not None:
-            self._split()
-        if isinstance(self._items.pop(slot), str):
-            self._texts -= 1
-
-    def __iter__(self) -> Iterator[str]:
-        self.parse_all()  # first: a record found damaged is dropped, not met half-way
-        return iter(list(self._items))
+    def _group(self, slot: str) -> dict[str, StepRecord] | None:
+        """The records of *slot*'s step, read first if they were not."""
+        step = _step_of(slot)
+        if step in self._deferred:
+            with self.lock:
+                deferred = self._deferred.get(step)
+                if deferred is not None:  # else read meanwhile
+                    self._steps.setdefault(step, {}).update(deferred.read())
+                    del self._deferred[step]  # last: is_completed reads without the lock
+        return self._steps.get(step)
 
     def parse_all(self) -> None:
-        """Parse (and check) every record still kept as text."""
-        if self._block is not None:
-            self._split()
-        if not self._texts:
-            return
-        with self.lock:
-            slots = [slot for slot, value in self._items.items() if isinstance(value, str)]
-            for start in range(0, len(slots), _PARSE_BATCH):  # a batch at a time: bounded memory
-                self._parse_batch(slots[start : start + _PARSE_BATCH])
+        """Read the records of every keyed step not read yet."""
+        for step in list(self._deferred):
+            self._group(step)
 
-    def completed_files(self) -> dict[str, str]:
-        """
-        The output version (``file``) of every completed slot, records kept as text read for
-        it without being parsed into records (so they are still written back as they were).
-        """
-        if self._block is not None:
-            self._split()
-        files: dict[str, str] = {}
-        texts: list[str] = []
-        for slot, value in list(self._items.items()):
-            if isinstance(value, str):
-                texts.append(slot)
-            elif value.status == "completed" and value.file is not None:
-                files[slot] = value.file
-        for start in range(0, len(texts), _PARSE_BATCH):
-            batch = texts[start : start + _PARSE_BATCH]
-            values = json_values([self._items[slot] for slot in batch])  # type: ignore[arg-type]
-            for slot, data in zip(batch, values, strict=True):
-                if _STEP_RECORD(data):
-                    if data["status"] == "completed" and data.get("file") is not None:
-                        files[slot] = data["file"]
-                    continue
-                rec = self.get(slot)  # on its own: a damaged one is rebuilt or dropped
-                if rec is not None and rec.status == "completed" and rec.file is not None:
-                    files[slot] = rec.file
-        return files
+    def is_completed(self, slot: str) -> bool:
+        """True if *slot*'s record says completed (without reading a keyed step's records)."""
+        deferred = self._deferred.get(_step_of(slot)) if self._deferred else None
+        if deferred is not None:
+            return slot in deferred.completed
+        record = self._steps.get(_step_of(slot), {}).get(slot)
+        return record is not None and record.status == "completed"
 
-    def _parse_batch(self, slots: list[str]) -> None:
-        values = json_values([self._items[slot] for slot in slots])  # type: ignore[arg-type]
-        for slot, data in zip(slots, values, strict=True):
-            if _STEP_RECORD(data):
-                self._items[slot] = StepRecord(**data)
-                self._texts -= 1
-            else:
-                self.get(slot)  # on its own: a damaged one is rebuilt or dropped
+    def deferred(self) -> dict[str, dict[str, Any]]:
+        """The summary of each keyed step whose records are not read (their file is as it was)."""
+        return {step: deferred.summary for step, deferred in self._deferred.items()}
 
-    def __len__(self) -> int:
-        if self._block is not None:
-            self._split()
-        return len(self._items)
-
-    def __contains__(self, slot: object) -> bool:
-        if self._block is not None:
-            self._split()
-        return slot in self._items
-
-    def slots(self) -> set[str]:
-        """The slots that have a record (those kept as text not parsed: they may yet prove damaged)."""
-        if self._block is not None:
-            self._split()
-        return set(self._items)
+    def groups(self) -> ItemsView[str, dict[str, StepRecord]]:
+        """The records read, per step name (a view, no copy)."""
+        return self._steps.items()
 
     def parsed(self) -> Iterator[tuple[str, StepRecord]]:
-        """The records already parsed (every record not kept as text; none while in a block)."""
-        return ((s, r) for s, r in self._items.items() if type(r) is not str)  # type: ignore[misc]
+        """The records read."""
+        return itertools.chain.from_iterable(group.items() for group in self._steps.values())
 
-    def texts(self) -> ItemsView[str, StepRecord | str]:
-        """Every record, those never parsed as the text they were read as (for writing; a view, no copy)."""
-        if self._block is not None:
-            self._split()
-        return self._items.items()
+    def completed_bytes(self) -> int:
+        """The size of the outputs of completed slots (from their summaries for steps not read)."""
+        read = sum(r.bytes or 0 for _, r in self.parsed() if r.status == "completed")
+        return read + sum(int(d.summary["bytes"]) for d in self._deferred.values())
+
+    def completed_files(self) -> dict[str, str]:
+        """The output version (``file``) of every completed slot."""
+        return {s: r.file for s, r in self.items() if r.status == "completed" and r.file is not None}
+
+    def __getitem__(self, slot: str) -> StepRecord:
+        group = self._group(slot)
+        if group is None:
+            raise KeyError(slot)
+        return group[slot]
+
+    def get(self, slot: str, default: StepRecord | None = None) -> StepRecord | None:  # type: ignore[override]
+        group = self._group(slot)  # the hot path: no exception raised
+        return default if group is None else group.get(slot, default)
+
+    def __setitem__(self, slot: str, record: StepRecord) -> None:
+        self._group(slot)
+        self._steps.setdefault(_step_of(slot), {})[slot] = record
+
+    def __delitem__(self, slot: str) -> None:
+        group = self._group(slot)
+        if group is None:
+            raise KeyError(slot)
+        del group[slot]
+
+    def __iter__(self) -> Iterator[str]:
+        self.parse_all()
+        return iter([slot for group in list(self._steps.values()) for slot in list(group)])
+
+    def __len__(self) -> int:
+        self.parse_all()
+        return sum(map(len, self._steps.values()))
+
+    def __contains__(self, slot: object) -> bool:
+        if not isinstance(slot, str):
+            return False
+        group = self._group(slot)
+        return group is not None and slot in group
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Mapping):
@@ -292,6 +180,20 @@ class Steps(MutableMapping[str, StepRecord]):
 
     def __repr__(self) -> str:
         return f"{dict(self.items())!r}"
+
+
+@attrs.frozen
+class Deferred:
+    """A keyed step's records not read yet: how to read them, and what manifest.json says of them."""
+
+    read: Callable[[], Mapping[str, StepRecord]]
+    completed: frozenset[str]
+    """Its completed slots (``completed_steps`` lists them)."""
+    summary: dict[str, Any]
+
+
+def _step_of(slot: str) -> str:
+    return slot.partition("/")[0]
 
 
 def _as_steps(records: Mapping[str, StepRecord]) -> Steps:
@@ -311,7 +213,7 @@ class Manifest:
     last_update: str | None = None
     runs: int = 0
     steps: Steps = attrs.field(factory=Steps, converter=_as_steps)
-    """Per slot, its record: a mapping (records of a large manifest are parsed when used)."""
+    """Per slot, its record: a mapping (a keyed step's records are read when first used)."""
     error: ErrorRecord | None = None
     batches: dict[str, BatchRecord] = attrs.field(factory=dict)
     code: dict[str, dict[str, str]] = attrs.field(factory=dict)
@@ -323,26 +225,12 @@ class Manifest:
     events_offset: int = 0
     """How many bytes of ``events.jsonl`` this manifest includes."""
 
-    def to_dict(self, *, texts: bool = False) -> dict[str, Any]:
-        """
-        Plain JSON-ready data (a deep copy), keys in the documented order. With *texts* (for
-        :func:`dump_chunks` only), records never parsed stay the text they were read as, which it
-        writes as it is, and the others are tuples of their fields.
-        """
-        # Written out by hand: attrs.asdict is ten times slower, and this runs for every
-        # manifest write, over every slot.
-        block = self.steps.block() if texts else None
-        if block is not None:
-            steps: Any = _Verbatim(block)
-        elif texts:
-            # a record's fields as a tuple, in one C call: a manifest write copies every
-            # record under the journal's lock, while other threads' steps wait (see _raw_or_json)
-            steps = {
-                slot: rec if type(rec) is str else _record_values(rec)  # type: ignore[arg-type]
-                for slot, rec in self.steps.texts()
-            }
-        else:
-            steps = {slot: _record_dict(rec) for slot, rec in self.steps.items()}
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (a deep copy), every record included, keys in the documented order."""
+        return self._data({slot: _record_dict(rec) for slot, rec in self.steps.items()})
+
+    def _data(self, steps: dict[str, Any], keyed: dict[str, Any] | None = None) -> dict[str, Any]:
+        # Written out by hand: attrs.asdict is ten times slower.
         return {
             "workflow_id": self.workflow_id,
             "pipeline": self.pipeline,
@@ -353,6 +241,7 @@ class Manifest:
             "last_update": self.last_update,
             "runs": self.runs,
             "steps": steps,
+            **({} if keyed is None else {"keyed": keyed}),
             "error": None if self.error is None else attrs.asdict(self.error),
             "batches": {name: attrs.asdict(b) for name, b in self.batches.items()},
             "code": {name: dict(parts) for name, parts in self.code.items()},
@@ -361,10 +250,39 @@ class Manifest:
             "events_offset": self.events_offset,
         }
 
+    def dump(self) -> tuple[dict[str, Any], dict[str, dict[str, list[Any]]]]:
+        """
+        What to write: the data of ``manifest.json`` (the records of unkeyed slots, and a
+        summary per keyed step under ``keyed``), and the records of each keyed step read,
+        a list per field (``slots`` first) as its records file holds them. A keyed step's
+        records not read are left out: its file stays as it is.
+        """
+        steps: dict[str, Any] = {}
+        files: dict[str, dict[str, list[Any]]] = {}
+        for step, group in self.steps.groups():
+            keyed = {slot: rec for slot, rec in group.items() if "/" in slot}
+            steps.update((slot, _record_dict(rec)) for slot, rec in group.items() if "/" not in slot)
+            if keyed:
+                columns = {name: list(map(get, keyed.values())) for name, get in _FIELD_GETTERS.items()}
+                files[step] = {"slots": list(keyed), **columns}
+        summaries = self.steps.deferred()
+        for step, columns in files.items():
+            prefix = step + "/"
+            last = next((s for s in reversed(self.completed_steps) if s.startswith(prefix)), None)
+            counts: collections.Counter[str] = collections.Counter(columns["status"])
+            done = (b for b, s in zip(columns["bytes"], columns["status"], strict=True) if s == "completed")
+            summaries[step] = {
+                "status": dict(sorted(counts.items())),
+                "last_completed": last,
+                "bytes": sum(b or 0 for b in done),
+            }
+        return self._data(steps, dict(sorted(summaries.items()))), files
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
         """
-        Build a manifest from its JSON data, migrating older formats.
+        Build a manifest from its JSON data, migrating older formats (``keyed`` summaries are
+        ignored: the journal reads the records they stand for).
 
         Every field is checked: data read from disk may have been damaged or edited.
 
@@ -382,6 +300,7 @@ class Manifest:
         problem = manifest_problem(data)
         if problem is not None:
             raise ValueError(problem)
+        data.pop("keyed", None)
         steps = {k: StepRecord(**v) for k, v in data.pop("steps", {}).items()}
         batches = {k: BatchRecord(**v) for k, v in data.pop("batches", {}).items()}
         error = data.pop("error", None)
@@ -389,77 +308,33 @@ class Manifest:
             **data, steps=steps, batches=batches, error=None if error is None else ErrorRecord(**error)
         )
 
-    @classmethod
-    def loads(cls, raw: bytes | bytearray) -> Manifest | None:
-        """
-        A manifest from the text of a ``manifest.json`` in the layout :func:`dump_chunks` writes,
-        leaving the records of completed slots as text until used (see :class:`Steps`); None
-        if the text is not in that layout (then parse it whole with :meth:`from_dict`).
 
-        Raises:
-            StateFormatError, ValueError: as :meth:`from_dict`.
-        """
-        # JSON strings hold no raw newline: these only occur where dump_chunks put them. The bytes
-        # are decoded a piece at a time: 30 MB of text is never held beside the records.
-        # The steps are most of the text: what follows them (dump_chunks writes the error next) is
-        # found from the end, and whether "steps" also occurs elsewhere shows in the data.
-        start, end = raw.find(_STEPS_OPEN), raw.rfind(_STEPS_CLOSE + _ERROR_NEXT)
-        if start < 0 or end < start:
+def records_of(step: str, data: object) -> dict[str, StepRecord] | None:
+    """The records of keyed *step* in *data* (read from its file, see dump); None if they are not valid."""
+    if type(data) is not dict or data.keys() != _RECORDS_KEYS:
+        return None
+    slots = data["slots"]
+    prefix = step + "/"
+    if type(slots) is not list or not _all_slots(slots) or len(set(slots)) != len(slots):
+        return None
+    if not all(slot.startswith(prefix) for slot in slots):
+        return None
+    columns = [data[name] for name in _RECORD_FIELDS]
+    for column, check in zip(columns, _RECORD_CHECKS, strict=True):
+        if type(column) is not list or len(column) != len(slots) or not set(map(type, column)) <= check:
             return None
-        first, last = start + len(_STEPS_OPEN), end
-        try:
-            data = json.loads(raw[:start] + b'\n  "steps": {}' + raw[end + len(_STEPS_CLOSE) :])
-        except (ValueError, RecursionError):  # UnicodeDecodeError too
-            return None
-        if type(data) is not dict or data.get("steps") != {}:
-            return None  # not JSON, or a second "steps" (the last one would count)
-        if data.get("status") != "running":
-            # No record is running (a run that ends marks them interrupted), and no record is
-            # needed at open (the fold needs the running ones): the records stay one block.
-            manifest = cls.from_dict(data)
-            manifest.steps = Steps.of_block(raw, first, last, manifest.completed_steps)
-            return manifest
-        return cls._with_texts(data, raw, first, last)
-
-    @classmethod
-    def _with_texts(
-        cls, data: dict[str, Any], raw: bytes | bytearray, first: int, last: int
-    ) -> Manifest | None:
-        """:meth:`loads` where some record is running: completed records as text, the rest parsed."""
-        try:
-            texts = _record_texts(raw, first, last)
-        except ValueError:
-            return None
-        if texts is None:
-            return None
-        # only completed records wait: one that is not is needed at once (a running one by Fold)
-        eager = [slot for slot, record in texts.items() if not record.startswith(_COMPLETED)]
-        try:
-            data["steps"] = {slot: json.loads(texts[slot]) for slot in eager}
-        except (ValueError, RecursionError):
-            return None
-        manifest = cls.from_dict(data)
-        steps = Steps.of_text(texts)
-        for slot in eager:
-            steps[slot] = manifest.steps[slot]  # in its place: the order of the file is kept
-        manifest.steps = steps
-        return manifest
+    return dict(zip(slots, map(StepRecord, *columns), strict=True))
 
 
-def json_values(texts: list[str] | list[bytes]) -> list[Any]:
+def json_values(texts: list[bytes]) -> list[Any]:
     """
     The JSON value of each of *texts* (None where one is not JSON), in one json call for them
     all (C speed); one by one only where that fails or the count is off (a damaged text).
-    Each value is then checked (as a record, an event): texts crafted to shift values
-    between them give nothing that whoever can write them could not write plainly.
+    Each value is then checked (as an event): texts crafted to shift values between them give
+    nothing that whoever can write them could not write plainly.
     """
-    joined: str | bytes = (
-        b"[" + b",".join(texts) + b"]"
-        if texts and isinstance(texts[0], bytes)
-        else "[" + ",".join(texts) + "]"  # type: ignore[arg-type]
-    )
     try:
-        values = json.loads(joined)
+        values = json.loads(b"[" + b",".join(texts) + b"]")
     except (ValueError, RecursionError):
         values = None
     if type(values) is list and len(values) == len(texts):
@@ -473,70 +348,6 @@ def json_values(texts: list[str] | list[bytes]) -> list[Any]:
     return parsed
 
 
-def _checked(text: str) -> StepRecord | None:
-    """The record *text* holds, if it is a valid one."""
-    try:
-        data = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    return StepRecord(**data) if _STEP_RECORD(data) else None
-
-
-def _record_texts(raw: bytes | bytearray, start: int, end: int) -> dict[str, str] | None:
-    """
-    The ``"slot": {record}`` lines of *raw* between *start* and *end* (the steps of a
-    manifest.json) as text, by slot; None if they are not in the layout dump_chunks writes.
-
-    Raises:
-        UnicodeDecodeError: they are not UTF-8.
-    """
-    texts: dict[str, str] = {}
-    while start < end:  # a megabyte at a time: the lines of 30 MB are never all held at once
-        stop = raw.find(b",\n", min(start + _PIECE, end), end)
-        stop = end if stop < 0 else stop
-        for line in raw[start:stop].decode().split(",\n"):
-            key, sep, record = line.partition('": ')
-            if not sep or not key.startswith('    "') or "\\" in key:
-                return None  # not that layout, or an escaped key: parsed whole instead
-            texts[key[5:]] = record
-        start = stop + 2
-    return texts if _all_slots(texts) else None
-
-
-_PIECE = 1 << 20
-_PARSE_BATCH = 4096  # records parsed in one json call by Steps.parse_all
-
-
-_COMPLETED = '{"status": "completed", '
-
-
-def _salvage_texts(block: bytes) -> tuple[dict[str, str], list[str]]:
-    """
-    The records of a block not quite in the layout dump_chunks writes (escaped keys, or damage):
-    every line whose key is a slot, record as text (checked when parsed), by slot; and the
-    keys that are not slots. A line without a key is left out (its slot, if completed, is
-    rebuilt from its output file).
-    """
-    texts: dict[str, str] = {}
-    invalid: list[str] = []
-    decoder = json.JSONDecoder()
-    for line in block.decode(errors="replace").split(",\n"):
-        try:
-            key, at = decoder.raw_decode(line, 4)
-        except (ValueError, RecursionError):
-            continue
-        if line[:4] != "    " or line[at : at + 2] != ": " or type(key) is not str:
-            continue
-        if _slot(key):
-            texts[key] = line[at + 2 :]
-        else:
-            invalid.append(key)
-    return texts, invalid
-
-
-_STEPS_OPEN = b'\n  "steps": {\n'
-_STEPS_CLOSE = b"\n  }"
-_ERROR_NEXT = b',\n  "error": '
 _RECORD_FIELDS = tuple(a.name for a in attrs.fields(StepRecord))
 
 
@@ -544,25 +355,24 @@ def _record_dict(rec: StepRecord) -> dict[str, Any]:
     return {name: getattr(rec, name) for name in _RECORD_FIELDS}
 
 
-_record_values: Callable[[StepRecord], tuple[Any, ...]] = operator.attrgetter(*_RECORD_FIELDS)
+_FIELD_GETTERS = {name: operator.attrgetter(name) for name in _RECORD_FIELDS}
 
 
 # Validation of data read from disk. A check is a set of exact types (``type(v) in check``:
 # a bool is not an int) or a predicate; one small table per record kind keeps it cheap.
 _Check = frozenset[type] | Callable[[Any], bool]
 _NONE: type = type(None)
-_STR: _Check = frozenset({str})
-_OPT_STR: _Check = frozenset({str, _NONE})
-_INT: _Check = frozenset({int})
-_OPT_INT: _Check = frozenset({int, _NONE})
-_OPT_NUM: _Check = frozenset({int, float, _NONE})
-_BOOL: _Check = frozenset({bool})
+_STR: frozenset[type] = frozenset({str})
+_OPT_STR: frozenset[type] = frozenset({str, _NONE})
+_INT: frozenset[type] = frozenset({int})
+_OPT_INT: frozenset[type] = frozenset({int, _NONE})
+_OPT_NUM: frozenset[type] = frozenset({int, float, _NONE})
+_BOOL: frozenset[type] = frozenset({bool})
 # a slot: a step name, or a step name and an encoded key; never a path that leaves the directory
 _SLOT = re.compile(r"[^./\\\x00-\x1f][^/\\\x00-\x1f]*(?:/[^./\\\x00-\x1f][^/\\\x00-\x1f]*)?")
 _NOT_IN_SLOTS = ("\n.", "/.", "\n\n", "\n/", "/\n", "//")  # a part empty or starting with a dot
 _BAD_SLOT_CHAR = re.compile(r"[\\\x00-\x09\x0b-\x1f]")
 _TWO_SLASHES = re.compile(r"/[^/\n]*/")
-_MAX_COMBOS = 1024  # allowed type combinations of a record precomputed at most
 
 
 def _fits(check: _Check, value: object) -> bool:
@@ -573,45 +383,22 @@ def _fits(check: _Check, value: object) -> bool:
 
 def _record(fields: Mapping[str, _Check], required: tuple[str, ...]) -> Callable[[Any], bool]:
     """A predicate: a dict with the *required* keys, no others than *fields*, each fitting."""
-    # Type sets are checked inline (a manifest holds thousands of records), predicates called.
-    types = {k: c for k, c in fields.items() if isinstance(c, frozenset)}
-    predicates = {k: c for k, c in fields.items() if not isinstance(c, frozenset)}
-    # The common case, a record with every field, in one step: the tuple of its values'
-    # types is one of the allowed combinations (a set lookup instead of a loop per field).
-    names = tuple(fields)
-    every = frozenset(names)
-    combos: frozenset[tuple[type, ...]] | None = None
-    if not predicates and len(names) > 1 and math.prod(map(len, types.values())) <= _MAX_COMBOS:
-        combos = frozenset(itertools.product(*(types[k] for k in names)))
-    values = operator.itemgetter(*names)
 
     def check(data: object) -> bool:
-        if type(data) is not dict:
-            return False
-        if combos is not None and data.keys() == every:
-            return tuple(map(type, values(data))) in combos
-        if not all(key in data for key in required):
-            return False
-        for key, value in data.items():
-            allowed = types.get(key)
-            if allowed is not None:
-                if type(value) not in allowed:
-                    return False
-                continue
-            predicate = predicates.get(key)
-            if predicate is None or not predicate(value):
-                return False
-        return True
+        return (
+            type(data) is dict
+            and all(key in data for key in required)
+            and all(key in fields and _fits(fields[key], value) for key, value in data.items())
+        )
 
     return check
 
 
 def _map_of(check: _Check) -> Callable[[Any], bool]:
-    if isinstance(check, frozenset):
-        return lambda data: (
-            type(data) is dict and all(type(k) is str and type(v) in check for k, v in data.items())
-        )
-    return lambda data: type(data) is dict and all(type(k) is str and check(v) for k, v in data.items())
+    """A predicate: a dict of str keys, each value fitting *check*."""
+    return lambda data: (
+        type(data) is dict and all(type(k) is str and _fits(check, v) for k, v in data.items())
+    )
 
 
 def _slot(value: object) -> bool:
@@ -649,20 +436,20 @@ def _count(value: object) -> bool:
     return type(value) is int and value >= 0
 
 
-_STEP_RECORD = _record(
-    {
-        "status": _STR,
-        "fingerprint": _OPT_STR,
-        "reason": _OPT_STR,
-        "started_at": _OPT_STR,
-        "finished_at": _OPT_STR,
-        "duration_s": _OPT_NUM,
-        "attempts": _INT,
-        "bytes": _OPT_INT,
-        "file": _OPT_STR,
-    },
-    ("status",),
-)
+_RECORD_TYPES: dict[str, frozenset[type]] = {
+    "status": _STR,
+    "fingerprint": _OPT_STR,
+    "reason": _OPT_STR,
+    "started_at": _OPT_STR,
+    "finished_at": _OPT_STR,
+    "duration_s": _OPT_NUM,
+    "attempts": _INT,
+    "bytes": _OPT_INT,
+    "file": _OPT_STR,
+}
+_STEP_RECORD = _record(_RECORD_TYPES, ("status",))
+_RECORD_CHECKS = tuple(_RECORD_TYPES[name] for name in _RECORD_FIELDS)
+_RECORDS_KEYS = frozenset({"slots", *_RECORD_FIELDS})
 _BATCH_RECORD = _record({"done": _INT, "every": _INT, "total": _OPT_INT, "failures": _INT}, ("done", "every"))
 # an error as events carry it (the manifest's adds the step)
 _EVENT_ERROR = _record({"type": _STR, "message": _STR, "traceback": _STR}, ("type", "message", "traceback"))
@@ -673,6 +460,13 @@ _ERROR_RECORD = _record(
 _STR_MAP = _map_of(_STR)
 _CODE = _map_of(_STR_MAP)
 _STEPS = _map_of(_STEP_RECORD)
+# a keyed step's summary in manifest.json: how many of its slots have each status
+_SUMMARIES = _map_of(
+    _record(
+        {"status": _map_of(_INT), "last_completed": _OPT_STR, "bytes": _INT},
+        ("status", "last_completed", "bytes"),
+    )
+)
 
 
 def _run_status(value: object) -> bool:
@@ -689,6 +483,7 @@ _MANIFEST: dict[str, _Check] = {
     "last_update": _OPT_STR,
     "runs": _count,
     "steps": lambda v: _STEPS(v) and _all_slots(v),
+    "keyed": lambda v: _SUMMARIES(v) and all("/" not in step for step in v) and _all_slots(v),
     "error": lambda v: v is None or _ERROR_RECORD(v),
     "batches": _map_of(_BATCH_RECORD),
     "code": _CODE,
@@ -761,7 +556,7 @@ _ROLLBACK_CHANGES = _record(
     ("steps", "drop", "insert", "code"),
 )
 _SLOT_FIELD = (("slot", _slot),)
-_RAN = {"duration_s": _OPT_NUM, "attempts": _INT}
+_RAN: dict[str, _Check] = {"duration_s": _OPT_NUM, "attempts": _INT}
 # per event: the fields it must have, and the optional ones the fold reads (others are ignored)
 EVENT_SCHEMA: dict[str, tuple[tuple[tuple[str, _Check], ...], dict[str, _Check]]] = {
     "run_started": ((), {"run": _count, "pipeline": _STR}),
@@ -837,81 +632,27 @@ def valid_event(event: object) -> bool:
     return True
 
 
-class _Verbatim:
-    """Records to write back as the block of text they were read as (:meth:`Steps.block`)."""
-
-    # a plain class: making an attrs class at import would slow every `import resumable`
-    __slots__ = ("text",)
-
-    def __init__(self, text: memoryview) -> None:
-        self.text = text
-
-
-def dump_chunks(data: Mapping[str, Any]) -> list[bytes | memoryview]:
-    """
-    Manifest data as JSON, one line per key and one line per slot, batch and step, encoded
-    in pieces of about a megabyte (a large manifest is never one string); records written
-    back as read are views of the text read, not copies.
-    """
-    chunks: list[bytes | memoryview] = []
-    pending: list[str] = []
-    size = 0
-    for fragment in _fragments(data):
-        if not isinstance(fragment, str):
-            chunks.append("".join(pending).encode())
-            pending.clear()
-            size = 0
-            chunks.extend(fragment[at : at + _PIECE] for at in range(0, len(fragment), _PIECE))
-            continue
-        pending.append(fragment)
-        size += len(fragment)
-        if size >= _PIECE:
-            chunks.append("".join(pending).encode())
-            pending.clear()
-            size = 0
-    chunks.append("".join(pending).encode())
-    return [chunk for chunk in chunks if chunk]
-
-
-def _fragments(data: Mapping[str, Any]) -> Iterator[str | memoryview]:
-    last = len(data) - 1
-    yield "{"
-    for i, (key, value) in enumerate(data.items()):
-        comma = "," if i < last else ""
-        if type(value) is _Verbatim:
-            yield f"\n  {_json(key)}: {{\n"
-            yield value.text
-            yield f"\n  }}{comma}"
-        elif key in {"steps", "batches", "code", "defined"} and isinstance(value, dict) and value:
-            yield f"\n  {_json(key)}: {{\n"
-            # the text of a record never parsed is written as it was read (Steps)
-            encode = _raw_or_json if key == "steps" else _json_value
-            separator = ""
-            for k, v in value.items():
-                yield f"{separator}    {_json_value(k)}: {encode(v)}"
-                separator = ",\n"
-            yield f"\n  }}{comma}"
+def dumps(data: Mapping[str, Any]) -> bytes:
+    """Manifest data as JSON text: a line per key, and per entry of its mappings (slot, batch, step)."""
+    lines = []
+    for key, value in data.items():
+        if key in {"steps", "batches", "code", "defined", "keyed"} and isinstance(value, dict) and value:
+            entries = ",\n".join(f"    {_json(k)}: {_json(v)}" for k, v in value.items())
+            lines.append(f"  {_json(key)}: {{\n{entries}\n  }}")
         else:
-            yield f"\n  {_json(key)}: {_json(value)}{comma}"
-    yield "\n}\n"
+            lines.append(f"  {_json(key)}: {_json(value)}")
+    return ("{\n" + ",\n".join(lines) + "\n}\n").encode()
 
 
 # one encoder for every value: json.dumps with options builds a new encoder at each call
 _json = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": ")).encode
 
 
-_json_value = _json
-
-
-def _raw_or_json(value: Any) -> str:
-    """A record as written: its text, or its fields (a tuple, see Manifest.to_dict) as JSON."""
-    if type(value) is str:
-        return value
-    return _json_value(dict(zip(_RECORD_FIELDS, value, strict=True)) if type(value) is tuple else value)
-
-
 # format -> function upgrading data of that format to the next one
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {}
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    # 0.1.0 kept every record in manifest.json: read as they are, written out at the next write
+    1: lambda data: {**data, "format": 2},
+}
 
 
 def migrate(data: dict[str, Any]) -> dict[str, Any]:
@@ -926,7 +667,7 @@ class Fold:
 
     def __init__(self, manifest: Manifest) -> None:
         self.manifest = manifest
-        # records kept as text are completed ones (Manifest.loads): only parsed ones can be running
+        # records not read are of no running slot (a manifest that says running has every one read)
         self._running: list[str] = [slot for slot, rec in manifest.steps.parsed() if rec.status == "running"]
         # mirrors completed_steps so that completing a slot costs O(1), not O(slots)
         self._completed: set[str] = set(manifest.completed_steps)

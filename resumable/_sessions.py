@@ -178,7 +178,7 @@ def summary(meta: Mapping[str, Any], manifest: Manifest | None) -> dict[str, Any
     out["current_step"] = manifest.current_step
     if manifest.error is not None and manifest.status == "failed":
         out["error"] = f"{manifest.error.type}: {manifest.error.message}"[:500]
-    out["bytes"] = sum(rec.bytes or 0 for slot, rec in manifest.steps.parsed() if rec.status == "completed")
+    out["bytes"] = manifest.steps.completed_bytes()
     return out
 
 

@@ -19,7 +19,8 @@ _MAX_SESSION_ID = 200
 
 _MAX_NAME = 100
 _FORBIDDEN_NAME = re.compile(r'[\x00-\x1f\x7f/\\<>:"|?*]')
-_RESERVED_SUFFIXES = (".msgpack", ".json", ".jsonl", ".tmp")
+RECORDS = ".records"  # a keyed step's records file: <step>.records
+_RESERVED_SUFFIXES = (".msgpack", ".json", ".jsonl", ".tmp", RECORDS)
 # Key characters kept as they are in file names; everything else is %XX-escaped.
 # Upper case is escaped too, so keys differing only by case never share a file on a
 # case-insensitive file system (macOS, Windows).
@@ -139,3 +140,8 @@ def decode_key(encoded: str) -> str | None:
 def session_of_prefix(name: str) -> str | None:
     """The session id a ``.sessions/`` directory name encodes (None if none does)."""
     return decode_key(name) or None
+
+
+def records_file(step: str) -> str:
+    """The store key of the records of a keyed step's slots, beside its directory (see _manifest.Steps)."""
+    return f"{step}{RECORDS}"

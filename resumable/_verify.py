@@ -9,7 +9,7 @@ from ._chunklog import LOG, resolve, scan
 from ._codec import DamagedFileError, read_verified
 from ._journal import Journal, _authentic
 from ._manifest import valid_event
-from ._slots import BATCHES, EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file
+from ._slots import BATCHES, EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, records_file
 from ._stores import Store
 from .exceptions import StateDirectoryError, StateFormatError
 
@@ -85,18 +85,13 @@ def _check_manifest(store: Store, secret: bytes | None, problems: list[tuple[str
     if problem is not None:
         problems.append((where, problem))
     elif manifest is not None:
-        # the records of a large manifest are checked when used (a run rebuilds or drops a
-        # damaged one then; a run that only skips writes them back as they were): here, all of them
-        mend = f"delete {MANIFEST}, and the next run rebuilds every record from {EVENTS}"
-
-        def damaged(slot: str) -> None:
-            problems.append((where, f"the record of {slot} is damaged; {mend}"))
-
-        def invalid(key: str) -> None:
-            problems.append((where, f"a record under {key[:200]!r} is not a slot name; {mend}"))
-
-        manifest.steps.damaged, manifest.steps.invalid = damaged, invalid
-        manifest.steps.parse_all()
+        # a keyed step's records are checked when a run first uses them (it rebuilds a damaged
+        # file then; a run that only skips leaves it as it is): here, all of them
+        for step in manifest.steps.deferred():
+            _, damage = journal.records_problem(step)
+            if damage is not None:
+                mend = "the next run that uses its records rebuilds them from the output files"
+                problems.append((f"{store.location}/{records_file(step)}", f"{damage}; {mend}"))
     return 1
 
 

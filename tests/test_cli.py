@@ -112,7 +112,7 @@ def test_verify_damaged_manifest_and_events(filled: Path, capsys: pytest.Capture
 def test_verify_newer_manifest(filled: Path, capsys: pytest.CaptureFixture[str]):
     """A manifest from a newer version counts as a problem for verify."""
     path = filled / "manifest.json"
-    path.write_text(path.read_text().replace('"format": 1', '"format": 7'))
+    path.write_text(path.read_text().replace('"format": 2', '"format": 7'))
     assert 1 == main(["--state-dir", str(filled), "verify"])
     assert "format 7" in capsys.readouterr().out
 

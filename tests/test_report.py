@@ -21,7 +21,9 @@ import pytest
 
 from resumable import Pipeline
 from resumable._cli import main as cli
+from resumable._journal import read_state
 from resumable._report_data import collect
+from resumable._stores import LocalStore
 
 APT = "apt-get install -y --no-install-recommends chromium"
 
@@ -142,7 +144,8 @@ def shop_report(shop: Path) -> Path:
 
 
 def _manifest(state: Path) -> dict[str, Any]:
-    return json.loads((state / "manifest.json").read_text())
+    """The manifest's data, keyed steps' records included (they live in files of their own)."""
+    return read_state(LocalStore(state)).to_dict()
 
 
 def _events(state: Path) -> list[dict[str, Any]]:

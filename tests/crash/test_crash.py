@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 import resumable
@@ -139,7 +140,14 @@ class Case:
             return []
 
     def manifest(self) -> dict[str, Any]:
+        """manifest.json, with keyed steps' records (in ``<step>.records``, a list per field) under steps."""
         data: dict[str, Any] = json.loads((self.state / "manifest.json").read_text())
+        for step in data.get("keyed", {}):
+            columns = msgpack.unpackb((self.state / f"{step}.records").read_bytes())
+            slots = columns.pop("slots")
+            data["steps"].update(
+                {s: dict(zip(columns, v, strict=True)) for s, *v in zip(slots, *columns.values())}
+            )
         return data
 
     def files(self) -> dict[str, bytes]:
@@ -202,7 +210,11 @@ def check_state(state: Path) -> set[str]:
         if path.is_dir() or rel.parts[0] == INTERNAL:
             continue
         hidden_tmp = path.name.startswith(".") and path.name.endswith(".tmp")
-        known = rel.as_posix() in {"manifest.json", "events.jsonl", ".gitignore"} or path in outputs.values()
+        known = (
+            rel.as_posix() in {"manifest.json", "events.jsonl", ".gitignore"}
+            or path in outputs.values()
+            or (len(rel.parts) == 1 and path.suffix == ".records")  # a keyed step's records
+        )
         if not (hidden_tmp or known):
             unexpected.append(rel.as_posix())
     assert [] == unexpected
