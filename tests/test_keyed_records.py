@@ -86,9 +86,9 @@ def test_a_run_that_only_skips_does_not_read_or_write_the_records(
     reads: list[str] = []
     read = LocalStore.read
 
-    def counted(self: LocalStore, key: str, *args: Any) -> Any:
+    def counted(self: LocalStore, key: str, *args: Any, **kwargs: Any) -> Any:
         reads.append(key)
-        return read(self, key, *args)
+        return read(self, key, *args, **kwargs)
 
     monkeypatch.setattr(LocalStore, "read", counted)
     calls: list[int] = []
