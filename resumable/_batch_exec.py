@@ -276,9 +276,11 @@ def run_executor(ledger: Ledger, source: Source, job: Job, progress: Progress) -
                 _drain(pending, ledger, job, progress)
         while pending:
             _drain(pending, ledger, job, progress)
-    except BaseException:
+    except BaseException as exc:
         for future in pending:
             future.cancel()
+        if isinstance(exc, Exception):  # a row's error: pieces already running cannot be stopped,
+            wait(list(pending))  # so their rows are kept (on Ctrl-C nothing is waited for)
         for future, (start, rows) in pending.items():
             if future.done() and not future.cancelled() and future.exception() is None:
                 ledger.salvage(start, rows, future.result())

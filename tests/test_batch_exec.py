@@ -71,6 +71,25 @@ def test_thread_pool_commits_pieces_and_resumes(pipe: Pipeline, state_dir: Path)
     assert set(range(100)) == committed | set(fn.calls)
 
 
+def test_a_piece_still_running_when_another_fails_is_kept(pipe: Pipeline, state_dir: Path):
+    """A row's error waits for the pieces already running on the executor: their paid work is committed."""
+    failed = threading.Event()
+
+    def fn(x: int) -> int:
+        if x == 12:
+            failed.set()
+            raise RuntimeError("boom at 12")
+        if x == 5:  # piece 0 is still running when piece 1 fails
+            assert failed.wait(10)
+            time.sleep(0.2)
+        return -x
+
+    with pipe, ThreadPoolExecutor(2) as pool, pytest.raises(RuntimeError, match="boom at 12"):
+        checkpointed_map(fn, range(30), every=10, name="t", executor=pool, concurrency=2)
+    committed = {r for start, end, _ in chunks(state_dir, "named/t") for r in range(start, end)}
+    assert set(range(10)) == committed
+
+
 def test_process_pool_records_failures_from_workers(pipe: Pipeline):
     """A process pool runs pieces in other processes; RowFailure values come back from them."""
     with pipe, ProcessPoolExecutor(2) as pool:
