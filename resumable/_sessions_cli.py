@@ -14,6 +14,7 @@ from typing import Any
 
 from . import _diff, _render, _sessions
 from ._codec import secret_bytes
+from ._pipeline import Pipeline
 from ._sessions_index import index_of
 from ._stores import Store
 from ._units import human_size
@@ -63,8 +64,6 @@ def render_summary(info: dict[str, Any], *, default: bool) -> str:
 
 def sessions_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:
     """``resumable sessions [fork SRC DST | delete ID...]``."""
-    from ._pipeline import Pipeline  # noqa: PLC0415 - the CLI's own pipeline
-
     if args.action == "fork":
         pipe = Pipeline("resumable-cli", store=root)
         at = int(args.at) if args.at is not None and args.at.isdigit() else args.at
@@ -120,8 +119,6 @@ def diff_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:
 
 def clean_sessions(root: Store, idle: dt.timedelta, *, dry_run: bool, out: Out) -> int:
     """``resumable clean --sessions --idle AGE``: delete completed and failed sessions idle that long."""
-    from ._pipeline import Pipeline  # noqa: PLC0415 - the CLI's own pipeline
-
     cutoff = (dt.datetime.now(dt.UTC) - idle).isoformat(timespec="milliseconds").replace("+00:00", "Z")
     old = [
         s

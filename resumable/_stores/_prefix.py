@@ -17,13 +17,12 @@ from typing import Any
 
 from ..exceptions import StateLockedError, UsageError
 from ._base import Buffer, Store
+from ._local import LocalStore
+from ._memory import MemoryStore
 
 
 def sub_store(store: Store, prefix: str) -> Store:
     """The store whose keys are *store*'s keys under ``prefix/``, with a lock of its own."""
-    from ._local import LocalStore  # noqa: PLC0415 - keep import light
-    from ._memory import MemoryStore  # noqa: PLC0415
-
     child: Store | None = None
     if isinstance(store, LocalStore):
         child = LocalStore(f"{store.root}/{prefix}")
