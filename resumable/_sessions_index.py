@@ -229,7 +229,7 @@ class ObjectIndex(Index):
                 return b""  # replaced meanwhile: its successor is listed too, or it was deleted
 
         if len(unread) > 8 and self.store.slow_appends:  # a remote store: a round trip each
-            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 - kept out of import resumable
 
             with ThreadPoolExecutor(16) as pool:
                 datas = list(pool.map(one, unread))

@@ -29,7 +29,7 @@ def sub_store(store: Store, prefix: str) -> Store:
     elif isinstance(store, MemoryStore | PrefixStore):
         child = PrefixStore(store, prefix)
     elif type(store).__name__ == "FsspecStore":  # not imported unless in use: fsspec is slow to import
-        from ._fsspec import FsspecStore  # noqa: PLC0415
+        from ._fsspec import FsspecStore  # noqa: PLC0415 - fsspec is optional and slow to import
 
         if isinstance(store, FsspecStore):
             options = dict(getattr(store.fs, "storage_options", {}) or {})
