@@ -90,6 +90,24 @@ def test_a_piece_still_running_when_another_fails_is_kept(pipe: Pipeline, state_
     assert set(range(10)) == committed
 
 
+def test_ctrl_c_does_not_wait_for_the_pieces_running(pipe: Pipeline, state_dir: Path):
+    """A KeyboardInterrupt propagates at once: a piece still running is not waited for, nor committed."""
+    interrupted = threading.Event()
+
+    def fn(x: int) -> int:
+        if x == 12:
+            interrupted.set()
+            raise KeyboardInterrupt
+        if x == 5:  # piece 0 is still running when piece 1 is interrupted
+            assert interrupted.wait(10)
+            time.sleep(0.5)
+        return -x
+
+    with pipe, ThreadPoolExecutor(2) as pool, pytest.raises(KeyboardInterrupt):
+        checkpointed_map(fn, range(30), every=10, name="t", executor=pool, concurrency=2)
+    assert [] == chunks(state_dir, "named/t")
+
+
 def test_process_pool_records_failures_from_workers(pipe: Pipeline):
     """A process pool runs pieces in other processes; RowFailure values come back from them."""
     with pipe, ProcessPoolExecutor(2) as pool:
