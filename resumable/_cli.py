@@ -297,24 +297,20 @@ def _show(args: argparse.Namespace) -> int:
 def _why_cmd(args: argparse.Namespace) -> int:
     store = _state(args)
     step, key = args.step, args.key
+    events = _history.events(store, secret_bytes(None))
     if key is None and "/" in step:  # a slot such as fetch_page/3
-        decisions = [d for d in explain_step(store, step_of(step)) if d.slot == step]
+        decisions = [d for d in _why.explain(events, store, step_of(step)) if d.slot == step]
     else:
-        decisions = explain_step(store, step, key)
+        decisions = _why.explain(events, store, step, key)
     if not decisions:
         where = f"{step!r} with key {key!r}" if key is not None else repr(args.step)
         msg = f"no run has called {where} in {store.location}: nothing to explain (see `resumable status`)"
         raise UsageError(msg)
     if args.json:
-        _out(json.dumps([_why.as_dict(d) for d in decisions], indent=2, ensure_ascii=False))
+        _out(json.dumps([attrs.asdict(d) for d in decisions], indent=2, ensure_ascii=False))
     else:
         _out(_why.render(decisions, args.step).rstrip("\n"))
     return 0
-
-
-def explain_step(store: Store, step: str, key: str | None = None) -> list[_why.Decision]:
-    """The last decision about each slot of *step* (or its slot for *key*), from the log."""
-    return _why.explain(_history.events(store, secret_bytes(None)), store, step, key)
 
 
 def _reset(args: argparse.Namespace) -> int:

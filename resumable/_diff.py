@@ -18,10 +18,11 @@ import attrs
 
 from . import _sessions
 from ._codec import DamagedFileError
+from ._history import find, object_key, replay
 from ._journal import read_header, read_state
 from ._slots import slot_file
 from ._stores import Store
-from ._why import Change, code_changes, read_code
+from ._why import Change, code_changes, read_code, render_change
 from .exceptions import StateFormatError, UsageError
 
 
@@ -55,8 +56,6 @@ def side_now(name: str, store: Store, secret: bytes | None) -> Side:
 
 def side_at(name: str, store: Store, secret: bytes | None, target: int | str) -> Side:
     """A session's state at checkpoint *target*."""
-    from ._history import find, object_key, replay  # noqa: PLC0415 - only when diffing history
-
     points = replay(store, secret)
     number = find(points, target)
     if number == 0:
@@ -160,8 +159,6 @@ def _params(header: Mapping[str, Any]) -> dict[str, Any]:
 
 def render(a: Side, b: Side, diffs: list[SlotDiff], first: str | None) -> str:
     """The text ``resumable diff`` prints."""
-    from ._why import _render_change  # noqa: PLC0415 - the same rendering as `why`
-
     out = [f"diff {a.name} {b.name}: {len(diffs)} slot(s)"]
     same = sum(d.verdict == "same" for d in diffs)
     for d in diffs:
@@ -169,7 +166,7 @@ def render(a: Side, b: Side, diffs: list[SlotDiff], first: str | None) -> str:
             continue
         out.append(f"{d.slot}: {d.verdict}" + (f" ({d.detail})" if d.detail else ""))
         for c in d.changes:
-            out.extend(_render_change(c))
+            out.extend(render_change(c))
     out.append(f"{same} slot(s) the same")
     out.append(f"first divergence (completion order): {first}" if first else "no divergence")
     return "\n".join(out)

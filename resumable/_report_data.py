@@ -47,15 +47,13 @@ def _key_of(slot: str) -> str | None:
 
 
 class _Run:
-    def __init__(self, number: int, start: float | None, info: dict[str, Any]) -> None:
+    def __init__(self, number: int, start: float | None) -> None:
         self.number = number
         self.start = start
         self.end: float | None = None
         self.end_max: float | None = None  # a killed run ended between end and end_max
         self.last_seen = start
         self.status = "running"
-        self.pid = info.get("pid")
-        self.host = info.get("host")
         self.bars: dict[str, dict[str, Any]] = {}  # slot -> what it did in this run
         self.skips: dict[str, dict[str, Any]] = {}
         self.batches: dict[str, dict[str, Any]] = {}
@@ -93,7 +91,7 @@ class _Scan:
     def run(self, t: float | None) -> _Run:
         if not self.runs:
             self.folded = True
-            self.runs.append(_Run(0, t, {}))
+            self.runs.append(_Run(0, t))
         return self.runs[-1]
 
     def feed(self, event: dict[str, Any]) -> None:  # noqa: C901, PLR0912 - one dispatch
@@ -103,7 +101,7 @@ class _Scan:
             self._close_previous(t)
             number = event.get("run")
             number = number if isinstance(number, int) else (self.runs[-1].number + 1 if self.runs else 1)
-            self.runs.append(_Run(number, t, event))
+            self.runs.append(_Run(number, t))
             return
         run = self.run(t)
         if kind == "run_finished":
@@ -175,21 +173,7 @@ class _Scan:
             self.keys[slot] = event["key"]
         if isinstance(event.get("parent"), str):
             self.parents[slot] = event["parent"]
-        reason = event.get("reason") if isinstance(event.get("reason"), str) else None
-        detail = event.get("detail") if isinstance(event.get("detail"), str) else None
-        run.bars[slot] = {
-            "slot": slot,
-            "start": t,
-            "end": None,
-            "outcome": "running",
-            "reason": reason,
-            "detail": detail,
-            "attempts": 1,
-            "retries": [],
-            "code": event.get("code"),
-            "was": event.get("was"),
-            "params": event.get("params"),
-        }
+        run.bars[slot] = _bar(slot, t, event)
 
     def _completed(self, run: _Run, event: dict[str, Any], t: float | None) -> None:
         slot = event["slot"]
@@ -197,14 +181,12 @@ class _Scan:
         file = event.get("file")
         self.versions[slot] = _Version(event.get("fingerprint"), file, code, run.number)
         self.computed_in[slot, file] = run.number
-        if isinstance(event.get("duration_s"), int | float):
-            self.durations[slot, file] = float(event["duration_s"])
+        took = event.get("duration_s")
+        if took is not None:
+            self.durations[slot, file] = float(took)
         bar = run.bars.get(slot)
         if bar is None:  # its start was not logged before a kill
-            bar = run.bars[slot] = {
-                "slot": slot, "start": None, "end": None, "outcome": "running", "reason": None,
-                "detail": None, "attempts": 1, "retries": [], "code": None, "was": None, "params": None,
-            }  # fmt: skip
+            bar = run.bars[slot] = _bar(slot, None, {})
         bar["outcome"] = "ran"
         bar["attempts"] = event.get("attempts", bar["attempts"])
         bar["file"] = file
@@ -214,14 +196,11 @@ class _Scan:
             bar["recovered"] = True
         else:
             bar["end"] = t
-            if isinstance(event.get("duration_s"), int | float):
-                bar["duration"] = float(event["duration_s"])
+            bar["duration"] = took
         self._checkpoint()
 
     def _skipped(self, run: _Run, skip: dict[str, Any], t: float | None) -> None:
-        slot = skip.get("slot")
-        if not isinstance(slot, str):
-            return
+        slot = skip["slot"]
         file = skip.get("file")
         created = when(skip.get("created_at"))
         if created is not None:
@@ -261,6 +240,19 @@ class _Scan:
                         del bar["recovered"]
                 if run.end is not None and bar["end"] is not None and run.end_max is not None:
                     run.end = min(max(run.end, bar["end"]), run.end_max)
+
+
+def _bar(slot: str, t: float | None, started: dict[str, Any]) -> dict[str, Any]:
+    """What a slot did in a run, as far as its ``step_started`` event (if any) tells."""
+    return {
+        "slot": slot,
+        "start": t,
+        "end": None,
+        "outcome": "running",
+        "attempts": 1,
+        "retries": [],
+        **{k: started.get(k) for k in ("reason", "detail", "code", "was", "params")},
+    }
 
 
 def _error_text(error: object) -> tuple[str, str, str]:
@@ -315,7 +307,7 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
         "runs_total": manifest.runs,
         "which": run if isinstance(run, str) else f"run {run}",
         "folded": scan.folded,
-        "state": _state_counts(manifest),
+        "state": {"slots": len(manifest.steps), "completed": len(manifest.completed_steps)},
         "runs": [_run_row(scan, r) for r in scan.runs],
         "selected": [r.number for r in chosen],
     }
@@ -345,13 +337,6 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
     return data
 
 
-def _state_counts(manifest: Any) -> dict[str, int]:
-    counts = {"slots": len(manifest.steps), "completed": len(manifest.completed_steps)}
-    for status in ("failed", "running", "interrupted"):
-        counts[status] = sum(1 for rec in manifest.steps.values() if rec.status == status)
-    return counts
-
-
 def _run_row(scan: _Scan, run: _Run) -> dict[str, Any]:
     ran = sum(1 for b in run.bars.values() if b["outcome"] == "ran")
     failed = sum(1 for b in run.bars.values() if b["outcome"] in {"failed", "interrupted"})
@@ -368,15 +353,12 @@ def _run_row(scan: _Scan, run: _Run) -> dict[str, Any]:
         made = scan.computed_in.get((slot, skip["file"]))
         if made is not None:
             from_runs.add(made)
-    killed_in = [b["slot"] for b in run.bars.values() if b["outcome"] in {"running", "interrupted"}]
     return {
         "run": run.number,
         "start": run.start,
         "end": run.end,
         "end_max": run.end_max,
         "status": run.status,
-        "pid": run.pid,
-        "host": run.host,
         "ran": ran,
         "skipped": len(run.skips),
         "failed": failed,
@@ -384,7 +366,6 @@ def _run_row(scan: _Scan, run: _Run) -> dict[str, Any]:
         "saved_s": round(saved, 6),
         "saved_unknown": unknown,
         "skipped_from": sorted(from_runs),
-        "stopped_in": killed_in[:5],
     }
 
 
@@ -476,7 +457,7 @@ def _histogram(ends: list[float], span: float) -> list[int]:
     return bins
 
 
-def _slots(  # noqa: C901, PLR0912 - one row per slot, each field from its source
+def _slots(  # noqa: C901 - one row per slot, each field from its source
     store: Store, secret: bytes | None, scan: _Scan, chosen: list[_Run], manifest: Any
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One row per slot the chosen runs touched (big keyed steps summarised), and per step."""
@@ -491,9 +472,8 @@ def _slots(  # noqa: C901, PLR0912 - one row per slot, each field from its sourc
         step = step_of(slot)
         group = groups.get(step)
         if group is None:
-            group = groups[step] = {"step": step, "slots": 0, "outcomes": {}, "reasons": {}, "keyed": False}
+            group = groups[step] = {"step": step, "slots": 0, "outcomes": {}, "reasons": {}}
         group["slots"] += 1
-        group["keyed"] = group["keyed"] or "/" in slot
         group["outcomes"][outcome] = group["outcomes"].get(outcome, 0) + 1
     for slot, (_, outcome, info) in last.items():
         if outcome != "skipped" and info.get("reason"):
@@ -538,8 +518,6 @@ def _slots(  # noqa: C901, PLR0912 - one row per slot, each field from its sourc
             values_left -= 1
             row["value"] = _preview(store, secret, slot)
         rows.append(row)
-    for group in groups.values():
-        group["listed"] = sum(1 for s in listed if step_of(s) == group["step"])
     return rows, sorted(groups.values(), key=lambda g: g["step"])
 
 

@@ -247,14 +247,14 @@ def render(decisions: list[Decision], step: str) -> str:
             detail = f" ({d.detail})" if d.detail else ""
             out.append(f"{d.slot}: ran{when}: {d.reason}{detail}")
         for c in d.changes:
-            out.extend(_render_change(c))
+            out.extend(render_change(c))
         if d.left_out:
             names = ", ".join(f"{n} ({t})" for n, t in sorted(d.left_out.items()))
             out.append(f"  not part of its identity (cannot be fingerprinted): {names}")
     return "\n".join(out) + "\n"
 
 
-def _render_change(c: Change) -> list[str]:
+def render_change(c: Change) -> list[str]:
     if c.kind == "value":
         return [f"  value {c.name}: {c.old or '(none)'} -> {c.new or '(none)'}"]
     if c.kind == "parameter":
@@ -268,8 +268,3 @@ def _render_change(c: Change) -> list[str]:
     if c.diff:
         lines += [f"    {line}" for line in c.diff.splitlines()]
     return lines
-
-
-def as_dict(decision: Decision) -> dict[str, Any]:
-    """A decision as plain data (for ``--json``)."""
-    return attrs.asdict(decision)
