@@ -29,9 +29,10 @@ TOP = 26  # room for the time axis
 OUTCOMES = ("ran", "skipped", "failed", "interrupted", "running")
 
 _CSS = """
-:root{--ink:#1d2733;--soft:#5b6775;--line:#dfe4ea;--bg:#f7f8fa;--card:#fff;--ran:#2f6fdb;
---skipped:#aab3bd;--failed:#d43d3d;--interrupted:#e07b24;--running:#1f9d74;--retry:#e6a700;
---accent:#2f6fdb;font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:var(--ink)}
+:root{--ink:#1d2733;--soft:#5b6775;--line:#dfe4ea;--bg:#f7f8fa;--accent:#2f6fdb;
+font:14px/1.45 system-ui,-apple-system,"Segoe UI",Roboto,sans-serif;color:var(--ink)}
+.ran,.completed{--c:#2f6fdb}.failed{--c:#d43d3d}.interrupted,.killed{--c:#e07b24}.running{--c:#1f9d74}
+.skipped{--c:#aab3bd}.retry{--c:#e6a700}
 *{box-sizing:border-box}
 body{margin:0;background:var(--bg)}
 main{max-width:1100px;margin:0 auto;padding:24px 28px 60px}
@@ -39,79 +40,69 @@ h1{font-size:24px;margin:0 0 4px;word-break:break-all}
 h2{font-size:18px;margin:36px 0 10px;padding-bottom:6px;border-bottom:1px solid var(--line)}
 h3{font-size:15px;margin:18px 0 6px}
 .sub{color:var(--soft);margin:0 0 16px;word-break:break-all}
-.badge{display:inline-block;padding:1px 9px;border-radius:10px;font-size:12px;font-weight:600;
-color:#fff;vertical-align:middle;margin-left:8px;background:var(--soft)}
-.b-completed,.b-ran{background:var(--ran)}.b-failed{background:var(--failed)}
-.b-interrupted,.b-killed{background:var(--interrupted)}.b-running{background:var(--running)}
-.b-skipped{background:var(--skipped)}
+.badge{display:inline-block;padding:0 8px;border-radius:10px;font-size:12px;font-weight:600;
+color:#fff;vertical-align:middle;background:var(--c,var(--soft))}
+h1 .badge,h3 .badge{margin-left:8px}
 .cards{display:grid;grid-template-columns:repeat(auto-fit,minmax(140px,1fr));gap:10px;margin:10px 0}
-.card{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:10px 12px}
+.card,.panel{background:#fff;border:1px solid var(--line);border-radius:8px;padding:10px 12px;margin:10px 0}
+.card{margin:0}
 .card b{display:block;font-size:22px;font-variant-numeric:tabular-nums}
 .card span{color:var(--soft);font-size:12px}
 nav{position:sticky;top:0;background:var(--bg);padding:8px 0;z-index:2;border-bottom:1px solid var(--line)}
 nav a{color:var(--accent);text-decoration:none;margin-right:16px;font-weight:500}
-.panel{background:var(--card);border:1px solid var(--line);border-radius:8px;padding:12px 14px;margin:10px 0}
 svg{display:block;width:100%;height:auto}
 svg text{font:12px system-ui,sans-serif;fill:var(--ink)}
 svg .axis{fill:var(--soft);font-size:11px}
 svg .grid{stroke:var(--line)}
 svg .lane{fill:#f2f4f7}
-.ran{fill:var(--ran)}.failed{fill:var(--failed)}.interrupted{fill:var(--interrupted)}
-.running{fill:var(--running)}.skipped{fill:var(--skipped)}.group{fill:#a9c3ef}
-.retry{fill:var(--retry);stroke:#fff;stroke-width:1}.unknown{fill:url(#hatch)}
-.hist{fill:var(--ran);opacity:.75}
+.bar rect,.bar path{fill:var(--c)}.bar path{stroke:#fff}
+.bar .group{fill:#a9c3ef}.bar .hist{fill:#2f6fdb;opacity:.75}svg .unknown{fill:url(#hatch)}
 .legend span{display:inline-flex;align-items:center;margin-right:14px;color:var(--soft);font-size:12px}
-.legend i{display:inline-block;width:12px;height:12px;border-radius:2px;margin-right:5px}
-.l-ran{background:var(--ran)}.l-failed{background:var(--failed)}.l-interrupted{background:var(--interrupted)}
-.l-retry{background:var(--retry);transform:rotate(45deg) scale(.8)}.l-unknown{background:repeating-linear-gradient(
-45deg,var(--interrupted) 0 3px,#fff 3px 6px)}.l-running{background:var(--running)}
-table{border-collapse:collapse;width:100%;background:var(--card);font-size:13px}
+.legend i{display:inline-block;width:12px;height:12px;border-radius:2px;margin-right:5px;background:var(--c)}
+.legend .retry{transform:rotate(45deg) scale(.8)}
+.legend .unknown{background:repeating-linear-gradient(45deg,#e07b24 0 3px,#fff 3px 6px)}
+table{border-collapse:collapse;width:100%;background:#fff;font-size:13px}
 th,td{text-align:left;padding:5px 8px;border-bottom:1px solid var(--line);vertical-align:top}
 th{background:#eef1f5;font-weight:600;white-space:nowrap}
 .scroll{overflow-x:auto}
-th[data-sort]{cursor:pointer}th[data-sort]:after{content:" \\2195";color:var(--soft);font-size:11px}
+.sortable th{cursor:pointer}.sortable th:after{content:" \\2195";color:var(--soft);font-size:11px}
 th.asc:after{content:" \\2191"}th.desc:after{content:" \\2193"}
-td.num,th.num{text-align:right;font-variant-numeric:tabular-nums}
+.num{text-align:right;font-variant-numeric:tabular-nums}
 td.slot{font-family:ui-monospace,Menlo,Consolas,monospace;overflow-wrap:anywhere;min-width:160px;max-width:280px}
 tr.o-failed td{background:#fdf0f0}tr.o-interrupted td{background:#fdf5ec}
-tr.first td{background:#fff6d6;box-shadow:inset 3px 0 var(--retry)}
-.pill{display:inline-block;padding:0 7px;border-radius:9px;font-size:12px;color:#fff}
-.p-ran{background:var(--ran)}.p-skipped{background:var(--skipped)}.p-failed{background:var(--failed)}
-.p-interrupted{background:var(--interrupted)}.p-running{background:var(--running)}
-.muted{color:var(--soft)}
+tr.first td{background:#fff6d6;box-shadow:inset 3px 0 #e6a700}
+.muted,.note{color:var(--soft)}
+.note{font-size:13px;margin:4px 0}
 .key{background:#eef1f5;border-radius:4px;padding:0 4px}
 pre{background:#0f1720;color:#e6edf3;padding:10px 12px;border-radius:6px;overflow:auto;font-size:12px;
-white-space:pre-wrap;word-break:break-word;max-height:420px}
+white-space:pre-wrap;word-break:break-word;max-height:420px;margin:4px 0}
 div.value{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;color:var(--soft);max-width:220px;
 white-space:nowrap;overflow:hidden;text-overflow:ellipsis}
-.diff{margin:4px 0}
 td.why{min-width:280px}
 details summary{cursor:pointer;color:var(--accent)}
 .tools{display:flex;gap:10px;align-items:center;margin:8px 0}
 .tools input,.tools select{font:inherit;padding:4px 8px;border:1px solid var(--line);border-radius:6px}
 .tools input{flex:1}
-.note{color:var(--soft);font-size:13px;margin:4px 0}
-.err{border-left:4px solid var(--failed)}
+.err{border-left:4px solid #d43d3d}
 """
 
 _JS = """
 (function(){
-  var data = JSON.parse(document.getElementById('report-data').textContent);
-  function cell(tr, i){ var c = tr.children[i]; return c ? (c.getAttribute('data-v') || c.textContent) : ''; }
+  function value(tr, i){
+    var c = tr.children[i];
+    return c ? (c.getAttribute('data-v') || c.textContent) : '';
+  }
   document.querySelectorAll('table.sortable').forEach(function(table){
     var heads = table.querySelectorAll('th');
     heads.forEach(function(th, i){
-      if (!th.hasAttribute('data-sort')) return;
       th.addEventListener('click', function(){
-        var numeric = th.getAttribute('data-sort') === 'num';
-        var asc = !th.classList.contains('asc');
+        var numeric = th.classList.contains('num'), asc = !th.classList.contains('asc');
         heads.forEach(function(h){ h.classList.remove('asc', 'desc'); });
         th.classList.add(asc ? 'asc' : 'desc');
-        var body = table.tBodies[0];
-        var rows = Array.prototype.slice.call(body.rows);
+        var body = table.tBodies[0], rows = Array.prototype.slice.call(body.rows);
         rows.sort(function(a, b){
-          var x = cell(a, i), y = cell(b, i), r;
-          if (numeric) { r = (parseFloat(x) || 0) - (parseFloat(y) || 0); }
+          var x = value(a, i), y = value(b, i), r;
+          if (numeric) { r = (parseFloat(x.replace(/,/g, '')) || 0) - (parseFloat(y.replace(/,/g, '')) || 0); }
           else { r = x < y ? -1 : x > y ? 1 : 0; }
           return asc ? r : -r;
         });
@@ -119,26 +110,22 @@ _JS = """
       });
     });
   });
-  var table = document.getElementById('steps-table');
+  var rows = document.getElementById('steps-table').tBodies[0].rows;
   var text = document.getElementById('steps-filter');
   var outcome = document.getElementById('steps-outcome');
-  var shown = document.getElementById('steps-shown');
   function filter(){
-    if (!table) return;
     var q = text.value.toLowerCase(), o = outcome.value, n = 0;
-    Array.prototype.forEach.call(table.tBodies[0].rows, function(tr){
+    Array.prototype.forEach.call(rows, function(tr){
       var ok = (!o || tr.getAttribute('data-outcome') === o) &&
                (!q || tr.textContent.toLowerCase().indexOf(q) >= 0);
       tr.hidden = !ok; if (ok) n += 1;
     });
-    shown.textContent = n + ' of ' + data.slots.length + ' listed slots shown';
+    document.getElementById('steps-shown').textContent = n + ' of ' + rows.length + ' listed slots shown';
   }
-  if (table) {
-    text.addEventListener('input', filter);
-    outcome.addEventListener('change', filter);
-    document.querySelector('.tools').hidden = false;
-    filter();
-  }
+  text.addEventListener('input', filter);
+  outcome.addEventListener('change', filter);
+  document.querySelector('.tools').hidden = false;
+  filter();
   document.documentElement.setAttribute('data-ready', String(Math.round(performance.now())));
 })();
 """
@@ -230,11 +217,7 @@ def _header(data: dict[str, Any]) -> str:
     runs = data["runs"]
     first = runs[0]["start"] if runs else None
     last = runs[-1]["end"] if runs else None
-    which = (
-        "all runs"
-        if data["which"] == "all"
-        else ("the last run" if data["which"] == "last" else data["which"])
-    )
+    which = {"all": "all runs", "last": "the last run"}.get(data["which"], data["which"])
     cards = [
         ("completed", f"{state['completed']:,}", f"of {state['slots']:,} slots completed"),
         ("ran", f"{counts['ran']:,}", "slots ran"),
@@ -253,7 +236,7 @@ def _header(data: dict[str, Any]) -> str:
         else ""
     )
     return (
-        f'<header><h1>{e(data["pipeline"])}<span class="badge b-{e(data["status"])}" id="status">'
+        f'<header><h1>{e(data["pipeline"])}<span class="badge {e(data["status"])}" id="status">'
         f"{e(data['status'])}</span></h1>"
         f'<p class="sub">{e(data["location"])} · {data["runs_total"]:,} run(s) · {_clock(first, date=True)} → '
         f"{_clock(last, date=True)} · counts over {e(which)}</p>"
@@ -281,7 +264,7 @@ def _legend() -> str:
         ("retry", "retried attempt"),
         ("unknown", "killed: end unknown"),
     ]
-    return '<p class="legend">' + "".join(f'<span><i class="l-{k}"></i>{t}</span>' for k, t in items) + "</p>"
+    return '<p class="legend">' + "".join(f'<span><i class="{k}"></i>{t}</span>' for k, t in items) + "</p>"
 
 
 def _timelines(data: dict[str, Any]) -> str:
@@ -308,7 +291,7 @@ def _bar_title(bar: dict[str, Any]) -> str:
     )
     if bar["open"]:
         lines.append("its end was not recorded: the process stopped while it ran")
-    if bar.get("attempts", 1) and bar["attempts"] > 1:
+    if (bar["attempts"] or 1) > 1:
         lines.append(f"{bar['attempts']} attempts")
     for _, kind, message in bar["retries"]:
         lines.append(f"retried after {kind}: {message}")
@@ -323,14 +306,18 @@ def _label(text: str, size: int = 26) -> str:
     return text if len(text) <= size else text[: size - 1] + "…"
 
 
-def _ticks(span: float, x0: float, width: float, y: float, height: float) -> str:
+def _ticks(  # noqa: PLR0913 - the span, the plot's box, where the labels go
+    span: float, x0: float, width: float, y: float, height: float, *, text_y: float | None = None
+) -> str:
+    """A time axis: six grid lines over the plot, labelled above it (or at *text_y*)."""
     out = []
     for i in range(6):
         x = x0 + width * i / 5
         out.append(f'<line class="grid" x1="{x:.1f}" x2="{x:.1f}" y1="{y}" y2="{y + height}"/>')
         anchor = "start" if i == 0 else ("end" if i == 5 else "middle")
         out.append(
-            f'<text class="axis" x="{x:.1f}" y="{y - 6}" text-anchor="{anchor}">+{_secs(span * i / 5) or "0s"}</text>'
+            f'<text class="axis" x="{x:.1f}" y="{y - 6 if text_y is None else text_y}" text-anchor="{anchor}">'
+            f"+{_secs(span * i / 5) or '0s'}</text>"
         )
     return "".join(out)
 
@@ -361,7 +348,7 @@ def _timeline(tl: dict[str, Any]) -> str:
             f"<title>{e(name)}</title></text>"
         )
         if row["keyed"]:
-            parts.append(_group(row, y, scale))
+            parts.append(_group(row, y, scale, span))
             details.append(_expanded(row, tl, scale, plot))
         else:
             parts.extend(_bar(bar, y, scale, ROW) for bar in row["bars"])
@@ -395,17 +382,16 @@ def _run_title(tl: dict[str, Any]) -> str:
         when = f"{_clock(tl['start'])} → {_between(end, tl['start'] + tl['unknown_until'])}"
     else:
         when = f"{_clock(tl['start'])} → {_clock(end)} ({_secs(tl['span'])})"
-    return f'Run {tl["run"]} <span class="badge b-{e(status)}">{e(status)}</span> <span class="muted">{when}</span>'
+    return f'Run {tl["run"]} <span class="badge {e(status)}">{e(status)}</span> <span class="muted">{when}</span>'
 
 
 def _bar(bar: dict[str, Any], y: float, scale: float, row: float) -> str:
     x = LABEL + bar["s"] * scale
     w = max((bar["e"] - bar["s"]) * scale, 2.0)
-    outcome = bar["outcome"] if bar["outcome"] in OUTCOMES else "running"
     title = e(_bar_title(bar))
     out = [
         (
-            f'<g class="bar" data-slot="{e(bar["slot"])}"><rect class="{outcome}" x="{x:.1f}" y="{y + 5}" '
+            f'<g class="bar" data-slot="{e(bar["slot"])}"><rect class="{bar["outcome"]}" x="{x:.1f}" y="{y + 5}" '
             f'width="{w:.1f}" height="{row - 10}" rx="2"><title>{title}</title></rect>'
         )
     ]
@@ -424,39 +410,31 @@ def _bar(bar: dict[str, Any], y: float, scale: float, row: float) -> str:
     return "".join(out)
 
 
-def _group(row: dict[str, Any], y: float, scale: float) -> str:
-    bars = row["bars"]
-    lo, hi = row.get("span") or [min(b["s"] for b in bars), max(b["e"] for b in bars)]
-    failed = row.get("failed", sum(1 for b in bars if b["outcome"] in {"failed", "interrupted"}))
-    retried = row.get("retried", sum(1 for b in bars if b["retries"]))
-    title = f"{row['step']}: {row['count']:,} slot(s) ran here, {failed:,} failed, {retried:,} retried"
-    x, w = LABEL + lo * scale, max((hi - lo) * scale, 2.0)
-    out = [f'<g class="bar group-bar" data-step="{e(row["step"])}"><title>{e(title)}</title>']
-    out.append(f'<rect class="group" x="{x:.1f}" y="{y + 5}" width="{w:.1f}" height="{ROW - 10}" rx="2"/>')
-    hist = row.get("hist")
-    if hist:
-        peak = max(hist) or 1
-        width = (hi if hi > 0 else 1) * scale / len(hist)
-        for i, n in enumerate(hist):
-            if n:
-                h = (ROW - 10) * n / peak
-                out.append(
-                    f'<rect class="hist" x="{LABEL + i * width:.1f}" y="{y + ROW - 5 - h:.1f}" '
-                    f'width="{max(width - 0.5, 0.5):.1f}" height="{h:.1f}"/>'
-                )
-    else:
-        for b in bars:
-            cls = b["outcome"] if b["outcome"] in OUTCOMES else "running"
-            bx = LABEL + b["s"] * scale
+def _group(row: dict[str, Any], y: float, scale: float, span: float) -> str:
+    """A keyed step's slots on one row: when they ran, how many ended when, which failed or retried."""
+    lo, hi = row["span"]
+    title = f"{row['step']}: {row['count']:,} slot(s) ran here, {row['failed']:,} failed, {row['retried']:,} retried"
+    out = [
+        f'<g class="bar group-bar" data-step="{e(row["step"])}"><title>{e(title)}</title>',
+        (
+            f'<rect class="group" x="{LABEL + lo * scale:.1f}" y="{y + 5}" '
+            f'width="{max((hi - lo) * scale, 2.0):.1f}" height="{ROW - 10}" rx="2"/>'
+        ),
+    ]
+    peak, width = max(row["hist"]) or 1, span * scale / len(row["hist"])
+    for i, n in enumerate(row["hist"]):
+        if n:
+            h = (ROW - 10) * n / peak
             out.append(
-                f'<rect class="{cls}" x="{bx:.1f}" y="{y + 5}" width="{max((b["e"] - b["s"]) * scale, 1.0):.1f}" '
-                f'height="{ROW - 10}"/>'
+                f'<rect class="hist" x="{LABEL + i * width:.1f}" y="{y + ROW - 5 - h:.1f}" '
+                f'width="{max(width - 0.5, 0.5):.1f}" height="{h:.1f}"/>'
             )
-    for b in bars:
+    for b in row["bars"]:
         if b["outcome"] in {"failed", "interrupted"} or b["retries"]:
-            bx = LABEL + b["s"] * scale
             cls = "failed" if b["outcome"] in {"failed", "interrupted"} else "retry"
-            out.append(f'<rect class="{cls}" x="{bx:.1f}" y="{y + 2}" width="3" height="{ROW - 4}"/>')
+            out.append(
+                f'<rect class="{cls}" x="{LABEL + b["s"] * scale:.1f}" y="{y + 2}" width="3" height="{ROW - 4}"/>'
+            )
     out.append("</g>")
     return "".join(out)
 
@@ -528,15 +506,15 @@ def _story(data: dict[str, Any]) -> str:
             f'<tr data-run="{r["run"]}"><td class="num" data-v="{r["run"]}">{r["run"]}</td>'
             f"<td>{_clock(r['start'], date=True)}</td><td>{e(ended)}</td>"
             f'<td class="num" data-v="{took or 0}">{_secs(took)}</td>'
-            f'<td><span class="pill p-{e(_pill(r["status"]))}">{e(r["status"])}</span></td>'
+            f'<td><span class="badge {e(r["status"])}">{e(r["status"])}</span></td>'
             f'<td class="num">{r["ran"]:,}</td><td class="num">{r["skipped"]:,}</td>'
             f'<td class="num">{r["failed"]:,}</td><td class="num">{r["retried"]:,}</td>'
             f'<td class="num" data-v="{r["saved_s"]}">{_secs(r["saved_s"])}</td><td>{e("; ".join(story))}</td></tr>'
         )
     head = (
-        '<th data-sort="num">Run</th><th>Started</th><th>Ended</th><th class="num" data-sort="num">Took</th>'
+        '<th class="num">Run</th><th>Started</th><th>Ended</th><th class="num">Took</th>'
         '<th>Status</th><th class="num">Ran</th><th class="num">Skipped</th><th class="num">Failed</th>'
-        '<th class="num">Retried</th><th class="num" data-sort="num">Saved</th><th>What happened</th>'
+        '<th class="num">Retried</th><th class="num">Saved</th><th>What happened</th>'
     )
     return (
         '<section id="runs"><h2>Runs: the resume story</h2><p class="note">Each rerun skips the slots whose '
@@ -544,10 +522,6 @@ def _story(data: dict[str, Any]) -> str:
         f'they ran.</p><table class="sortable" id="runs-table"><thead><tr>{head}</tr></thead>'
         f"<tbody>{''.join(rows)}</tbody></table></section>"
     )
-
-
-def _pill(status: str) -> str:
-    return {"completed": "ran", "killed": "interrupted"}.get(status, status)
 
 
 def _why_cell(row: dict[str, Any]) -> str:
@@ -558,10 +532,14 @@ def _why_cell(row: dict[str, Any]) -> str:
     text = e(reason) + (f' <span class="muted">({e(row["detail"])})</span>' if row["detail"] else "")
     if row["error"]:
         text += f'<br><span class="muted">{e(row["error"][0])}: {e(row["error"][1])}</span>'
-    code = [c for c in row["changes"] if c["kind"] != "parameter"]
-    params = [c["name"] for c in row["changes"] if c["kind"] == "parameter"]
-    if params:
-        text += f'<br><span class="muted">arguments changed: {e(", ".join(params))}</span>'
+    return text + _changes(row["changes"])
+
+
+def _changes(changes: list[dict[str, Any]]) -> str:
+    """The arguments that changed, and the code and values that did (with diffs, folded)."""
+    code = [c for c in changes if c["kind"] != "parameter"]
+    params = [c["name"] for c in changes if c["kind"] == "parameter"]
+    text = f'<br><span class="muted">arguments changed: {e(", ".join(params))}</span>' if params else ""
     if code:
         items = []
         for c in code:
@@ -591,7 +569,7 @@ def _steps(data: dict[str, Any]) -> str:
         rows.append(
             f'<tr class="o-{e(outcome)}" data-outcome="{e(outcome)}" data-slot="{e(r["slot"])}">'
             f'<td class="slot">{name}{parent}</td>'
-            f'<td><span class="pill p-{e(outcome)}">{e(outcome)}</span></td>'
+            f'<td><span class="badge {e(outcome)}">{e(outcome)}</span></td>'
             f'<td class="why">{_why_cell(r)}</td>'
             f'<td class="num" data-v="{r["run"]}">{r["run"]}</td>'
             f'<td class="num" data-v="{r["computed_in"] or 0}">{r["computed_in"] or ""}</td>'
@@ -601,10 +579,10 @@ def _steps(data: dict[str, Any]) -> str:
             f'<td><div class="value" title="{e(value)}">{e(value[:80])}</div></td></tr>'
         )
     head = (
-        '<th data-sort="text">Slot</th><th data-sort="text">Outcome</th><th data-sort="text">Why</th>'
-        '<th class="num" data-sort="num">Run</th><th class="num" data-sort="num">Computed in</th>'
-        '<th class="num" data-sort="num">Duration</th><th class="num" data-sort="num">Size</th>'
-        '<th class="num" data-sort="num">Tries</th><th>Output (summary)</th>'
+        "<th>Slot</th><th>Outcome</th><th>Why</th>"
+        '<th class="num">Run</th><th class="num">Computed in</th>'
+        '<th class="num">Duration</th><th class="num">Size</th>'
+        '<th class="num">Tries</th><th>Output (summary)</th>'
     )
     options = "".join(f'<option value="{o}">{o}</option>' for o in OUTCOMES)
     total = sum(g["slots"] for g in data["groups"])
@@ -692,28 +670,20 @@ def _rate_chart(batch: dict[str, Any]) -> str:
         parts.append(
             f'<text class="axis" x="{left - 6}" y="{y + 4:.1f}" text-anchor="end">{_num(rmax * (4 - i) / 4)}</text>'
         )
-    for i in range(6):
-        x = left + plot_w * i / 5
-        anchor = "start" if i == 0 else ("end" if i == 5 else "middle")
-        parts.append(
-            f'<text class="axis" x="{x:.1f}" y="{height - 8}" text-anchor="{anchor}">+{_secs(tmax * i / 5) or "0s"}</text>'
-        )
+    parts.append(_ticks(tmax, left, plot_w, top, plot_h, text_y=height - 8))
     for idx, (run, rates) in enumerate(series):
         colour = _RUN_COLOURS[idx % len(_RUN_COLOURS)]
-        pts = " ".join(
-            f"{left + t / tmax * plot_w:.1f},{top + plot_h * (1 - v / rmax):.1f}" for t, v in rates
-        )
+        points = [(left + t / tmax * plot_w, top + plot_h * (1 - v / rmax), t, v) for t, v in rates]
+        line = " ".join(f"{x:.1f},{y:.1f}" for x, y, _, _ in points)
         parts.append(
-            f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="2"><title>run {run}</title></polyline>'
+            f'<polyline points="{line}" fill="none" stroke="{colour}" stroke-width="2"><title>run {run}</title></polyline>'
         )
-        for t, v in rates:
-            parts.append(
-                f'<circle cx="{left + t / tmax * plot_w:.1f}" cy="{top + plot_h * (1 - v / rmax):.1f}" r="3" '
-                f'fill="{colour}"><title>run {run}: {_num(v)} rows/s at +{_secs(t)}</title></circle>'
-            )
-    for idx, (run, _) in enumerate(series):  # the legend, right-aligned above the plot
-        x = width - 16 - 80 * (len(series) - idx)
-        colour = _RUN_COLOURS[idx % len(_RUN_COLOURS)]
+        parts.extend(
+            f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}">'
+            f"<title>run {run}: {_num(v)} rows/s at +{_secs(t)}</title></circle>"
+            for x, y, t, v in points
+        )
+        x = width - 16 - 80 * (len(series) - idx)  # its legend, right-aligned above the plot
         parts.append(f'<rect x="{x}" y="8" width="12" height="12" rx="2" fill="{colour}"/>')
         parts.append(f'<text class="axis" x="{x + 17}" y="18">run {run}</text>')
     parts.append("</svg>")
@@ -741,18 +711,11 @@ def _compare(data: dict[str, Any]) -> str:
     explain = "The two states hold the same outputs."
     for r in cmp["rows"]:
         is_first = r["slot"] == first
-        a, b = r["a"], r["b"]
-        changes = "".join(
-            f"<div>{e(c['kind'])} {e(c['name'])} changed"
-            + (f'<pre class="diff">{e(c["diff"])}</pre>' if c.get("diff") else "")
-            + "</div>"
-            for c in r["changes"]
-        )
         anchor = ' id="first-divergence"' if is_first else ""
         rows.append(
             f'<tr class="{"first" if is_first else ""}" data-verdict="{e(r["verdict"])}" data-slot="{e(r["slot"])}"'
             f'{anchor}><td class="slot">{e(r["slot"])}</td>'
-            f"<td>{_side(a)}</td><td>{_side(b)}</td><td>{e(r['verdict'])}{changes}</td></tr>"
+            f"<td>{_side(r['a'])}</td><td>{_side(r['b'])}</td><td>{e(r['verdict'])}{_changes(r['changes'])}</td></tr>"
         )
         if is_first:
             explain = f"First divergence: {r['slot']}: {_verdict_text(r)}."
@@ -760,8 +723,8 @@ def _compare(data: dict[str, Any]) -> str:
         '<section id="compare"><h2>Comparison</h2>'
         f'<p class="panel" id="first-divergence-text"><b>{e(cmp["a"])} → {e(cmp["b"])}</b>: '
         f"{cmp['same']:,} of {cmp['total']:,} slots hold the same output. {e(explain)}</p>"
-        '<table class="sortable" id="compare-table"><thead><tr><th data-sort="text">Slot</th>'
-        f'<th>{e(cmp["a"])}</th><th>{e(cmp["b"])}</th><th data-sort="text">Verdict</th></tr></thead>'
+        '<table class="sortable" id="compare-table"><thead><tr><th>Slot</th>'
+        f"<th>{e(cmp['a'])}</th><th>{e(cmp['b'])}</th><th>Verdict</th></tr></thead>"
         f"<tbody>{''.join(rows)}</tbody></table></section>"
     )
 

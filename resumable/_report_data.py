@@ -388,13 +388,10 @@ def _timeline(scan: _Scan, run: _Run) -> dict[str, Any]:
         by_step.setdefault(step_of(slot), []).append(bar)
     rows = []
     for step, bars in by_step.items():
-        row: dict[str, Any] = {
-            "step": step,
-            "keyed": any("/" in b["slot"] for b in bars[:1]),
-            "count": len(bars),
-        }
-        if len(bars) > GROUP_SLOTS:  # a big keyed step: its shape, and the slots worth a look
-            last = run.end if run.end is not None else end
+        row: dict[str, Any] = {"step": step, "keyed": "/" in bars[0]["slot"], "count": len(bars)}
+        kept = bars
+        if row["keyed"]:  # one row: its shape over time, and the slots worth a look (a sample)
+            last = run.end if run.end is not None else end  # where a bar with no end stops
             ends = [(b["end"] if b["end"] is not None else last) - start for b in bars]
             row["hist"] = _histogram(ends, end - start)
             row["span"] = [
@@ -405,10 +402,9 @@ def _timeline(scan: _Scan, run: _Run) -> dict[str, Any]:
             row["retried"] = sum(1 for b in bars if b["retries"])
             notable = [b for b in bars if b["outcome"] != "ran" or b["retries"]]
             kept = (notable + [b for b in bars if b["outcome"] == "ran" and not b["retries"]])[:GROUP_SLOTS]
-            drawn = [_drawn(scan, b, start, end, run) for b in kept]
-            row["bars"] = sorted(drawn, key=lambda b: (b["s"], b["slot"]))
-        else:
-            row["bars"] = [_drawn(scan, b, start, end, run) for b in bars]
+        row["bars"] = sorted(
+            (_drawn(scan, b, start, end, run) for b in kept), key=lambda b: (b["s"], b["slot"])
+        )
         rows.append(row)
     skipped: dict[str, int] = {}
     for slot in run.skips:
