@@ -3,9 +3,9 @@
 
 The page is rendered here, in Python: the header, the timeline (SVG), the runs, the steps,
 batches, a comparison and the last error read with scripts off. A small inline script adds
-sorting and filtering. Everything read from the state is text: escaped here, and set with
-``textContent`` by the script. A Content-Security-Policy forbids every fetch and allows only
-this page's own style and script (by hash). The same state gives the same bytes.
+sorting and filtering. Everything read from the state is text, escaped here. A
+Content-Security-Policy forbids every fetch and allows only this page's own style and script
+(by hash). The same state gives the same bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import base64
 import datetime as dt
 import hashlib
 import html
-import json
 import os
 from typing import Any
 
@@ -164,20 +163,6 @@ def _secs(seconds: float | None) -> str:
     return duration(seconds)
 
 
-def _json_block(data: dict[str, Any]) -> str:
-    text = json.dumps(
-        data, sort_keys=True, ensure_ascii=False, separators=(",", ":"), allow_nan=False, default=str
-    )
-    # inside <script>: no '<', '>' or '&' can start markup or end the block
-    return (
-        text.replace("&", "\\u0026")
-        .replace("<", "\\u003c")
-        .replace(">", "\\u003e")
-        .replace("\u2028", "\\u2028")
-        .replace("\u2029", "\\u2029")
-    )
-
-
 def render(data: dict[str, Any]) -> str:
     """The whole page for the data :func:`resumable._report_data.collect` gathered."""
     css, js = _CSS.strip(), _JS.strip()
@@ -207,7 +192,6 @@ def render(data: dict[str, Any]) -> str:
         'height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)"><rect width="6" height="6" '
         'fill="#fbe3cf"/><rect width="3" height="6" fill="#e07b24"/></pattern></defs></svg>'
         f"<main>{body}</main>\n"
-        f'<script type="application/json" id="report-data">{_json_block(data)}</script>\n'
         f"<script>{js}</script>\n</body></html>\n"
     )
 
