@@ -170,18 +170,8 @@ def render(data: dict[str, Any]) -> str:
         f"default-src 'none'; style-src '{_hash(css)}'; script-src '{_hash(js)}'; img-src 'none'; "
         "connect-src 'none'; font-src 'none'; frame-src 'none'; base-uri 'none'; form-action 'none'"
     )
-    body = "".join(
-        [
-            _header(data),
-            _nav(data),
-            _timelines(data),
-            _story(data),
-            _steps(data),
-            _batches(data),
-            _compare(data),
-            _error(data),
-        ]
-    )
+    sections = (_header, _nav, _timelines, _story, _steps, _batches, _compare, _error)
+    body = "".join(section(data) for section in sections)
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
@@ -239,20 +229,19 @@ def _nav(data: dict[str, Any]) -> str:
     return "<nav>" + "".join(f'<a href="#{k}">{label}</a>' for k, label in links) + "</nav>"
 
 
-def _legend() -> str:
-    items = [
-        ("ran", "ran"),
-        ("failed", "failed"),
-        ("interrupted", "interrupted"),
-        ("running", "running"),
-        ("retry", "retried attempt"),
-        ("unknown", "killed: end unknown"),
-    ]
-    return '<p class="legend">' + "".join(f'<span><i class="{k}"></i>{t}</span>' for k, t in items) + "</p>"
+_LEGEND = (
+    ("ran", "ran"),
+    ("failed", "failed"),
+    ("interrupted", "interrupted"),
+    ("running", "running"),
+    ("retry", "retried attempt"),
+    ("unknown", "killed: end unknown"),
+)
 
 
 def _timelines(data: dict[str, Any]) -> str:
-    out = ['<section id="timeline"><h2>Timeline</h2>', _legend()]
+    legend = "".join(f'<span><i class="{k}"></i>{t}</span>' for k, t in _LEGEND)
+    out = [f'<section id="timeline"><h2>Timeline</h2><p class="legend">{legend}</p>']
     if data["timelines_left_out"]:
         out.append(
             f'<p class="note">{data["timelines_left_out"]:,} older run(s) not drawn (pass --run N).</p>'

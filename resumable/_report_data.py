@@ -11,7 +11,7 @@ root: the same :func:`collect` reads it through its own store.
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 
@@ -59,14 +59,13 @@ class _Run:
         self.batches: dict[str, dict[str, Any]] = {}
 
 
-class _Version:
-    __slots__ = ("code", "file", "fingerprint", "run")
+class _Version(NamedTuple):
+    """A slot's output at some point: its fingerprint, file version, code, and the run that made it."""
 
-    def __init__(self, fingerprint: object, file: object, code: object, run: int) -> None:
-        self.fingerprint = fingerprint
-        self.file = file
-        self.code = code
-        self.run = run
+    fingerprint: object
+    file: object
+    code: object
+    run: int
 
 
 class _Scan:
@@ -82,7 +81,7 @@ class _Scan:
         self.durations: dict[tuple[str, object], float] = {}  # (slot, file) -> seconds it took
         self.computed_in: dict[tuple[str, object], int] = {}  # (slot, file) -> run that made it
         self.created: dict[tuple[str, object], float] = {}  # (slot, file) -> when its file was made
-        self.started: dict[str, tuple[object, object]] = {}  # slot -> (code, fingerprint) running
+        self.started: dict[str, object] = {}  # slot -> the code it is running
         self.keys: dict[str, str] = {}
         self.parents: dict[str, str] = {}
         self.folded = False  # events before the first run_started (older history folded away)
@@ -168,7 +167,7 @@ class _Scan:
 
     def _started(self, run: _Run, event: dict[str, Any], t: float | None) -> None:
         slot = event["slot"]
-        self.started[slot] = (event.get("code"), event.get("fingerprint"))
+        self.started[slot] = event.get("code")
         if isinstance(event.get("key"), str):
             self.keys[slot] = event["key"]
         if isinstance(event.get("parent"), str):
@@ -177,7 +176,7 @@ class _Scan:
 
     def _completed(self, run: _Run, event: dict[str, Any], t: float | None) -> None:
         slot = event["slot"]
-        code, _ = self.started.pop(slot, (None, None))
+        code = self.started.pop(slot, None)
         file = event.get("file")
         self.versions[slot] = _Version(event.get("fingerprint"), file, code, run.number)
         self.computed_in[slot, file] = run.number
@@ -626,10 +625,11 @@ def _compare_sessions(other: _diff.Side, this: _diff.Side) -> dict[str, Any]:
 
 
 def _comparison(a: str, b: str, first: str | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The comparison of states *a* and *b*: the rows that differ (the first ones), 50 that do not."""
+    """The comparison of states *a* and *b*: the first rows that differ and 50 that do not, in order."""
     same = [r for r in rows if r["verdict"] == "same"]
-    shown = [r for r in rows if r["verdict"] != "same"][:SLOT_ROWS] + same[:50]
-    return {"a": a, "b": b, "first": first, "same": len(same), "total": len(rows), "rows": shown}
+    shown = {r["slot"] for r in [r for r in rows if r["verdict"] != "same"][:SLOT_ROWS] + same[:50]}
+    kept = [r for r in rows if r["slot"] in shown]
+    return {"a": a, "b": b, "first": first, "same": len(same), "total": len(rows), "rows": kept}
 
 
 def _header_side(side: _diff.Side, slot: str) -> dict[str, Any] | None:
@@ -677,9 +677,7 @@ def _compare(
         if first is None and verdict != "same":
             first = slot
         rows.append(row)
-    comparison = _comparison(label, now_label, first, rows)
-    comparison["rows"].sort(key=lambda r: order.index(r["slot"]) if len(order) < 5000 else 0)
-    return comparison
+    return _comparison(label, now_label, first, rows)
 
 
 def _side(v: _Version | None) -> dict[str, Any] | None:
