@@ -29,6 +29,7 @@ from ._codec import DamagedFileError, read_verified, secret_bytes
 from ._journal import read_state
 from ._pipeline import Pipeline, describe_slots, read_checkpoints, snapshot
 from ._report import report as write_report
+from ._report import write_file
 from ._slots import (
     EVENTS,
     MANIFEST,
@@ -346,13 +347,7 @@ def _rollback(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     state = snapshot(_state(args))
     data = msgpack.packb(state, use_bin_type=True)
-    path = os.path.abspath(args.output)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    path = write_file(args.output, data)
     _out(f"exported {len(state['files'])} file(s), {human_size(len(data))}, to {path}")
     return 0
 
@@ -370,13 +365,8 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    which: int | str = args.run
-    if which not in {"all", "last"}:
-        if not str(which).isdigit():
-            raise UsageError(f"--run {which!r}: pass a run number, last or all")
-        which = int(which)
     path = write_report(
-        _state(args), secret_bytes(None), args.output, run=which, compare=args.compare,
+        _state(args), secret_bytes(None), args.output, run=args.run, compare=args.compare,
         root=_root(args), session=_session_id(args),
     )  # fmt: skip
     _out(f"wrote {path}")

@@ -742,12 +742,14 @@ def _error(data: dict[str, Any]) -> str:
     )
 
 
-def write(path: str | os.PathLike[str], page: str) -> str:
-    """Write *page* to *path* (a temporary file renamed over it); returns the absolute path."""
+def write_file(path: str | os.PathLike[str], data: bytes) -> str:
+    """Write *data* to *path* (a temporary file, fsynced, renamed over it); returns the absolute path."""
     target = os.path.abspath(os.fspath(path))
     tmp = f"{target}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8", newline="\n") as f:
-        f.write(page)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, target)
     return target
 
@@ -761,4 +763,4 @@ def report(  # noqa: PLR0913 - what to show, and where the state is
     *root* and *session* say which session of which store it is, for comparing with another.
     """
     data = collect(store, secret, run=run, compare=compare, root=root, session=session)
-    return write(path, render(data))
+    return write_file(path, render(data).encode())

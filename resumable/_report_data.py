@@ -269,7 +269,7 @@ def _selected(runs: list[_Run], which: int | str) -> list[_Run]:
         return list(runs)
     if which == "last":
         return runs[-1:]
-    chosen = [r for r in runs if r.number == which]
+    chosen = [r for r in runs if str(r.number) == str(which)]  # --run 3 or run=3
     if not chosen:
         numbers = ", ".join(str(r.number) for r in runs) or "none"
         msg = f"no run {which} in the event log (runs: {numbers}): pass --run N, last or all"
@@ -304,7 +304,7 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
         "location": store.location,
         "status": manifest.status if scan.runs or manifest.runs else "empty",
         "runs_total": manifest.runs,
-        "which": run if isinstance(run, str) else f"run {run}",
+        "which": run if run in {"all", "last"} else f"run {run}",
         "folded": scan.folded,
         "state": {"slots": len(manifest.steps), "completed": len(manifest.completed_steps)},
         "runs": [_run_row(scan, r) for r in scan.runs],
@@ -315,7 +315,7 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
     data["timelines_left_out"] = max(0, len(chosen) - TIMELINES)
     data["slots"], data["groups"] = _slots(store, secret, scan, chosen, manifest)
     data["batches"] = _batches(chosen)
-    against = run if isinstance(run, int) else None  # --run N: compare with the state after it
+    against = None if run in {"all", "last"} else chosen[0].number  # --run N: compare with after it
     if target[0] == "session" and root is not None:
         this = _diff.side_now("." if session is None else session, store, secret)
         data["compare"] = _compare_sessions(_diff.side(root, str(compare), secret), this)
