@@ -721,6 +721,8 @@ def _verdict_text(row: dict[str, Any]) -> str:
         return "it was computed only after the earlier state"
     if verdict == "removed":
         return "it was forgotten (reset or rolled back) since"
+    if verdict == "unreadable":
+        return "its output is missing or damaged on one side"
     return "the same code and arguments gave a different output"
 
 

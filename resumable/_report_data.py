@@ -71,13 +71,10 @@ class _Version(NamedTuple):
 class _Scan:
     """One pass over the event log."""
 
-    def __init__(self, compare_checkpoint: int | None, first_checkpoint: int) -> None:
+    def __init__(self) -> None:
         self.runs: list[_Run] = []
         self.versions: dict[str, _Version] = {}  # the state now: slot -> its version
         self.after_run: dict[int, dict[str, _Version]] = {}
-        self.at_checkpoint: dict[str, _Version] | None = None
-        self.compare_checkpoint = compare_checkpoint
-        self.checkpoint = first_checkpoint
         self.durations: dict[tuple[str, object], float] = {}  # (slot, file) -> seconds it took
         self.computed_in: dict[tuple[str, object], int] = {}  # (slot, file) -> run that made it
         self.created: dict[tuple[str, object], float] = {}  # (slot, file) -> when its file was made
@@ -138,8 +135,6 @@ class _Scan:
         elif kind in {"steps_reset", "steps_removed"}:
             for slot in event.get("slots") or []:
                 self.versions.pop(slot, None)
-        elif kind == "snapshot":
-            self._checkpoint()
         elif kind == "rollback":  # the slots it changed hold the records it restored
             for slot, rec in event["changes"]["steps"].items():
                 if rec is None or rec.get("status") != "completed":
@@ -196,7 +191,6 @@ class _Scan:
         else:
             bar["end"] = t
             bar["duration"] = took
-        self._checkpoint()
 
     def _skipped(self, run: _Run, skip: dict[str, Any], t: float | None) -> None:
         slot = skip["slot"]
@@ -220,11 +214,6 @@ class _Scan:
             batch["resumed"] = event["resumed"]
         if isinstance(event.get("failure"), dict):
             batch["failure"] = event["failure"]
-
-    def _checkpoint(self) -> None:
-        self.checkpoint += 1
-        if self.checkpoint == self.compare_checkpoint:
-            self.at_checkpoint = dict(self.versions)
 
     def finish(self) -> None:
         if self.runs and self.runs[-1].status == "running":
@@ -293,8 +282,7 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
     """
     manifest = read_state(store, secret=secret)
     target = _compare_target(compare, sessions=root is not None)
-    base = _history._base_id(store, secret)  # noqa: SLF001 - checkpoints folded into the base
-    scan = _Scan(target[1] if target[0] == "checkpoint" else None, base)
+    scan = _Scan()
     for event in _history.events(store, secret):
         scan.feed(event)
     scan.finish()
@@ -316,13 +304,20 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
     data["slots"], data["groups"] = _slots(store, secret, scan, chosen, manifest)
     data["batches"] = _batches(chosen)
     against = None if run in {"all", "last"} else chosen[0].number  # --run N: compare with after it
-    if target[0] == "session" and root is not None:
-        this = _diff.side_now("." if session is None else session, store, secret)
-        data["compare"] = _compare_sessions(_diff.side(root, str(compare), secret), this)
-    elif compare is not None:
-        data["compare"] = _compare(store, scan, manifest, target, against)
-    else:
+    kind, number = target
+    if kind == "run":
+        data["compare"] = _compare(store, scan, manifest, number, against)
+    elif kind == "none":
         data["compare"] = None
+    else:  # a checkpoint or a session: what their output files say, as `resumable diff` reads them
+        name = "." if session is None else session
+        this = _diff.side_now(name, store, secret)
+        if kind == "checkpoint":
+            other = _diff.side_at(name, store, secret, number or 0)
+            data["compare"] = _compare_sides(other, this, f"checkpoint {number}", "now")
+        else:
+            other = _diff.side(root or store, str(compare), secret)
+            data["compare"] = _compare_sides(other, this, f"session {compare}", f"session {name}")
     error = manifest.error
     if error is not None:
         data["error"] = {
@@ -607,21 +602,21 @@ def _compare_target(compare: int | str | None, *, sessions: bool = False) -> tup
     raise UsageError(msg)
 
 
-def _compare_sessions(other: _diff.Side, this: _diff.Side) -> dict[str, Any]:
-    """Another session (or a checkpoint of it) against this one, slot by slot, as ``resumable diff``."""
+def _compare_sides(other: _diff.Side, this: _diff.Side, a: str, b: str) -> dict[str, Any]:
+    """Another state (*a*) against this one (*b*), slot by slot, as ``resumable diff``."""
     diffs, first = _diff.compare(other, this)
     rows = []
     for d in diffs:
         verdict = d.verdict
-        if verdict == f"only in {other.name}":
+        if d.slot not in this.files:
             verdict = "removed"
-        elif verdict == f"only in {this.name}":
+        elif d.slot not in other.files:
             verdict = "added"
         rows.append({
             "slot": d.slot, "verdict": verdict, "a": _header_side(other, d.slot),
             "b": _header_side(this, d.slot), "changes": [_change_row(c) for c in d.changes],
         })  # fmt: skip
-    return _comparison(f"session {other.name}", f"session {this.name}", first, rows)
+    return _comparison(a, b, first, rows)
 
 
 def _comparison(a: str, b: str, first: str | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -644,28 +639,17 @@ def _header_side(side: _diff.Side, slot: str) -> dict[str, Any] | None:
 
 
 def _compare(
-    store: Store, scan: _Scan, manifest: Any, target: tuple[str, int | None], against: int | None
+    store: Store, scan: _Scan, manifest: Any, number: int | None, against: int | None
 ) -> dict[str, Any]:
-    """The state now (or after run *against*) against the state after run N or at checkpoint N, by slot."""
-    kind, number = target
-
-    if kind == "run":
-        other = scan.after_run.get(number or 0)
-        if other is None:
-            msg = f"--compare: run {number} has not finished in this log (runs: {len(scan.runs)})"
-            raise UsageError(msg)
-        label = f"after run {number}"
-    else:
-        other = scan.at_checkpoint
-        if other is None:
-            msg = f"--compare: no checkpoint {number} in the event log (see `resumable history`)"
-            raise UsageError(msg)
-        label = f"checkpoint {number}"
+    """The state now (or after run *against*) against the state after run *number*, slot by slot."""
+    other = scan.after_run.get(number or 0)
+    if other is None:
+        msg = f"--compare: run {number} has not finished in this log (runs: {len(scan.runs)})"
+        raise UsageError(msg)
     now, now_label = scan.versions, "now"
     if against is not None and against in scan.after_run:
         now, now_label = scan.after_run[against], f"after run {against}"
-    order = list(manifest.completed_steps) + [s for s in now if s not in set(manifest.completed_steps)]
-    order += [s for s in other if s not in now]
+    order = list(dict.fromkeys([*manifest.completed_steps, *now, *other]))
     rows = []
     first = None
     for slot in order:
@@ -677,7 +661,7 @@ def _compare(
         if first is None and verdict != "same":
             first = slot
         rows.append(row)
-    return _comparison(label, now_label, first, rows)
+    return _comparison(f"after run {number}", now_label, first, rows)
 
 
 def _side(v: _Version | None) -> dict[str, Any] | None:
