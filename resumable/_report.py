@@ -428,13 +428,12 @@ def _expanded(row: dict[str, Any], tl: dict[str, Any], scale: float, plot: float
             placed.append((len(lanes) - 1, b))
     lane_row = 18
     height = TOP + lane_row * max(1, len(lanes)) + 6
-    span = tl["span"]
     parts = [
         (
             f'<svg class="timeline keyed" viewBox="0 0 {WIDTH} {height}" role="img" '
             f'aria-label="slots of {e(row["step"])}">'
         ),
-        _ticks(span, LABEL, plot, TOP, height - TOP - 4),
+        _ticks(plot / scale if scale else 0.0, LABEL, plot, TOP, height - TOP - 4),  # the run's axis
     ]
     parts.extend(
         f'<text class="axis" x="{LABEL - 8}" y="{TOP + i * lane_row + 13}" text-anchor="end">lane {i + 1}</text>'
