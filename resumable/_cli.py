@@ -310,7 +310,7 @@ def _why_cmd(args: argparse.Namespace) -> int:
     if args.json:
         _out(json.dumps([attrs.asdict(d) for d in decisions], indent=2, ensure_ascii=False))
     else:
-        _out(_why.render(decisions, args.step).rstrip("\n"))
+        _out(_why.render(decisions))
     return 0
 
 

@@ -227,10 +227,8 @@ def code_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
     return changes
 
 
-def render(decisions: list[Decision], step: str) -> str:
+def render(decisions: list[Decision]) -> str:
     """The text `resumable why` prints."""
-    if not decisions:
-        return f"step {step!r}: no run has called it yet\n"
     out: list[str] = []
     for d in decisions:
         when = f" (run {d.run}, {d.at})" if d.run is not None else ""
@@ -251,7 +249,7 @@ def render(decisions: list[Decision], step: str) -> str:
         if d.left_out:
             names = ", ".join(f"{n} ({t})" for n, t in sorted(d.left_out.items()))
             out.append(f"  not part of its identity (cannot be fingerprinted): {names}")
-    return "\n".join(out) + "\n"
+    return "\n".join(out)
 
 
 def render_change(c: Change) -> list[str]:
