@@ -11,6 +11,7 @@ root: the same :func:`collect` reads it through its own store.
 from __future__ import annotations
 
 import datetime as dt
+from collections import Counter
 from typing import Any, NamedTuple
 
 import attrs
@@ -447,7 +448,7 @@ def _histogram(ends: list[float], span: float) -> list[int]:
     return bins
 
 
-def _slots(  # noqa: C901 - one row per slot, each field from its source
+def _slots(
     store: Store, secret: bytes | None, scan: _Scan, chosen: list[_Run], manifest: Any
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """One row per slot the chosen runs touched (big keyed steps summarised), and per step."""
@@ -458,17 +459,15 @@ def _slots(  # noqa: C901 - one row per slot, each field from its source
         for slot, bar in run.bars.items():
             last[slot] = (run, bar["outcome"], bar)
     groups: dict[str, dict[str, Any]] = {}
-    for slot, (_, outcome, _) in last.items():
+    for slot, (_, outcome, info) in last.items():  # a skip has no reason
         step = step_of(slot)
-        group = groups.get(step)
-        if group is None:
-            group = groups[step] = {"step": step, "slots": 0, "outcomes": {}, "reasons": {}}
+        group = groups.setdefault(
+            step, {"step": step, "slots": 0, "outcomes": Counter(), "reasons": Counter()}
+        )
         group["slots"] += 1
-        group["outcomes"][outcome] = group["outcomes"].get(outcome, 0) + 1
-    for slot, (_, outcome, info) in last.items():
-        if outcome != "skipped" and info.get("reason"):
-            reasons = groups[step_of(slot)]["reasons"]
-            reasons[info["reason"]] = reasons.get(info["reason"], 0) + 1
+        group["outcomes"][outcome] += 1
+        if info.get("reason"):
+            group["reasons"][info["reason"]] += 1
     listed = _listed(last, groups)
     rows = []
     values_left = VALUES
@@ -480,21 +479,20 @@ def _slots(  # noqa: C901 - one row per slot, each field from its source
         made = scan.computed_in.get((slot, file))
         took = info.get("duration") if outcome != "skipped" else scan.durations.get((slot, file))
         changes: list[dict[str, Any]] = []
-        if outcome != "skipped" and info.get("reason") == "code changed":
+        if info.get("reason") == "code changed":
             pair = (info.get("was"), info.get("code"))
             if pair not in code_cache:
                 code_cache[pair] = _code_diff(store, *pair)
             changes = code_cache[pair]
-        if isinstance(info.get("params"), list):
-            changes = changes + [{"kind": "parameter", "name": str(p)} for p in info["params"]]
+        changes = changes + [{"kind": "parameter", "name": p} for p in info.get("params") or []]
         row = {
             "slot": slot,
             "step": step_of(slot),
             "key": scan.keys.get(slot, _key_of(slot)),
             "run": run.number,
             "outcome": outcome,
-            "reason": info.get("reason") if outcome != "skipped" else None,
-            "detail": info.get("detail") if outcome != "skipped" else None,
+            "reason": info.get("reason"),
+            "detail": info.get("detail"),
             "changes": changes,
             "computed_in": made,
             "duration": took,
