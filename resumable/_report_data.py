@@ -3,9 +3,9 @@ What ``resumable report`` shows, gathered from a state root as plain data.
 
 One pass over the event log (read through the Store API, no lock, nothing written) gives,
 per run, what each slot did: ran (why), skipped, failed, retried, killed; batches' progress
-over time; and the state of every slot after each run or checkpoint for comparisons. Values
-are read only to be summarised, never unpickled. A session (SPEC §13) is just another state
-root: the same :func:`collect` reads it through its own store.
+over time; and the state of every slot after each run, for comparisons with a run (a
+checkpoint or another session is compared as ``resumable diff`` does). Values are read only
+to be summarised, never unpickled. A session (SPEC §13) is read through its own store.
 """
 
 from __future__ import annotations
