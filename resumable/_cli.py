@@ -228,8 +228,6 @@ def _state(args: argparse.Namespace) -> Store:
 def _pipeline(args: argparse.Namespace, store: Store | None = None, **options: int) -> Pipeline:
     sid = _session_id(args)
     if sid is not None:  # the session's own lock, and its summary in the index kept up to date
-        if store is not None and _sessions.incomplete(store):
-            raise _NoState(store.location)
         return Pipeline("resumable-cli", store=_root(args), session=sid, **options)  # type: ignore[arg-type]
     store = store if store is not None else _store(args)
     return Pipeline("resumable-cli", store=store, **options)  # type: ignore[arg-type]
