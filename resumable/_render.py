@@ -41,14 +41,16 @@ def ago(stamp: str | None, now: dt.datetime | None = None) -> str:
 
 
 def duration(seconds: float | None) -> str:
-    """``12ms``, ``3.4s`` or ``2.5min``."""
+    """``12ms``, ``3.4s``, ``2.5min`` or ``3.1h``."""
     if seconds is None:
         return ""
     if seconds < 1:
         return f"{seconds * 1000:.0f}ms"
     if seconds < 120:
         return f"{seconds:.1f}s"
-    return f"{seconds / 60:.1f}min"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f}min"
+    return f"{seconds / 3600:.1f}h"
 
 
 def table(rows: Sequence[Sequence[str]]) -> str:

@@ -155,14 +155,6 @@ def _between(lo: float | None, hi: float | None) -> str:
     return f"between {_clock(lo, ms=same)} and {_clock(hi, ms=same)}"
 
 
-def _secs(seconds: float | None) -> str:
-    if seconds is None:
-        return ""
-    if seconds >= 7200:
-        return f"{seconds / 3600:.1f}h"
-    return duration(seconds)
-
-
 def render(data: dict[str, Any]) -> str:
     """The whole page for the data :func:`resumable._report_data.collect` gathered."""
     css, js = _CSS.strip(), _JS.strip()
@@ -198,7 +190,7 @@ def _header(data: dict[str, Any]) -> str:
         ("skipped", f"{counts['skipped']:,}", "slots skipped (stored)"),
         ("failed", f"{counts['failed']:,}", "slots failed or killed"),
         ("retried", f"{counts['retried']:,}", "slots retried"),
-        ("saved", _secs(counts["saved_s"]) or "0s", "saved by skips (what they took)"),
+        ("saved", duration(counts["saved_s"]) or "0s", "saved by skips (what they took)"),
     ]
     card_html = "".join(
         f'<div class="card" data-count="{k}"><b>{e(v)}</b><span>{e(label)}</span></div>'
@@ -260,7 +252,8 @@ def _bar_title(bar: dict[str, Any]) -> str:
         lines.append(f"why it ran: {why}" + (f" ({bar['detail']})" if bar.get("detail") else ""))
     took = bar["e"] - bar["s"]
     lines.append(
-        f"from +{_secs(bar['s'])} to +{_secs(bar['e'])}" + ("" if bar["open"] else f" ({_secs(took)})")
+        f"from +{duration(bar['s'])} to +{duration(bar['e'])}"
+        + ("" if bar["open"] else f" ({duration(took)})")
     )
     if bar["open"]:
         lines.append("its end was not recorded: the process stopped while it ran")
@@ -290,7 +283,7 @@ def _ticks(  # noqa: PLR0913 - the span, the plot's box, where the labels go
         anchor = "start" if i == 0 else ("end" if i == 5 else "middle")
         out.append(
             f'<text class="axis" x="{x:.1f}" y="{y - 6 if text_y is None else text_y}" text-anchor="{anchor}">'
-            f"+{_secs(span * i / 5) or '0s'}</text>"
+            f"+{duration(span * i / 5) or '0s'}</text>"
         )
     return "".join(out)
 
@@ -354,7 +347,7 @@ def _run_title(tl: dict[str, Any]) -> str:
     if tl["unknown_until"] is not None:
         when = f"{_clock(tl['start'])} → {_between(end, tl['start'] + tl['unknown_until'])}"
     else:
-        when = f"{_clock(tl['start'])} → {_clock(end)} ({_secs(tl['span'])})"
+        when = f"{_clock(tl['start'])} → {_clock(end)} ({duration(tl['span'])})"
     return f'Run {tl["run"]} <span class="badge {e(status)}">{e(status)}</span> <span class="muted">{when}</span>'
 
 
@@ -477,11 +470,11 @@ def _story(data: dict[str, Any]) -> str:
         rows.append(
             f'<tr data-run="{r["run"]}"><td class="num" data-v="{r["run"]}">{r["run"]}</td>'
             f"<td>{_clock(r['start'], date=True)}</td><td>{e(ended)}</td>"
-            f'<td class="num" data-v="{took or 0}">{_secs(took)}</td>'
+            f'<td class="num" data-v="{took or 0}">{duration(took)}</td>'
             f'<td><span class="badge {e(r["status"])}">{e(r["status"])}</span></td>'
             f'<td class="num">{r["ran"]:,}</td><td class="num">{r["skipped"]:,}</td>'
             f'<td class="num">{r["failed"]:,}</td><td class="num">{r["retried"]:,}</td>'
-            f'<td class="num" data-v="{r["saved_s"]}">{_secs(r["saved_s"])}</td><td>{e("; ".join(story))}</td></tr>'
+            f'<td class="num" data-v="{r["saved_s"]}">{duration(r["saved_s"])}</td><td>{e("; ".join(story))}</td></tr>'
         )
     head = (
         '<th class="num">Run</th><th>Started</th><th>Ended</th><th class="num">Took</th>'
@@ -545,7 +538,7 @@ def _steps(data: dict[str, Any]) -> str:
             f'<td class="why">{_why_cell(r)}</td>'
             f'<td class="num" data-v="{r["run"]}">{r["run"]}</td>'
             f'<td class="num" data-v="{r["computed_in"] or 0}">{r["computed_in"] or ""}</td>'
-            f'<td class="num" data-v="{r["duration"] or 0}">{_secs(r["duration"])}</td>'
+            f'<td class="num" data-v="{r["duration"] or 0}">{duration(r["duration"])}</td>'
             f'<td class="num" data-v="{r["bytes"] or 0}">{human_size(r["bytes"]) if r["bytes"] else ""}</td>'
             f'<td class="num" data-v="{r["attempts"] or 0}">{r["attempts"] or ""}</td>'
             f'<td><div class="value" title="{e(value)}">{e(value[:80])}</div></td></tr>'
@@ -652,7 +645,7 @@ def _rate_chart(batch: dict[str, Any]) -> str:
         )
         parts.extend(
             f'<circle cx="{x:.1f}" cy="{y:.1f}" r="3" fill="{colour}">'
-            f"<title>run {run}: {_num(v)} rows/s at +{_secs(t)}</title></circle>"
+            f"<title>run {run}: {_num(v)} rows/s at +{duration(t)}</title></circle>"
             for x, y, t, v in points
         )
         x = width - 16 - 80 * (len(series) - idx)  # its legend, right-aligned above the plot

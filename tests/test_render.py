@@ -24,7 +24,9 @@ def test_human_size_and_duration():
     assert ["", "999 B", "1.2 KB", "3.4 MB", "5.6 GB", "7000.0 GB"] == [
         _render.human_size(n) for n in (None, 999, 1_234, 3_400_000, 5_600_000_000, 7e12)
     ]
-    assert ["", "12ms", "3.4s", "2.5min"] == [_render.duration(s) for s in (None, 0.012, 3.4, 150)]
+    assert ["", "12ms", "3.4s", "2.5min", "2.5h"] == [
+        _render.duration(s) for s in (None, 0.012, 3.4, 150, 9000)
+    ]
 
 
 def test_ago():
