@@ -23,6 +23,7 @@ from ._units import human_size
 
 WIDTH = 960  # the timeline's drawing width (viewBox units; it scales with the page)
 LABEL = 190  # the label column
+PLOT = WIDTH - LABEL - 10  # the timeline's bars
 ROW = 24
 TOP = 26  # room for the time axis
 OUTCOMES = ("ran", "skipped", "failed", "interrupted", "running")
@@ -288,34 +289,33 @@ def _ticks(  # noqa: PLR0913 - the span, the plot's box, where the labels go
     return "".join(out)
 
 
+def _svg(classes: str, label: str, height: float, axis: float) -> str:
+    """The opening of a timeline's drawing, with its time axis (*axis* seconds wide)."""
+    head = f'<svg class="{classes}" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="{e(label)}">'
+    return head + _ticks(axis, LABEL, PLOT, TOP, height - TOP - 4)
+
+
 def _timeline(tl: dict[str, Any]) -> str:
     span = tl["span"]
     unknown = tl["unknown_until"]
     # a killed run's axis shows the interval its end is in, up to a quarter more of the run
     axis = max(span, min(unknown, span * 1.25)) if unknown is not None else span
-    plot = WIDTH - LABEL - 10
-    scale = plot / axis if axis > 0 else 0.0
+    scale = PLOT / axis if axis > 0 else 0.0
     rows = tl["rows"]
     height = TOP + ROW * max(1, len(rows)) + 8
-    parts = [
-        (
-            f'<svg class="timeline" viewBox="0 0 {WIDTH} {height}" role="img" '
-            f'aria-label="timeline of run {tl["run"]}">'
-        ),
-        _ticks(axis, LABEL, plot, TOP, height - TOP - 4),
-    ]
+    parts = [_svg("timeline", f"timeline of run {tl['run']}", height, axis)]
     details = []
     for i, row in enumerate(rows):
         y = TOP + i * ROW
         name = row["step"] + (f" ×{row['count']:,}" if row["keyed"] else "")
-        parts.append(f'<rect class="lane" x="{LABEL}" y="{y + 3}" width="{plot}" height="{ROW - 6}" rx="3"/>')
+        parts.append(f'<rect class="lane" x="{LABEL}" y="{y + 3}" width="{PLOT}" height="{ROW - 6}" rx="3"/>')
         parts.append(
             f'<text class="label" x="{LABEL - 8}" y="{y + ROW / 2 + 4}" text-anchor="end">{e(_label(name))}'
             f"<title>{e(name)}</title></text>"
         )
         if row["keyed"]:
             parts.append(_group(row, y, scale, span))
-            details.append(_expanded(row, tl, scale, plot))
+            details.append(_expanded(row, tl, scale))
         else:
             parts.extend(_bar(bar, y, scale, ROW) for bar in row["bars"])
     if unknown is not None:
@@ -405,7 +405,7 @@ def _group(row: dict[str, Any], y: float, scale: float, span: float) -> str:
     return "".join(out)
 
 
-def _expanded(row: dict[str, Any], tl: dict[str, Any], scale: float, plot: float) -> str:
+def _expanded(row: dict[str, Any], tl: dict[str, Any], scale: float) -> str:
     """A keyed step's slots, one lane per slot running at the same time (a <details>)."""
     bars = sorted(row["bars"], key=lambda b: (b["s"], b["slot"]))
     lanes: list[float] = []
@@ -421,13 +421,7 @@ def _expanded(row: dict[str, Any], tl: dict[str, Any], scale: float, plot: float
             placed.append((len(lanes) - 1, b))
     lane_row = 18
     height = TOP + lane_row * max(1, len(lanes)) + 6
-    parts = [
-        (
-            f'<svg class="timeline keyed" viewBox="0 0 {WIDTH} {height}" role="img" '
-            f'aria-label="slots of {e(row["step"])}">'
-        ),
-        _ticks(plot / scale if scale else 0.0, LABEL, plot, TOP, height - TOP - 4),  # the run's axis
-    ]
+    parts = [_svg("timeline keyed", f"slots of {row['step']}", height, PLOT / scale if scale else 0.0)]
     parts.extend(
         f'<text class="axis" x="{LABEL - 8}" y="{TOP + i * lane_row + 13}" text-anchor="end">lane {i + 1}</text>'
         for i in range(len(lanes))
