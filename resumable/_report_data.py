@@ -557,10 +557,9 @@ def _batches(chosen: list[_Run]) -> list[dict[str, Any]]:
     for run in chosen:
         for name, batch in run.batches.items():
             entry = out.setdefault(name, {"batch": name, "runs": []})
-            points = batch["points"]
+            points = batch["points"]  # one at least: a batch is seen by its progress events
             t0 = run.start if run.start is not None else (points[0][0] or 0.0)
-            done = points[-1][1] if points else 0
-            resumed = batch["resumed"]
+            (_, done, failures), resumed = points[-1], batch["resumed"]
             entry["total"] = batch["total"]
             entry["every"] = batch["every"]
             step = len(points) / SERIES
@@ -576,7 +575,7 @@ def _batches(chosen: list[_Run]) -> list[dict[str, Any]]:
                     "done": done,
                     "resumed": resumed,
                     "computed": done - resumed if resumed is not None else None,
-                    "failures": points[-1][2] if points else 0,
+                    "failures": failures,
                     "failure": batch["failure"],
                 }
             )
