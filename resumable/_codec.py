@@ -28,28 +28,11 @@ from typing import Any
 
 import msgpack
 
+from . import _codec_arrays  # noqa: F401 - adds NumPy and pandas values to the codec
 from ._checksum import PREFIX, checksum, short_digest
-from ._codec_types import (
-    Decoder,
-    Encoder,
-    StandInDecoder,
-    Undecodable,
-    Unstorable,
-    find_path,
-    qualified_name,
-    use_array_codec,
-)
+from ._codec_types import Decoder, Encoder, StandInDecoder, Undecodable, Unstorable, find_path, qualified_name
 from ._stores import Stamp, Store, key_stamp
 from .exceptions import SerializationError, StateFormatError
-
-
-def _load_array_codec() -> Any:
-    from . import _codec_arrays  # noqa: PLC0415 - NumPy and pandas values are rare: loaded when first met
-
-    return _codec_arrays
-
-
-use_array_codec(_load_array_codec)
 
 FORMAT = 1
 _ALIGN = 64

@@ -1,29 +1,29 @@
 """
-NumPy and pandas values in the codec (loaded when the first such value is met: see
-``use_array_codec`` in :mod:`._codec_types`).
+NumPy and pandas values in the codec (NumPy and pandas are imported only when such a
+value is met).
 
 Arrays are stored as their raw buffer with dtype, shape and order; large buffers go out
 of band (see :mod:`._codec`) and come back as views of the file's buffer, with no pickle
-and no extra copy. pandas objects are stored column by column: NumPy columns as arrays,
-object columns as lists, categoricals as codes and categories, zone-aware datetimes as
-UTC with their zone, other extension dtypes as their values and dtype name.
-
-Decoding builds NumPy arrays and scalars and pandas objects only: a dtype that could
-hold Python objects, an extension dtype name that is not a pandas extension dtype, or a
-payload of the wrong shape is refused as damage.
+and no extra copy. pandas objects are stored column by column. Decoding builds NumPy
+arrays and scalars and pandas objects only: a dtype that could hold Python objects, an
+extension dtype name that is not a pandas extension dtype, or a payload of the wrong
+shape is refused as damage.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import msgpack
 
+from . import _codec_types
 from ._codec_types import (
     _MAX_BIN,
     DATAFRAME,
     NDARRAY,
     NDARRAY_REF,
+    NPSCALAR,
     OOB_MIN,
     PD_INDEX,
     PD_MISSING,
@@ -38,6 +38,18 @@ from ._codec_types import (
 
 _ANY = object
 _OPT_STR = (str, type(None))
+
+
+def encode(enc: Encoder, obj: Any) -> msgpack.ExtType | None:
+    """A NumPy or pandas value, or None if *obj* is not one."""
+    np = sys.modules.get("numpy")
+    if np is not None:
+        if type(obj) is np.ndarray and not obj.dtype.hasobject:
+            return encode_ndarray(enc, obj)
+        if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
+            return enc.ext(NPSCALAR, [descr(obj.dtype), obj.tobytes()])
+    pd = sys.modules.get("pandas")
+    return None if pd is None else encode_pandas(enc, pd, obj)
 
 
 def descr(dtype: Any) -> object:
@@ -304,3 +316,19 @@ def decode_missing(_dec: Decoder, payload: bytes) -> Any:
 def decode_index(dec: Decoder, payload: bytes) -> Any:
     """A pandas Index."""
     return _index_from(_pandas(), dec.unpack(payload))
+
+
+_codec_types.encode_array = encode
+_codec_types._DECODERS.update(  # noqa: SLF001 - this module completes _codec_types
+    {
+        NDARRAY: decode_ndarray,
+        NDARRAY_REF: decode_ndarray_ref,
+        NPSCALAR: decode_npscalar,
+        DATAFRAME: decode_dataframe,
+        SERIES: decode_series,
+        PD_INDEX: decode_index,
+        PD_TIMESTAMP: decode_timestamp,
+        PD_TIMEDELTA: decode_timedelta,
+        PD_MISSING: decode_missing,
+    }
+)

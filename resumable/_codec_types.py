@@ -1,15 +1,10 @@
 """
 How Python values map to msgpack: native types as they are, the rest as ext types.
 
-NumPy buffers of :data:`OOB_MIN` bytes or more are not copied into the msgpack body:
-the body holds a reference and the file carries the raw buffer after it (see _codec).
-Decoding never imports a module named in the data: classes (attrs, dataclass,
-pydantic, Enum) are looked up in ``sys.modules`` only, and pickles are refused unless
-allowed. Decoding calls nothing but the constructors of the kinds of value it knows: a
-class named in the data must be exactly the class of that name and of the recorded kind
-(an ``Enum`` subclass, an attrs, dataclass or pydantic class), every payload must have
-the shape its encoder writes, and anything else is refused as damage (:class:`Refused`),
-even when decoding for display.
+Decoding never imports a module named in the data and calls nothing but the constructors
+of the kinds of value it knows: a class named in the data must be exactly the class of
+that name and of the recorded kind, every payload must have the shape its encoder writes,
+and anything else is refused as damage (:class:`Refused`), even when decoding for display.
 """
 
 from __future__ import annotations
@@ -122,12 +117,12 @@ class Encoder:
     def ext(self, code: int, payload: object) -> msgpack.ExtType:
         return msgpack.ExtType(code, self.pack(payload))
 
-    def default(self, obj: object) -> object:  # noqa: PLR0911 - one dispatch
+    def default(self, obj: object) -> object:
         tp = type(obj)
         handler = _ENCODERS.get(tp)
         if handler is not None:
             return handler(self, obj)
-        kind = "enum" if isinstance(obj, enum.Enum) else _object_kind(obj)
+        kind = "enum" if isinstance(obj, enum.Enum) else object_kind(tp)
         if kind is not None:
             if not _importable(tp):
                 why = "its class cannot be found by name when loading (it is defined inside a function)"
@@ -135,17 +130,9 @@ class Encoder:
             if kind == "enum":
                 return self.ext(ENUM, [tp.__module__, tp.__qualname__, obj.value])  # type: ignore[attr-defined]
             return self.ext(OBJECT, [kind, tp.__module__, tp.__qualname__, _object_state(kind, obj)])
-        np = sys.modules.get("numpy")
-        if np is not None:
-            if tp is np.ndarray and not obj.dtype.hasobject:  # type: ignore[attr-defined]
-                return _codec_arrays().encode_ndarray(self, obj)
-            if isinstance(obj, np.generic) and not isinstance(obj, np.object_):
-                return self.ext(NPSCALAR, [_codec_arrays().descr(obj.dtype), obj.tobytes()])
-        pd = sys.modules.get("pandas")
-        if pd is not None:
-            encoded = _codec_arrays().encode_pandas(self, pd, obj)
-            if encoded is not None:
-                return encoded
+        encoded = encode_array(self, obj)
+        if encoded is not None:
+            return encoded
         return self.pickle_fallback(obj, "it has no msgpack encoding")
 
     def pickle_fallback(self, obj: object, why: str) -> msgpack.ExtType:
@@ -259,14 +246,14 @@ def _is_generator_like(obj: object) -> bool:
     return inspect.isgenerator(obj) or inspect.isasyncgen(obj) or inspect.iscoroutine(obj)
 
 
-def _object_kind(obj: object) -> str | None:
-    tp = type(obj)
+def object_kind(tp: type) -> str | None:
+    """ "attrs", "dataclass" or "pydantic" for classes of those kinds, else None."""
     if attrs.has(tp):
         return "attrs"
     if dataclasses.is_dataclass(tp):
         return "dataclass"
     pydantic = sys.modules.get("pydantic")
-    if pydantic is not None and isinstance(obj, pydantic.BaseModel):
+    if pydantic is not None and issubclass(tp, pydantic.BaseModel):
         return "pydantic"
     return None
 
@@ -475,7 +462,7 @@ def _decode_object(dec: Decoder, payload: bytes) -> Any:
     kind, module, qualname, state = _fields(dec, payload, (str, str, str, dict))
     if kind not in _OBJECT_KINDS:
         _damage(f"unknown kind of object {kind!r}")
-    cls = _find_class(module, qualname, kind, lambda c: _object_kind_of_class(c) == kind)
+    cls = _find_class(module, qualname, kind, lambda c: object_kind(c) == kind)
     if not all(type(name) is str for name in state):
         _damage(f"malformed state of a {module}.{qualname}: a field name that is not a str")
     obj = cls.__new__(cls)
@@ -493,17 +480,6 @@ def _decode_object(dec: Decoder, payload: bytes) -> Any:
     return obj
 
 
-def _object_kind_of_class(cls: type) -> str | None:
-    if attrs.has(cls):
-        return "attrs"
-    if dataclasses.is_dataclass(cls):
-        return "dataclass"
-    pydantic = sys.modules.get("pydantic")
-    if pydantic is not None and issubclass(cls, pydantic.BaseModel):
-        return "pydantic"
-    return None
-
-
 def _decode_when(dec: Decoder, payload: bytes, parse: Callable[[str], Any]) -> Any:
     iso, key, fold = _fields(dec, payload, (str, (str, type(None)), int))
     value = parse(iso)
@@ -514,27 +490,12 @@ def _decode_when(dec: Decoder, payload: bytes, parse: Callable[[str], Any]) -> A
     return value.replace(fold=fold)
 
 
-_array_codec: Any = None  # resumable._codec_arrays, once loaded
-_load_array_codec: Callable[[], Any] | None = None  # how to load it, given by resumable._codec
+def _not_an_array(_enc: Encoder, _obj: object) -> object:
+    return None
 
 
-def use_array_codec(load: Callable[[], Any]) -> None:
-    """
-    Give the loader of the encoders and decoders of NumPy and pandas values
-    (``_codec_arrays``, a layer above): it is called when the first such value is met.
-    """
-    global _load_array_codec  # noqa: PLW0603 - set once, when resumable._codec is imported
-    _load_array_codec = load
-
-
-def _codec_arrays() -> Any:
-    global _array_codec  # noqa: PLW0603 - loaded once (importing is thread-safe)
-    if _array_codec is None:
-        if _load_array_codec is None:  # pragma: no cover - resumable._codec gives it
-            msg = "the NumPy/pandas codec is not loaded: import resumable._codec first"
-            raise RuntimeError(msg)
-        _array_codec = _load_array_codec()
-    return _array_codec
+# NumPy and pandas values: _codec_arrays (imported by _codec) sets this and adds its decoders.
+encode_array: Callable[[Encoder, Any], object] = _not_an_array
 
 
 def _sequence(make: Callable[[list[Any]], Any]) -> Callable[[Decoder, bytes], Any]:
@@ -565,16 +526,6 @@ def _decode_uuid(_dec: Decoder, payload: bytes) -> uuid.UUID:
     return uuid.UUID(bytes=payload)
 
 
-def _arrays(name: str) -> Callable[[Decoder, bytes], Any]:
-    """A decoder from _codec_arrays, imported when first used."""
-
-    def decode(dec: Decoder, payload: bytes) -> Any:
-        function: Callable[[Decoder, bytes], Any] = getattr(_codec_arrays(), name)
-        return function(dec, payload)
-
-    return decode
-
-
 _DECODERS: dict[int, Callable[[Decoder, bytes], Any]] = {
     TUPLE: _sequence(tuple),
     SET: _sequence(set),
@@ -590,15 +541,6 @@ _DECODERS: dict[int, Callable[[Decoder, bytes], Any]] = {
     COMPLEX: lambda _dec, p: complex(*struct.unpack("<dd", p)),
     ENUM: _decode_enum,
     OBJECT: _decode_object,
-    NDARRAY: _arrays("decode_ndarray"),
-    NDARRAY_REF: _arrays("decode_ndarray_ref"),
-    NPSCALAR: _arrays("decode_npscalar"),
-    DATAFRAME: _arrays("decode_dataframe"),
-    SERIES: _arrays("decode_series"),
-    PD_INDEX: _arrays("decode_index"),
-    PD_TIMESTAMP: _arrays("decode_timestamp"),
-    PD_TIMEDELTA: _arrays("decode_timedelta"),
-    PD_MISSING: _arrays("decode_missing"),
     PICKLE: Decoder._pickle,  # noqa: SLF001
 }
 
@@ -626,7 +568,7 @@ def _children(obj: object, path: str) -> list[tuple[object, str]]:  # noqa: PLR0
         return [(v, f"{path}[{i}]") for i, v in enumerate(obj)]
     if isinstance(obj, (set, frozenset)):
         return [(v, f"{path} element") for v in obj]
-    kind = _object_kind(obj)
+    kind = object_kind(type(obj))
     if kind in {"attrs", "dataclass"}:
         return [(v, f"{path}.{k}") for k, v in _object_state(kind, obj).items()]
     if kind == "pydantic":
