@@ -1,17 +1,12 @@
 """
 Argument digests: equal arguments give equal digests in every process.
 
-A value is turned into a canonical byte stream, hashed with BLAKE3. Plain scalars are
-written as msgpack writes them; dicts and sets are order-free (their keys and elements in a
-canonical order), floats are hashed by their bits, NumPy arrays by dtype, shape and raw
-bytes. Lists of plain rows and records go through msgpack's C packer a part at a time, so
-a million small dicts cost about what packing them costs. A value's digest depends on what
-it holds, never on where it came from: a step's output passed back gives the digest its
-content gives. Only an earlier step's output that has no digest of its own (an object
-stored by pickle) is known by the checksum of its stored output, as long as it still
-encodes to the stored bytes (see :class:`_Provenance`). Anything else without a stable
-meaning raises :class:`FingerprintError` rather than being hashed by identity or by
-pickled bytes.
+A value is turned into a canonical byte stream hashed with BLAKE3: plain scalars as msgpack
+writes them, dicts and sets in a canonical order, NumPy arrays by dtype, shape and bytes.
+A step output passed on counts as its content; only an output that has no digest of its
+own (a pickled object) is known by its stored checksum, while it still encodes to the
+stored bytes (:class:`_Provenance`). Anything else raises :class:`FingerprintError`
+rather than being hashed by identity or by pickled bytes.
 """
 
 from __future__ import annotations
@@ -52,18 +47,15 @@ class _Unhashable(Exception):  # noqa: N818 - internal signal turned into Finger
         self.where = where
         self.obj = obj
         self.detail = detail
-        # where in the value it is, innermost first: "[i]" for an item (an int), ".name", "['key']"
+        # where in the value it is, innermost first: an int for an item, ".name", "['key']"
         self.path: list[str | int] = []
         super().__init__(where)
 
 
 class StoredOutput:
     """
-    A skipped step's output that has not been loaded (the pipeline runner's lazy value).
-
-    A step taking it as an argument gets the same fingerprint as with the loaded value,
-    without loading or rehashing it: the digest of its content, stored with it (or, for a
-    value that has none, the checksum of the stored value).
+    A skipped step's output that has not been loaded (the runner's lazy value): as an
+    argument it counts as the loaded value would, without being loaded.
     """
 
     __slots__ = ("_load", "_loaded", "_value", "digest", "plain_digest", "slot")
@@ -73,7 +65,6 @@ class StoredOutput:
     ) -> None:
         self.slot = slot
         self.digest = digest
-        # the digest of the value's content, stored with it (None if it has none)
         self.plain_digest = plain_digest
         self._load = load
         self._loaded = False
@@ -84,13 +75,11 @@ class StoredOutput:
 
     @property
     def arg_digest(self) -> str:
-        """What this output contributes to the fingerprint of a step it is passed to."""
         if self.plain_digest is not None:
             return self.plain_digest
         return stored_argument_digest(self.digest)
 
     def get(self) -> Any:
-        """Load (once) and return the value."""
         if not self._loaded:
             self._value = self._load()
             self._loaded = True
@@ -103,22 +92,17 @@ _NO_WEAKREF: set[type] = {dict, list, tuple}  # types known to refuse weak refer
 class _Entry(NamedTuple):
     checksum: str  # the stored file's checksum of the value bytes
     pads: tuple[int, ...]  # its buffers' padding, to lay a re-encoding out the same way
-    ref: weakref.ref[Any] | None  # a weak reference where the type allows one (identity is then exact)
+    ref: weakref.ref[Any] | None  # where the type allows one
     tp: type
-    # what it encodes to in this process, where that may differ from the stored bytes (a
-    # pickle of a class defined in a script names that class by a per-process id)
-    baseline: str
+    baseline: str  # what it encodes to in this process (a pickle may differ from the stored bytes)
 
 
 class _Provenance:
     """
-    Remembers which live objects were returned by steps (or loaded from their outputs) that
-    have no digest of their own, and the checksum of the stored value each one was.
-
-    Nothing is held alive: objects are known by ``id`` (and a weak reference where their type
-    allows one). A stored checksum is only ever used after the object has been encoded again
-    and found to give the very bytes that were stored, so an object changed in place (at any
-    depth) or a new object at a reused address is fingerprinted by what it holds now.
+    The step outputs (returned or loaded) that have no digest of their own, each with the
+    checksum of its stored value. Nothing is held alive, and a stored checksum is used only
+    after the object was encoded again to the very bytes stored: an object changed in place
+    or a new one at a reused address is fingerprinted by what it holds now.
     """
 
     MAX_ENTRIES = 4096
@@ -131,11 +115,11 @@ class _Provenance:
         self, obj: object, checksum: str, pads: tuple[int, ...] = (), *, loaded_pickle: bool = False
     ) -> None:
         """
-        Remember that *obj* is the value stored with *checksum*. A value just decoded from
-        bytes holding a pickle (*loaded_pickle*) is encoded once more now: pickles are not
-        byte-stable across processes, and later checks compare with what it encodes to here.
+        Remember that *obj* is the value stored with *checksum*. A value decoded from a
+        pickle (*loaded_pickle*) is encoded again now: pickles are not byte-stable across
+        processes.
         """
-        ref: weakref.ref[Any] | None = None  # lists, dicts, tuples: known by id, checked by content
+        ref: weakref.ref[Any] | None = None
         if type(obj) not in _NO_WEAKREF:
             try:
                 ref = weakref.ref(obj)
@@ -146,7 +130,7 @@ class _Provenance:
             try:
                 baseline = self._encoding_checksum(obj, pads)
             except _Unhashable:
-                return  # it cannot be encoded again: it is fingerprinted as it is when passed on
+                return
         entry = _Entry(checksum, pads, ref, type(obj), baseline or checksum)
         key = id(obj)
         entries = self._entries
@@ -154,10 +138,9 @@ class _Provenance:
             entries.pop(key, None)  # (re)inserted last: the oldest entries go first
             entries[key] = entry
             if len(entries) > self.MAX_ENTRIES:
-                entries.popitem(last=False)  # O(1), where a dict's first key is a scan
+                entries.popitem(last=False)
 
     def entry(self, obj: object) -> _Entry | None:
-        """What is remembered of *obj* if it (or an object at its address) is a step output."""
         entry = self._entries.get(id(obj))
         if entry is None or type(obj) is not entry.tp:
             return None
@@ -166,13 +149,7 @@ class _Provenance:
         return entry
 
     def check(self, obj: object, entry: _Entry) -> tuple[bool, str]:
-        """
-        ``(True, stored digest)`` if *obj* still encodes to the stored bytes, else ``(False,
-        digest of what it encodes to now)``.
-
-        Raises:
-            _Unhashable: it cannot be encoded any more.
-        """
+        """(True, stored digest) if *obj* still encodes to the stored bytes, else (False, digest now)."""
         actual = self._encoding_checksum(obj, entry.pads)
         if actual == entry.baseline:
             return True, entry.checksum.partition(":")[2]
@@ -187,7 +164,6 @@ class _Provenance:
         return value_checksum(encoded, pads)
 
     def lookup(self, obj: object) -> str | None:
-        """The stored digest of *obj* if it is a step output that is unchanged, else None."""
         entry = self.entry(obj)
         if entry is None:
             return None
@@ -217,38 +193,30 @@ provenance = _Provenance()
 # where its own header says, so the concatenation of encodings can be read back one way only.
 
 _LEAVES: frozenset[type] = frozenset({type(None), bool, int, float, str, bytes})
-# Types whose natural order is total: the order of dict keys and set elements made of one of them.
-_NATURAL: frozenset[type] = frozenset({str, int, bytes})
-_RECURSIVE = (list, tuple, dict)
+_NATURAL: frozenset[type] = frozenset({str, int, bytes})  # totally ordered: keys sorted as they are
 
 _LIST, _TUPLE = b"\xc1l", b"\xc1t"
 _SEQ_TAGS: dict[type, bytes] = {list: _LIST, tuple: _TUPLE}
-_ROWS = b"\xc1r"  # a list or tuple of lists (or of tuples): arrays of plain scalars, part by part
-_RECORDS = b"\xc1k"  # a list or tuple of dicts: tables of their columns, part by part
+_ROWS = b"\xc1r"  # a list or tuple of lists (or of tuples), part by part
+_RECORDS = b"\xc1k"  # a list or tuple of dicts: the columns of each part
 _DICT, _SET = b"\xc1d", b"\xc1S"
 _BIG_INT = b"\xc1I"
-_SURROGATES = b"\xc1z"  # a str holding lone surrogates, which msgpack writes only when told to
+_SURROGATES = b"\xc1z"  # a str holding lone surrogates
 _UNPACKABLE = (OverflowError, UnicodeEncodeError)
 _STORED = b"\xc1@"  # a step output passed on unchanged: its stored checksum
 _CHANGED = b"\xc1#"  # a step output changed in place that has no digest of its own: its encoding
-_LAZY = b"\xc1&"  # a StoredOutput (the runner's unloaded output)
+_LAZY = b"\xc1&"  # a StoredOutput
 
-_CHUNK = 8192  # items packed per call of msgpack: the stream is hashed as it is made
-_PART = 8192  # dicts of a list taken as one table: part of the format (the columns of each part)
+_CHUNK = 8192  # items packed per call of msgpack
+_PART = 8192  # rows taken as one table: part of the format
 _DIRECT = 1 << 16  # bytes hashed where they are rather than copied to the buffer
 _LARGE = 1 << 20  # bytes buffered before they are hashed
-_PIECE = 1 << 26  # bytes hashed between two looks at the clock
 _THREADED = 1 << 23  # arrays this large are hashed by BLAKE3 on several threads
 _CHECK_EVERY = 4096  # containers walked one by one between two looks at the clock
 
 SLOW_AFTER = 1.0
 """Seconds after which a fingerprint still going is announced (one INFO line)."""
 _clock = time.monotonic
-
-
-def _header_size(n: int) -> int:
-    """Bytes of msgpack's array header for *n* items."""
-    return 1 if n < 16 else 3 if n < 1 << 16 else 5
 
 
 def stored_argument_digest(digest: str) -> str:
@@ -258,12 +226,10 @@ def stored_argument_digest(digest: str) -> str:
 
 class _Feeder:
     """
-    Turns values into the canonical byte stream that is hashed (BLAKE3).
-
-    Containers are looked at a whole level at a time (the types of all items at once), so
-    that lists of plain scalars, of tuples of them and of dicts with the same keys (rows
-    and records) are written by msgpack's C packer, column by column for records; other
-    values are walked item by item. Which way a value takes depends only on what it holds.
+    Turns values into the canonical byte stream and hashes it. Containers are looked at a
+    level at a time, so that lists of plain scalars, rows and records (dicts with the same
+    keys, column by column) are written by msgpack's C packer; the way a value takes
+    depends only on what it holds.
     """
 
     __slots__ = (
@@ -283,24 +249,18 @@ class _Feeder:
 
     def __init__(self, *, outputs: bool = False) -> None:
         self.active: set[int] = set()  # ids of the containers being walked, to refuse cycles
-        # a second pass, for a value that has no digest of its own: step outputs that cannot
-        # be fingerprinted are known by their stored checksum (see _Provenance)
-        self.outputs = outputs
+        self.outputs = outputs  # second pass: step outputs with no digest are known by their checksum
         self.paths = False  # True once a Path was fed: the digest then depends on its files
         self.out = bytearray()
-        # a small first buffer: msgpack's default (256 KiB) costs page faults at every call
         packer = msgpack.Packer(use_bin_type=True, buf_size=1024)
-        self._pack: Callable[[Any], bytes] = packer.pack  # values: strict UTF-8 (the fast one)
+        self._pack: Callable[[Any], bytes] = packer.pack
         self._header: Callable[[int], bytes] = packer.pack_array_header
         # names, tags and the text of other scalars (a path may hold lone surrogates)
         self._text: Callable[[Any], bytes] = msgpack.Packer(unicode_errors="surrogatepass", buf_size=256).pack
-        self._hasher: Any = None  # a BLAKE3 hasher, once the stream is large
-        self.capturing = 0  # > 0 while encodings are made to be sorted: nothing goes to the hasher
+        self.capturing = 0  # > 0 while encodings are made to be sorted: nothing is hashed
         self._visits = 0
         self._deadline = math.inf
         self._describe: Callable[[], str] | None = None
-
-    # the stream -------------------------------------------------------------------------
 
     def name(self, text: str) -> bytes:
         """*text* as msgpack writes it."""
@@ -318,7 +278,7 @@ class _Feeder:
     def start(self, describe: Callable[[], str] | None = None) -> None:
         """Begin a new stream; *describe* says what is fingerprinted, if it ever takes long."""
         self.out = bytearray()
-        self._hasher = None
+        self._hasher = blake3.blake3()
         self.active.clear()
         self.paths = False
         self._describe = describe
@@ -326,33 +286,22 @@ class _Feeder:
 
     def digest(self) -> bytes:
         """The BLAKE3 digest (32 bytes) of the stream."""
-        if self._hasher is None:
-            digest = blake3.blake3(self.out).digest()
-        else:
-            self._hasher.update(self.out)
-            digest = self._hasher.digest()
-        self._tick()  # a value that took long without a pause to look at the clock is announced now
-        return bytes(digest)
+        self._hasher.update(self.out)
+        self._tick()  # a value hashed without a look at the clock is announced now
+        return bytes(self._hasher.digest())
 
     def _write(self, data: bytes | memoryview) -> None:
         """Append *data* to the stream: a large piece is hashed where it is, the buffer once it is large."""
         if self.capturing or len(data) < _DIRECT:
             self.out += data
             if len(self.out) >= _LARGE and not self.capturing:
-                self._flush()
+                self._hasher.update(self.out)
+                self.out.clear()  # the same buffer: callers hold it
             return
-        self._flush()
-        view = memoryview(data).cast("B")
-        for start in range(0, len(view), _PIECE):
-            self._hasher.update(view[start : start + _PIECE])
-            self._tick()
-
-    def _flush(self) -> None:
-        """Hash what the buffer holds and empty it (the same buffer: callers hold it)."""
-        if self._hasher is None:
-            self._hasher = blake3.blake3()
         self._hasher.update(self.out)
         self.out.clear()
+        self._hasher.update(data)
+        self._tick()
 
     def _tick(self) -> None:
         """Announce (once) a fingerprint that has been going on for over SLOW_AFTER seconds."""
@@ -376,15 +325,14 @@ class _Feeder:
                 packed = self._leaf(obj)
             if len(packed) < _DIRECT:
                 self.out += packed
-            else:  # a large str or bytes: hashed where it is
+            else:
                 self._write(packed)
+        elif self.outputs and self._output(obj):
             return
-        if self.outputs and self._output(obj):
-            return
-        if tp is dict:
+        elif tp is dict:
             self._dict(obj)
         elif tp is list or tp is tuple:
-            self._sequence(obj, _LIST if tp is list else _TUPLE)
+            self._sequence(obj, _SEQ_TAGS[tp])
         else:
             self._other(obj, tp)
 
@@ -393,45 +341,25 @@ class _Feeder:
         scalar = _OTHER_SCALARS.get(tp)
         if scalar is not None:
             self.out += scalar(obj, self._text)
-            return
-        if isinstance(obj, pathlib.Path):  # a file by its contents, a directory by its files
+        elif isinstance(obj, pathlib.Path):  # a file by its contents, a directory by its files
             self.paths = True
             contents = file_digests.digest(obj)
             if contents is None:  # nothing there: by its name
                 self.out += _PURE_POSIX + self._text(str(obj))
             else:
                 self.out += _FILE + self._text(contents)
-            return
-        if tp is StoredOutput:
+        elif tp is StoredOutput:
             self.out += _LAZY + bytes.fromhex(obj.arg_digest)
-            return
-        self._content(obj)
-
-    def _output(self, obj: object) -> bool:
-        """
-        In the second pass, a step output that has no digest of its own: its stored checksum
-        if it is as stored, else the checksum of its encoding now. False for anything else.
-        """
-        entry = provenance.entry(obj)
-        if entry is None or is_fingerprintable(obj):
-            return False
-        unchanged, digest = provenance.check(obj, entry)
-        self.out += (_STORED if unchanged else _CHANGED) + self._text(digest)
-        return True
-
-    def _content(self, obj: Any) -> None:
-        """Feed what *obj* holds (its type is not a plain scalar)."""
-        tp = type(obj)
-        tag = _SEQ_TAGS.get(tp)
-        if tag is not None:
-            self._sequence(obj, tag)
-        elif tp is dict:
-            self._dict(obj)
         elif tp is set or tp is frozenset:
             items = self._ordered(list(obj), " element ")
             self.out += _SET
             self._listed(items, " element {!r}", items)
-        elif isinstance(obj, enum.Enum):
+        else:
+            self._content(obj, tp)
+
+    def _content(self, obj: Any, tp: type) -> None:
+        """An Enum, an object with __resumable_fingerprint__, an attrs/dataclass/pydantic instance ..."""
+        if isinstance(obj, enum.Enum):
             self.out += _ENUM + self._text(qualified_name(tp))
             self._inside(obj.value, ".value")
         elif getattr(tp, "__resumable_fingerprint__", None) is not None and not isinstance(obj, type):
@@ -453,6 +381,15 @@ class _Feeder:
                 self._inside(value, f".{name}")
             self.active.discard(id(obj))
 
+    def _output(self, obj: object) -> bool:
+        """A step output with no digest of its own: its stored checksum (or its encoding's, if changed)."""
+        entry = provenance.entry(obj)
+        if entry is None or is_fingerprintable(obj):
+            return False
+        unchanged, digest = provenance.check(obj, entry)
+        self.out += (_STORED if unchanged else _CHANGED) + self._text(digest)
+        return True
+
     def _inside(self, obj: object, where: str) -> None:
         try:
             self.feed(obj)
@@ -471,7 +408,7 @@ class _Feeder:
         """A list or tuple (*types*: those of its items, if known)."""
         if types is None:
             types = set(map(type, obj))
-        if types <= _LEAVES:  # the same bytes as item by item, one call of the packer per chunk
+        if types <= _LEAVES:
             self.out += tag
             self._scalars(obj)
             return
@@ -493,90 +430,66 @@ class _Feeder:
 
     def _items(self, items: list[Any] | tuple[Any, ...]) -> None:
         """The items of a sequence one by one, after its header."""
-        out = self.out
-        out += self._header(len(items))
-        pack, feed = self._pack, self.feed
+        self.out += self._header(len(items))
         i = 0
         try:
             for i, item in enumerate(items):  # noqa: B007 - i says which item failed
-                if type(item) in _LEAVES:
-                    try:
-                        out += pack(item)
-                    except _UNPACKABLE:
-                        out += self._leaf(item)
-                else:
-                    feed(item)
+                self.feed(item)
         except _Unhashable as exc:
             exc.path.append(i)
             raise
 
     def _listed(self, items: list[Any], where: str, names: list[Any]) -> None:
-        """
-        A list made here (of keys, values, elements); its i-th item is called
-        ``where.format(names[i])`` in messages.
-        """
-        types = set(map(type, items))
-        if types <= _LEAVES and len(items) <= _CHUNK:  # the common case, at once
-            try:
-                self.out += _LIST + self._pack(items)
-            except _UNPACKABLE:
-                pass
-            else:
-                return
+        """Keys, values or elements; the i-th is called ``where.format(names[i])`` in messages."""
         try:
-            self._sequence(items, _LIST, types)
+            self._sequence(items, _LIST)
         except _Unhashable as exc:
             if exc.path and type(exc.path[-1]) is int:
                 exc.path[-1] = where.format(names[exc.path[-1]])
             raise
 
     def _scalars(self, items: list[Any] | tuple[Any, ...]) -> None:
-        """Plain scalars: an array header, then each as msgpack writes it."""
+        """Plain scalars: an array header, then each as msgpack writes it, a chunk at a time."""
         n = len(items)
         if n <= _CHUNK:
             try:
                 self._write(self._pack(items))
-            except _UNPACKABLE:  # one by one
+            except _UNPACKABLE:
                 self._items(items)
             return
         self.out += self._header(n)
         for start in range(0, n, _CHUNK):
-            part = items[start : start + _CHUNK]
-            try:
-                packed = self._pack(part)
-            except _UNPACKABLE:
-                for item in part:
-                    self.feed(item)
-                continue
-            self._write(memoryview(packed)[_header_size(len(part)) :])
+            self._packed(items[start : start + _CHUNK])
             self._tick()
+
+    def _packed(self, items: list[Any] | tuple[Any, ...]) -> None:
+        """Plain scalars (or rows of them) as msgpack writes them, without the array's header."""
+        try:
+            packed = self._pack(items)
+        except _UNPACKABLE:
+            for item in items:
+                if type(item) in _LEAVES:
+                    self.feed(item)
+                else:
+                    self._items(item)
+            return
+        self._write(memoryview(packed)[len(self._header(len(items))) :])
 
     def _rows(self, rows: list[Any] | tuple[Any, ...], tag: bytes, inner: bytes) -> None:
         """
-        Lists or tuples (all of one type, *inner*), in parts of _PART: a part holding only
-        plain scalars is one msgpack array of arrays, others are sequence by sequence.
+        Lists or tuples (all of type *inner*), in parts of _PART: a part holding only plain
+        scalars is one msgpack array of arrays, others are sequence by sequence.
         """
         self._enter(rows)
         self.out += _ROWS + tag + inner + self._header(len(rows))
         for start in range(0, len(rows), _PART):
             part = rows[start : start + _PART]
-            if not set(map(type, chain.from_iterable(part))) <= _LEAVES:
+            if set(map(type, chain.from_iterable(part))) <= _LEAVES:
+                self.out += b"r"
+                self._packed(part)
+            else:
                 self.out += b"g"
-                for i, row in enumerate(part):
-                    try:
-                        self._sequence(row, inner)
-                    except _Unhashable as exc:
-                        exc.path.append(start + i)
-                        raise
-                continue
-            self.out += b"r"
-            try:
-                packed = self._pack(part)
-            except _UNPACKABLE:  # the same bytes, row by row
-                for row in part:
-                    self._items(row)
-                continue
-            self._write(memoryview(packed)[_header_size(len(part)) :])
+                self._parts(part, start, lambda row: self._sequence(row, inner))
             self._tick()
         self.active.discard(id(rows))
 
@@ -584,7 +497,6 @@ class _Feeder:
         """
         Dicts, in parts of _PART: a part whose dicts have the same keys is a table (its keys
         in canonical order, then one column per key, fed as any list), others dict by dict.
-        Parts keep the columns small enough to stay in the CPU's caches.
         """
         self._enter(rows)
         self.out += _RECORDS + tag + self._header(len(rows))
@@ -593,12 +505,7 @@ class _Feeder:
             table = self._table(part)
             if table is None:
                 self.out += b"g"
-                for i, row in enumerate(part):
-                    try:
-                        self._dict(row)
-                    except _Unhashable as exc:
-                        exc.path.append(start + i)
-                        raise
+                self._parts(part, start, self._dict)
                 continue
             keys, columns = table
             self.out += b"k"
@@ -612,6 +519,15 @@ class _Feeder:
                     raise
             self._tick()
         self.active.discard(id(rows))
+
+    @staticmethod
+    def _parts(part: list[Any] | tuple[Any, ...], start: int, feed: Callable[[Any], None]) -> None:
+        for i, row in enumerate(part):
+            try:
+                feed(row)
+            except _Unhashable as exc:
+                exc.path.append(start + i)
+                raise
 
     def _table(
         self, part: list[dict[Any, Any]] | tuple[dict[Any, Any], ...]
