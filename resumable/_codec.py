@@ -26,6 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import attrs
 import msgpack
 
 from . import _codec_arrays  # noqa: F401 - adds NumPy and pandas values to the codec
@@ -48,31 +49,19 @@ class DamagedFileError(Exception):
     """A stored file is unreadable, truncated, tampered with or refused; carries the reason."""
 
 
-# The text of the current second, made once a second: every event and output is stamped,
-# and formatting a datetime each time was a few percent of storing a small output.
-_second: tuple[int, str] = (-1, "")
-
-
 def utcnow() -> str:
     """The current UTC time as ISO 8601 with a ``Z`` suffix (millisecond precision)."""
-    global _second  # noqa: PLW0603 - one tuple, replaced whole: safe across threads
     seconds, ns = divmod(time.time_ns(), 1_000_000_000)
-    second, text = _second
-    if seconds != second:
-        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
-        _second = (seconds, text)
-    return f"{text}.{ns // 1_000_000:03d}Z"
+    return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(seconds))}.{ns // 1_000_000:03d}Z"
 
 
+@attrs.define
 class Encoded:
     """A value packed and ready to be framed: the body and its out-of-band buffers."""
 
-    __slots__ = ("body", "buffers", "pickled")
-
-    def __init__(self, body: bytes, buffers: list[memoryview], *, pickled: bool) -> None:
-        self.body = body
-        self.buffers = buffers
-        self.pickled = pickled
+    body: bytes
+    buffers: list[memoryview]
+    pickled: bool = attrs.field(kw_only=True)
 
 
 def encode(value: object, *, allow_pickle: bool, what: str = "the output") -> Encoded:
@@ -120,15 +109,13 @@ def _sign(header: Mapping[str, Any], secret: bytes) -> str:
     return _MAC_PREFIX + mac
 
 
+@attrs.define
 class Framed:
     """An output ready to be written: its header (packed: *head*) and value chunks."""
 
-    __slots__ = ("head", "header", "value_chunks")
-
-    def __init__(self, header: dict[str, Any], head: bytes, value_chunks: list[Buffer]) -> None:
-        self.header = header
-        self.head = head
-        self.value_chunks = value_chunks
+    header: dict[str, Any]
+    head: bytes
+    value_chunks: list[Buffer]
 
     @property
     def size(self) -> int:
@@ -315,19 +302,16 @@ def verify(
         raise DamagedFileError(msg)
 
 
+@attrs.define
 class Verified:
     """
     A whole output file (or record, or chunk) whose header was parsed and whose bytes were
-    checked (size, HMAC with a secret, checksum): the only thing that can be decoded. Every
-    reader goes through :func:`read_verified`, so nothing is decoded unchecked.
+    checked (size, HMAC with a secret, checksum): the only thing that can be decoded.
     """
 
-    __slots__ = ("data", "head_len", "header")
-
-    def __init__(self, data: Buffer, header: dict[str, Any], head_len: int) -> None:
-        self.data = data
-        self.header = header
-        self.head_len = head_len
+    data: Buffer
+    header: dict[str, Any]
+    head_len: int
 
     @property
     def size(self) -> int:
@@ -367,10 +351,8 @@ class Verified:
 
     def check_decodes(self) -> None:
         """
-        Check that the value decodes safely, as ``resumable verify`` should: with pickles
-        left unread and classes that are not imported here standing in, so that only damage
-        fails (a malformed value, a name that leads to something other than a class of the
-        recorded kind).
+        Check that the value decodes safely, pickles unread and classes not imported here
+        standing in, so that only damage fails (``resumable verify``).
 
         Raises:
             DamagedFileError: the value is damaged or hostile.
@@ -387,37 +369,28 @@ def read_verified(data: Buffer, secret: bytes | None) -> Verified:
         StateFormatError: it was written by a newer version.
     """
     header, head_len = parse_header(data)
-    return verified(data, header, head_len, secret)
-
-
-def verified(data: Buffer, header: dict[str, Any], head_len: int, secret: bytes | None) -> Verified:
-    """
-    :func:`read_verified` for a file whose header was parsed already (and found worth
-    reading on: a lookup checks the fingerprint in the header before checksumming the rest).
-    """
     verify(data, header, head_len, secret)
     return Verified(data, header, head_len)
 
 
+@attrs.define
 class Reading:
-    """An output file read whole, its header parsed, and the stamp of the version read."""
+    """An output file read whole, its header parsed (a lookup checks it before the rest), and its stamp."""
 
-    __slots__ = ("data", "head_len", "header", "stamp")
-
-    def __init__(self, data: Buffer, header: dict[str, Any], head_len: int, stamp: Stamp | None) -> None:
-        self.data = data
-        self.header = header
-        self.head_len = head_len
-        self.stamp = stamp
+    data: Buffer
+    header: dict[str, Any]
+    head_len: int
+    stamp: Stamp | None
 
     def verified(self, secret: bytes | None) -> Verified:
         """
-        :func:`verified` for the file read.
+        The file read, checked.
 
         Raises:
             DamagedFileError: it is incomplete, forged or damaged.
         """
-        return verified(self.data, self.header, self.head_len, secret)
+        verify(self.data, self.header, self.head_len, secret)
+        return Verified(self.data, self.header, self.head_len)
 
 
 def read_output(store: Store, key: str) -> Reading:

@@ -32,6 +32,7 @@ from ._codec_types import (
     SERIES,
     Decoder,
     Encoder,
+    _checked,
     _damage,
     _fields,
 )
@@ -123,16 +124,6 @@ def _index_payload(pd: Any, index: Any) -> list[Any]:
         return ["multi", levels, list(index.codes), list(index.names)]
     freq = getattr(index, "freqstr", None)
     return ["index", _column_payload(pd, pd.Series(index, copy=False)), index.name, freq]
-
-
-def _checked(payload: object, types: tuple[Any, ...]) -> list[Any]:
-    """*payload* (already decoded) if it is a list of values of these types; damage otherwise."""
-    if type(payload) is not list or len(payload) != len(types) or not payload:
-        _damage("malformed pandas value")
-    for value, tp in zip(payload, types, strict=True):
-        if not isinstance(value, tp) or (tp is int and type(value) is bool):
-            _damage(f"malformed pandas value: a {type(value).__name__} where {tp} belongs")
-    return payload
 
 
 def _ndarray() -> type:

@@ -201,8 +201,6 @@ _RESOURCES: tuple[tuple[str, tuple[str, ...], str], ...] = (
 
 def _os_resource(obj: object) -> str | None:
     """What kind of OS resource *obj* is (an open file, a socket, a lock ...), or None."""
-    if _is_generator_like(obj):
-        return "a generator or coroutine"
     tp = type(obj)
     for module, names, what in _RESOURCES:
         mod = sys.modules.get(module)
@@ -221,17 +219,15 @@ def _os_resource(obj: object) -> str | None:
 
 def _refuse_resource(obj: object) -> None:
     """Raise Unstorable if *obj* is an OS resource or a generator: it cannot be stored."""
+    if inspect.isgenerator(obj) or inspect.isasyncgen(obj) or inspect.iscoroutine(obj):
+        raise Unstorable(obj, "generators and iterators cannot be stored: return a list instead")
     what = _os_resource(obj)
-    if what is None:
-        return
-    if what.startswith("a generator"):
-        msg = "generators and iterators cannot be stored: return a list instead"
-    else:
+    if what is not None:
         msg = (
             f"it is {what}, which lives only in the process that opened it and cannot be "
             "stored: return the data it gives access to (a file's contents or path, query results ...)"
         )
-    raise Unstorable(obj, msg)
+        raise Unstorable(obj, msg)
 
 
 def _importable(tp: type) -> bool:
@@ -242,12 +238,8 @@ def _importable(tp: type) -> bool:
     return obj is tp
 
 
-def _is_generator_like(obj: object) -> bool:
-    return inspect.isgenerator(obj) or inspect.isasyncgen(obj) or inspect.iscoroutine(obj)
-
-
 def object_kind(tp: type) -> str | None:
-    """ "attrs", "dataclass" or "pydantic" for classes of those kinds, else None."""
+    """The kind of class *tp* is ("attrs", "dataclass" or "pydantic"), or None."""
     if attrs.has(tp):
         return "attrs"
     if dataclasses.is_dataclass(tp):
@@ -347,13 +339,11 @@ class Decoder:
 
 class StandInDecoder(Decoder):
     """
-    Decodes what it can for display: values of classes that are not imported become dicts
-    naming their class, and pickles (unless allowed) a placeholder. Nothing is imported.
+    Decodes what it can for display: values of classes that are not imported (or no longer
+    exist) become dicts naming their class, and pickles (unless allowed) a placeholder.
     """
 
     def ext_hook(self, code: int, payload: bytes) -> Any:
-        # Only a class that is not imported (or no longer exists) gets a stand-in; a class
-        # of the wrong kind is refused like any other damage.
         if code == OBJECT:
             _, module, qualname, state = _fields(self, payload, (str, str, str, dict))
             try:
@@ -388,7 +378,11 @@ FieldType = type | tuple[type, ...]
 
 def _fields(dec: Decoder, payload: bytes, types: tuple[FieldType, ...]) -> list[Any]:
     """The payload's list of fields, refused unless it has exactly these types."""
-    fields = dec.unpack(payload)
+    return _checked(dec.unpack(payload), types)
+
+
+def _checked(fields: Any, types: tuple[FieldType, ...]) -> list[Any]:
+    """*fields* (decoded) if it is a list of values of exactly these types; damage otherwise."""
     if type(fields) is not list or len(fields) != len(types):
         _damage(f"malformed value: expected {len(types)} fields, got a {type(fields).__name__}")
     for value, tp in zip(fields, types, strict=True):

@@ -713,11 +713,7 @@ def _size(value: object) -> str:
 
 
 def digest_value(value: object, *, describe: str | None = None) -> str:
-    """
-    Digest of one value (hex; raises ``_Unhashable`` for unsupported values). With
-    *describe* (what the value is, e.g. "step 'a': global 'ROWS'"), a fingerprint taking
-    longer than :data:`SLOW_AFTER` seconds is announced.
-    """
+    """Digest of one value (hex); *describe* names it if it takes long (e.g. "step 'a': global 'ROWS'")."""
     feeder = _Feeder()
     feeder.start(None if describe is None else lambda: f"{describe} ({_size(value)})")
     feeder.feed(value)
@@ -725,10 +721,7 @@ def digest_value(value: object, *, describe: str | None = None) -> str:
 
 
 def content_digest(value: object) -> str | None:
-    """
-    The digest of *value* as an argument (:func:`digest_value`), kept with a stored output:
-    None if it has none, or if it holds a ``Path`` (whose files may change after it is stored).
-    """
+    """:func:`digest_value`, kept with a stored output; None if it has none or holds a ``Path``."""
     feeder = _Feeder()
     feeder.start()
     try:
@@ -749,8 +742,7 @@ def is_fingerprintable(value: object) -> bool:
 
 def argument_digest(step: str, name: str, value: object, feeder: _Feeder | None = None) -> bytes:
     """
-    The digest of one argument (32 bytes): the BLAKE3 of its canonical bytes, which for a
-    stored output is what :attr:`StoredOutput.arg_digest` says without loading it.
+    The digest of one argument (32 bytes).
 
     Raises:
         FingerprintError: the argument has no stable digest.
@@ -769,7 +761,7 @@ def argument_digest(step: str, name: str, value: object, feeder: _Feeder | None 
         except _Unhashable:
             if not provenance:
                 raise
-            feeder = _Feeder(outputs=True)  # a step output that has no digest of its own may be in it
+            feeder = _Feeder(outputs=True)
             feeder.start(describe)
             feeder.feed(value)
     except _Unhashable as exc:
@@ -782,12 +774,7 @@ def argument_digest(step: str, name: str, value: object, feeder: _Feeder | None 
 
 
 def digest_arguments(step: str, arguments: Mapping[str, Any], ignore: frozenset[str]) -> str:
-    """
-    Digest of a step's bound arguments, minus those in *ignore*.
-
-    Raises:
-        FingerprintError: an argument has no stable digest.
-    """
+    """The first item of :func:`digest_parameters`."""
     return digest_parameters(step, arguments, ignore)[0]
 
 
