@@ -35,7 +35,7 @@ import blake3
 import msgpack
 
 from ._codec import encode, value_checksum
-from ._codec_types import qualified_name
+from ._codec_types import object_kind, qualified_name
 from ._files import file_digests
 from .exceptions import FingerprintError, SerializationError
 
@@ -43,32 +43,27 @@ log = logging.getLogger("resumable")
 
 
 class _Unhashable(Exception):  # noqa: N818 - internal signal turned into FingerprintError
-    def __init__(self, where: str, obj: object, detail: str = "") -> None:
-        self.where = where
+    def __init__(self, obj: object, detail: str = "") -> None:
         self.obj = obj
         self.detail = detail
         # where in the value it is, innermost first: an int for an item, ".name", "['key']"
         self.path: list[str | int] = []
-        super().__init__(where)
+        super().__init__(detail)
 
 
+@attrs.define(eq=False, repr=False)
 class StoredOutput:
     """
     A skipped step's output that has not been loaded (the runner's lazy value): as an
     argument it counts as the loaded value would, without being loaded.
     """
 
-    __slots__ = ("_load", "_loaded", "_value", "digest", "plain_digest", "slot")
-
-    def __init__(
-        self, slot: str, digest: str, load: Callable[[], Any], plain_digest: str | None = None
-    ) -> None:
-        self.slot = slot
-        self.digest = digest
-        self.plain_digest = plain_digest
-        self._load = load
-        self._loaded = False
-        self._value: Any = None
+    slot: str
+    digest: str
+    _load: Callable[[], Any]
+    plain_digest: str | None = None
+    _loaded: bool = attrs.field(default=False, init=False)
+    _value: Any = attrs.field(default=None, init=False)
 
     def __repr__(self) -> str:
         return f"<stored output of {self.slot!r}>"
@@ -160,7 +155,7 @@ class _Provenance:
         try:
             encoded = encode(obj, allow_pickle=True)
         except SerializationError as exc:
-            raise _Unhashable("value", obj, f"it cannot be encoded ({exc})") from None
+            raise _Unhashable(obj, f"it cannot be encoded ({exc})") from None
         return value_checksum(encoded, pads)
 
     def lookup(self, obj: object) -> str | None:
@@ -366,7 +361,7 @@ class _Feeder:
             try:
                 stable = obj.__resumable_fingerprint__()
             except Exception as exc:
-                raise _Unhashable("", obj, f"its __resumable_fingerprint__() raised {exc!r}") from exc
+                raise _Unhashable(obj, f"its __resumable_fingerprint__() raised {exc!r}") from exc
             self.out += _METHOD + self._text(qualified_name(tp))
             self._inside(stable, ".__resumable_fingerprint__()")
         else:
@@ -399,7 +394,7 @@ class _Feeder:
 
     def _enter(self, obj: object) -> None:
         if id(obj) in self.active:
-            raise _Unhashable("", obj, "it contains itself")
+            raise _Unhashable(obj, "it contains itself")
         self.active.add(id(obj))
 
     # containers -------------------------------------------------------------------------
@@ -430,11 +425,18 @@ class _Feeder:
 
     def _items(self, items: list[Any] | tuple[Any, ...]) -> None:
         """The items of a sequence one by one, after its header."""
-        self.out += self._header(len(items))
+        out, pack, feed = self.out, self._pack, self.feed
+        out += self._header(len(items))
         i = 0
         try:
             for i, item in enumerate(items):  # noqa: B007 - i says which item failed
-                self.feed(item)
+                if type(item) in _LEAVES:
+                    try:
+                        out += pack(item)
+                    except _UNPACKABLE:
+                        out += self._leaf(item)
+                else:
+                    feed(item)
         except _Unhashable as exc:
             exc.path.append(i)
             raise
@@ -603,7 +605,7 @@ class _Feeder:
             base = next(b for b in type(obj).__mro__ if b in _OTHER_SCALARS)
             self.out += _SUBCLASS + _OTHER_SCALARS[base](obj, self._text)
             return
-        raise _Unhashable("", obj)
+        raise _Unhashable(obj)
 
     def _numpy(self, np: Any, obj: Any) -> bool:
         if isinstance(obj, np.ndarray):
@@ -626,7 +628,7 @@ class _Feeder:
             try:  # np.float32 and np.dtype("f4") alike (they compare equal)
                 descr = str(np.lib.format.dtype_to_descr(np.dtype(obj)))
             except (TypeError, ValueError) as exc:  # an abstract type (np.floating)
-                raise _Unhashable("", obj, str(exc)) from None
+                raise _Unhashable(obj, str(exc)) from None
             self.out += _DTYPE + self._text(descr)
             return True
         return False
@@ -635,7 +637,7 @@ class _Feeder:
         try:
             hashed = pd.util.hash_pandas_object(obj, index=True).to_numpy()
         except TypeError as exc:
-            raise _Unhashable("", obj, str(exc)) from None
+            raise _Unhashable(obj, str(exc)) from None
         self.out += _PANDAS + self._text([type(obj).__name__, hashed.nbytes])
         self._write(memoryview(hashed.tobytes()))
         frame = isinstance(obj, pd.DataFrame)
@@ -656,16 +658,13 @@ def _dtype_label(pd: Any, dtype: Any) -> object:
     return str(dtype)
 
 
-def _fields_of(obj: object) -> list[tuple[str, Any]] | None:
-    tp = type(obj)
-    if attrs.has(tp):
-        return [(a.name, getattr(obj, a.name)) for a in attrs.fields(tp)]
-    if dataclasses.is_dataclass(tp):
-        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]  # type: ignore[arg-type]
-    pydantic = sys.modules.get("pydantic")
-    if pydantic is not None and isinstance(obj, pydantic.BaseModel):
-        return list(obj)
-    return None
+def _fields_of(obj: Any) -> list[tuple[str, Any]] | None:
+    kind = object_kind(type(obj))
+    if kind == "attrs":
+        return [(a.name, getattr(obj, a.name)) for a in attrs.fields(type(obj))]
+    if kind == "dataclass":
+        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    return list(obj) if kind == "pydantic" else None
 
 
 _ENUM, _METHOD, _OBJECT, _SUBCLASS = b"\xc1E", b"\xc1R", b"\xc1O", b"\xc1~"
