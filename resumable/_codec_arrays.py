@@ -12,6 +12,7 @@ shape is refused as damage.
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -216,7 +217,7 @@ def decode_ndarray_ref(dec: Decoder, payload: bytes) -> Any:
 
     descr, shape, order, indices = _fields(dec, payload, (_ANY, list, str, list))
     dtype = _dtype(descr)
-    count = _prod(_shape(shape, order))
+    count = math.prod(_shape(shape, order))
     if not indices or not all(type(i) is int and 0 <= i < len(dec.buffers) for i in indices):
         _damage("malformed array: a buffer index out of range")
     if len(indices) == 1:
@@ -230,13 +231,6 @@ def decode_ndarray_ref(dec: Decoder, payload: bytes) -> Any:
     return _shaped(flat, shape, order)
 
 
-def _prod(shape: list[int]) -> int:
-    total = 1
-    for n in shape:
-        total *= n
-    return total
-
-
 def _shaped(flat: Any, shape: list[int], order: str) -> Any:
     if order == "F":
         return flat.reshape(shape[::-1]).T
@@ -248,7 +242,7 @@ def decode_ndarray(dec: Decoder, payload: bytes) -> Any:
 
     descr, shape, order, raw = _fields(dec, payload, (_ANY, list, str, bytes))
     dtype = _dtype(descr)
-    flat = np.frombuffer(bytearray(raw), dtype=dtype, count=_prod(_shape(shape, order)))
+    flat = np.frombuffer(bytearray(raw), dtype=dtype, count=math.prod(_shape(shape, order)))
     return _shaped(flat, shape, order)
 
 
@@ -305,7 +299,6 @@ def decode_missing(_dec: Decoder, payload: bytes) -> Any:
 
 
 def decode_index(dec: Decoder, payload: bytes) -> Any:
-    """A pandas Index."""
     return _index_from(_pandas(), dec.unpack(payload))
 
 

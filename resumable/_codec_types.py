@@ -344,22 +344,16 @@ class StandInDecoder(Decoder):
     """
 
     def ext_hook(self, code: int, payload: bytes) -> Any:
-        if code == OBJECT:
-            _, module, qualname, state = _fields(self, payload, (str, str, str, dict))
+        if code in {OBJECT, ENUM}:
             try:
-                return _decode_object(self, payload)
+                return super().ext_hook(code, payload)
             except Refused:
                 raise
-            except Undecodable:
-                return {"__class__": f"{module}.{qualname}", **state}
-        if code == ENUM:
-            module, qualname, value = _fields(self, payload, (str, str, object))
-            try:
-                return _decode_enum(self, payload)
-            except Refused:
-                raise
-            except Undecodable:
-                return {"__enum__": f"{module}.{qualname}", "value": value}
+            except Undecodable:  # its fields have the right shape: they were checked first
+                fields = self.unpack(payload)
+                if code == ENUM:
+                    return {"__enum__": f"{fields[0]}.{fields[1]}", "value": fields[2]}
+                return {"__class__": f"{fields[1]}.{fields[2]}", **fields[3]}
         if code == PICKLE and self.pickled and not self.allow_pickle:
             return {"__pickled__": f"{len(payload)} bytes, not loaded (pickles are not allowed)"}
         return super().ext_hook(code, payload)
@@ -427,10 +421,6 @@ def _find_class(module: str, qualname: str, kind: str, is_kind: Callable[[type],
     return obj
 
 
-def _is_enum(cls: type) -> bool:
-    return issubclass(cls, enum.Enum)
-
-
 def _decode_path(dec: Decoder, payload: bytes) -> pathlib.PurePath:
     kind, text = _fields(dec, payload, (str, str))
     cls = _PATH_CLASSES.get(kind)
@@ -442,7 +432,7 @@ def _decode_path(dec: Decoder, payload: bytes) -> pathlib.PurePath:
 
 def _decode_enum(dec: Decoder, payload: bytes) -> Any:
     module, qualname, value = _fields(dec, payload, (str, str, object))
-    cls = _find_class(module, qualname, "Enum", _is_enum)
+    cls = _find_class(module, qualname, "Enum", lambda c: issubclass(c, enum.Enum))
     try:
         return cls(value)
     except ValueError:
@@ -463,10 +453,8 @@ def _decode_object(dec: Decoder, payload: bytes) -> Any:
     if kind == "pydantic":
         obj.__setstate__(state)
         return obj
-    expected = {a.name for a in attrs.fields(cls)} if kind == "attrs" else None
-    if expected is None:
-        expected = {f.name for f in dataclasses.fields(cls)}
-    if expected != set(state):
+    fields = attrs.fields(cls) if kind == "attrs" else dataclasses.fields(cls)
+    if {f.name for f in fields} != set(state):
         _refuse(f"the fields of {module}.{qualname} changed since the value was stored")
     for name, value in state.items():
         # Restore the stored state as pickle would: no __init__, converters or validators.
