@@ -127,8 +127,8 @@ class Framed:
         return [self.head, *self.value_chunks]
 
 
-def _lay_out(header: dict[str, Any], body_len: int) -> int:
-    """Set the buffers' padding and the value size in *header*; return the header's length."""
+def _lay_out(header: dict[str, Any], body_len: int) -> None:
+    """Set the buffers' padding and the value size in *header* (its placeholders keep its length)."""
     # Padding depends on the header's length, and "size" on the padding: iterate to a fixed
     # point (pads are < 64, always one msgpack byte, so this settles at once in practice).
     header["size"] = body_len + sum(_BIN32 + n for _, n in header["buffers"])  # padding aside
@@ -139,7 +139,7 @@ def _lay_out(header: dict[str, Any], body_len: int) -> int:
             entry[0] = -(position + _BIN32) % _ALIGN
             position += entry[0] + _BIN32 + entry[1]
         if header["size"] == position - head_len:
-            return head_len  # the length packed is the length with this size: settled
+            return
         header["size"] = position - head_len
 
 
@@ -164,20 +164,14 @@ def frame(encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = N
 
 
 def _frame(encoded: Encoded, header: dict[str, Any], secret: bytes | None) -> Framed:
-    head_len = _lay_out(header, len(encoded.body)) if encoded.buffers else None
+    if encoded.buffers:
+        _lay_out(header, len(encoded.body))
     chunks = _value_chunks(encoded, [pad for pad, _ in header["buffers"]])
     header["checksum"] = checksum(chunks)
-    packed: bytes = msgpack.packb(header)
-    header["hsum"] = _header_sum(packed, signed=secret is not None)
+    header["hsum"] = _header_sum(msgpack.packb(header), signed=secret is not None)
     if secret is not None:
         header["mac"] = _sign(header, secret)
-        head = bytes(msgpack.packb(header))
-    else:  # hsum's value is the last thing packed: put it in place instead of packing again
-        head = packed[: -len(header["hsum"])] + header["hsum"].encode()
-    if head_len is not None and len(head) != head_len:  # pragma: no cover - _lay_out guarantees it
-        msg = f"header of {len(head)} bytes, expected {head_len}: the buffers would be misplaced"
-        raise ValueError(msg)
-    return Framed(header, head, chunks)
+    return Framed(header, bytes(msgpack.packb(header)), chunks)
 
 
 def _valid_text(value: Any) -> Any:
