@@ -94,9 +94,8 @@ class Encoder:
         self._depth = 0
 
     def pack(self, obj: object) -> bytes:
-        # Strict UTF-8 first: with an error handler, msgpack encodes every str through a new
-        # bytes object (a third slower on a million small dicts). A lone surrogate (a name
-        # from os.listdir) then packs the value again, losslessly, from the same state.
+        # Strict UTF-8 first (with an error handler, msgpack encodes every str through a new
+        # bytes object); a lone surrogate (a name from os.listdir) packs the value again.
         buffers, pickled, depth = len(self.buffers), self.pickled, self._depth
         if depth == len(self._packers):
             self._packers.append(msgpack.Packer(default=self.default, strict_types=True, use_bin_type=True))
