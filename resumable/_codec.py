@@ -168,10 +168,14 @@ def _frame(encoded: Encoded, header: dict[str, Any], secret: bytes | None) -> Fr
         _lay_out(header, len(encoded.body))
     chunks = _value_chunks(encoded, [pad for pad, _ in header["buffers"]])
     header["checksum"] = checksum(chunks)
-    header["hsum"] = _header_sum(msgpack.packb(header), signed=secret is not None)
+    packed: bytes = msgpack.packb(header)
+    header["hsum"] = _header_sum(packed, signed=secret is not None)
     if secret is not None:
         header["mac"] = _sign(header, secret)
-    return Framed(header, bytes(msgpack.packb(header)), chunks)
+        packed = msgpack.packb(header)
+    else:  # hsum's value is the last thing packed: put it in place instead of packing again
+        packed = packed[: -len(header["hsum"])] + header["hsum"].encode()
+    return Framed(header, packed, chunks)
 
 
 def _valid_text(value: Any) -> Any:
