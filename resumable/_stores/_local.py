@@ -33,7 +33,6 @@ from ._base import Buffer, Stamp, Store, check_key, stamp_of
 
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _counter = itertools.count()
-_MAX_OPEN = 16  # appended files a store keeps open
 # link() failing with these means "no hard links here" (another file system, one that has
 # none, or too many links): copy the bytes instead.
 _NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
@@ -52,14 +51,12 @@ def fsync_dir(path: str) -> None:
     """fsync a directory, so that the names created or renamed in it survive a power loss."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError as exc:
         raise with_path(exc, path) from exc
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        raise with_path(exc, path) from exc
-    finally:
-        os.close(fd)
 
 
 def with_path(exc: OSError, path: str) -> OSError:
@@ -110,14 +107,6 @@ def _is_temp(name: str) -> bool:
     return name.startswith(".") and name.endswith(".tmp")
 
 
-def _copy_with_reads(fd_in: int, fd_out: int) -> None:
-    os.lseek(fd_in, 0, os.SEEK_SET)
-    os.lseek(fd_out, 0, os.SEEK_SET)
-    os.ftruncate(fd_out, 0)
-    while data := os.read(fd_in, 1 << 20):
-        write_all(fd_out, [data])
-
-
 # Descriptors of the run locks this process holds. A forked child shares their open file
 # description, and a flock lasts while any process has it open: the child closes its copies
 # at once, so orphaned workers of a killed run do not keep the state directory locked.
@@ -136,10 +125,9 @@ os.register_at_fork(after_in_child=_drop_inherited_locks)
 
 
 class _FileLock:
-    def __init__(self, fd: int, before_release: Callable[[], None]) -> None:
+    def __init__(self, fd: int) -> None:
         self._fd: int | None = fd
         self._pid = os.getpid()
-        self._before_release = before_release
 
     def release(self) -> None:
         fd = self._fd
@@ -147,7 +135,6 @@ class _FileLock:
             self._fd = None
             return  # a forked child: its copy is closed already, and unlocking would free the parent's
         try:
-            self._before_release()
             os.ftruncate(fd, 0)  # an empty lock file: its holder left cleanly (see LocalStore.lock)
         finally:
             self._fd = None
@@ -162,11 +149,6 @@ class LocalStore(Store):
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.path.abspath(os.fspath(root))
         self.location = self.root
-        # Files appended to are kept open while this store holds the lock (the event log and
-        # the batches' chunk logs are appended to again and again), and closed at its release.
-        self._fds: dict[str, int] = {}
-        self._fd_lock = threading.Lock()
-        self._locked = False
 
     def __repr__(self) -> str:
         return f"LocalStore({self.root!r})"
@@ -293,7 +275,6 @@ class LocalStore(Store):
         target = self.path(dst)
         self._check_dirs(src)
         self._check_dirs(dst)
-        self._forget(dst)
         directory = os.path.dirname(target)
         tmp = _temp_path(target)
         try:
@@ -322,16 +303,8 @@ class LocalStore(Store):
         fd_in = self._open(self.path(src), os.O_RDONLY)
 
         def fill(fd: int) -> None:
-            while True:
-                try:
-                    done = os.copy_file_range(fd_in, fd, 1 << 30)
-                except OSError as exc:  # not between these file systems (or not on this kernel)
-                    if exc.errno not in {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP}:
-                        raise
-                    _copy_with_reads(fd_in, fd)
-                    return
-                if not done:
-                    return
+            while data := os.read(fd_in, 1 << 20):
+                write_all(fd, [data])
 
         try:
             self._replace(dst, fill, durable=durable)
@@ -341,7 +314,6 @@ class LocalStore(Store):
     def _replace(self, key: str, fill: Callable[[int], None], *, durable: bool) -> None:
         """Write a temp file with *fill*, fsync it, rename it over *key*, fsync the directory."""
         target = self.path(key)
-        self._forget(key)
         self._check_dirs(key)
         directory = os.path.dirname(target)
         tmp = _temp_path(target)
@@ -378,23 +350,14 @@ class LocalStore(Store):
         *durable*, the file is synced, and its directory too when this append created it.
         """
         path = self.path(key)
-        created = False
         try:
-            with self._fd_lock:
-                fd = self._fds.get(key)
-                if fd is None:
-                    fd, created = self._open_append(key, path, durable=durable)
-                    if self._locked:
-                        if len(self._fds) >= _MAX_OPEN:  # many batch logs: keep the newest open
-                            os.close(self._fds.pop(next(iter(self._fds))))
-                        self._fds[key] = fd
-                try:
-                    write_all(fd, [data])  # O_APPEND: one write lands whole at the end
-                    if durable:
-                        os.fsync(fd)
-                finally:
-                    if key not in self._fds:
-                        os.close(fd)
+            fd, created = self._open_append(key, path, durable=durable)
+            try:
+                write_all(fd, [data])  # O_APPEND: one write lands whole at the end
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             if durable and created:
                 # the new name must survive a power loss too, like a renamed file's
                 fsync_dir(os.path.dirname(path))
@@ -415,26 +378,9 @@ class LocalStore(Store):
             self._makedirs(os.path.dirname(path), durable=durable)
             return self._open(path, flags | os.O_CREAT, own=True), True
 
-    def _forget(self, key: str) -> None:
-        """Close the descriptor kept for appends to *key*: its file is being replaced or removed."""
-        if key in self._fds:
-            with self._fd_lock:
-                fd = self._fds.pop(key, None)
-                if fd is not None:
-                    os.close(fd)
-
-    def _released(self) -> None:
-        """Before the lock goes: close the appended files."""
-        with self._fd_lock:
-            self._locked = False
-            fds, self._fds = list(self._fds.values()), {}
-            for fd in fds:
-                os.close(fd)
-
     def delete(self, key: str, *, durable: bool) -> None:
         path = self.path(key)
         self._check_dirs(key)  # never deletes through a linked directory, out of the state
-        self._forget(key)
         try:
             os.unlink(path)
         except FileNotFoundError:
@@ -519,8 +465,7 @@ class LocalStore(Store):
                 raise self.error(exc, path) from exc
             raise StateLockedError(self.location, self._holder(path)) from None
         # The kernel drops a flock when its process dies, so a crash never blocks the next run.
-        lock = _FileLock(fd, self._released)
-        self._locked = True
+        lock = _FileLock(fd)
         try:
             replaced = os.fstat(fd).st_ino != os.stat(path, follow_symlinks=False).st_ino
         except FileNotFoundError:
