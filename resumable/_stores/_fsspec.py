@@ -100,8 +100,6 @@ class FsspecStore(SegmentedLogs, Store):
         self._append_lock = threading.Lock()
         self._lease: Lease | None = None
         self._index: Index | None = None
-        self._tails: dict[str, list[Segment]] = {}
-        self._recent: dict[str, bytes] = {}
 
     def __repr__(self) -> str:
         return f"FsspecStore({self.location!r})"
@@ -277,7 +275,6 @@ class FsspecStore(SegmentedLogs, Store):
         except OSError as exc:
             raise named_error(exc, self._where(key)) from exc
         with self._mutex:
-            self._tails.pop(key, None)
             if self._index is not None:
                 self._index.objects.discard(key)
 
@@ -329,7 +326,6 @@ class FsspecStore(SegmentedLogs, Store):
         lease.acquire()
         with self._mutex:
             self._lease, self._index = lease, None
-            self._tails.clear()
         lease.on_release.append(self._released)
         return lease
 
@@ -337,7 +333,6 @@ class FsspecStore(SegmentedLogs, Store):
         with self._mutex:
             if self._lease is lease:
                 self._lease, self._index = None, None
-                self._tails.clear()
 
     def lease_read(self) -> bytes | None:
         try:

@@ -29,7 +29,6 @@ from .._slots import INTERNAL_DIR
 SEGMENTS = f"{INTERNAL_DIR}/segments"
 FANOUT = 16  # segments of one level merged into one of the next
 _COPY_LEVEL = 99  # a plain object turned into a segment: never merged again
-_RECENT_MAX = 8 * 1024 * 1024  # bytes of recently written segments kept for merging
 _READ_ATTEMPTS = 4
 _SEGMENT_NAME = re.compile(r"([0-9a-f]{16})-([0-9a-f]{16})\.(\d+)")
 
@@ -101,18 +100,14 @@ class SegmentedLogs:
 
     A base of :class:`~resumable._stores._fsspec.FsspecStore`, which sets the attributes
     declared here in its ``__init__`` and provides the whole-object operations and the
-    listing declared under ``TYPE_CHECKING``. While the store holds the run's lease, each
-    key's chain of segments is kept in memory (``_tails``), so an append costs one PUT; the
-    most recently written segments (``_recent``, up to 8 MiB) are kept so that merging them
-    need not read them back.
+    listing declared under ``TYPE_CHECKING``. While the store holds the run's lease, its
+    listing (``_index``) knows every segment, so an append costs one PUT.
     """
 
     fs: Any
     _mutex: threading.RLock
     _append_lock: threading.Lock
     _index: Index | None
-    _tails: dict[str, list[Segment]]
-    _recent: dict[str, bytes]
     _fresh: dict[str, Any]
 
     if TYPE_CHECKING:
@@ -190,8 +185,6 @@ class SegmentedLogs:
 
     def _drop_log(self, key: str) -> None:
         segments = self._segments(key)
-        with self._mutex:
-            self._tails.pop(key, None)
         if segments:
             self._rm([self._seg_path(key, s) for s in segments])
             self._forget_segments(key, segments)
@@ -207,21 +200,14 @@ class SegmentedLogs:
 
     def _forget_segments(self, key: str, segments: Iterable[Segment]) -> None:
         with self._mutex:
-            for s in segments:
-                self._recent.pop(self._seg_path(key, s), None)
-                if self._index is not None:
-                    self._index.logs.get(key, set()).discard(s)
+            if self._index is not None:
+                self._index.logs.get(key, set()).difference_update(segments)
 
     def _add_segment(self, key: str, seg: Segment, data: bytes) -> None:
-        path = self._seg_path(key, seg)
-        self._put(path, data, self._where(key))
+        self._put(self._seg_path(key, seg), data, self._where(key))
         with self._mutex:
             if self._index is not None:
                 self._index.logs.setdefault(key, set()).add(seg)
-            if len(data) <= _RECENT_MAX:
-                self._recent[path] = data
-                while sum(map(len, self._recent.values())) > _RECENT_MAX:
-                    del self._recent[next(iter(self._recent))]
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:  # noqa: ARG002 - a PUT is durable once it returns
         self._check_fence()
@@ -239,11 +225,6 @@ class SegmentedLogs:
             self._add_segment(key, seg, bytes(data))
             chain.append(seg)
             self._merge(key, chain)
-            with self._mutex:
-                if self._known() is not None:
-                    self._tails[key] = chain  # only this run writes: the tail stays true
-                else:
-                    self._tails.pop(key, None)
 
     def _exists_plain(self, key: str) -> bool:
         known = self._known()
@@ -258,10 +239,6 @@ class SegmentedLogs:
 
     def _tail(self, key: str) -> list[Segment]:
         """The chain of segments *key* consists of, turning a plain object into one first."""
-        with self._mutex:
-            cached = self._tails.get(key)
-            if cached is not None and self._known() is not None:
-                return cached
         segments = self._segments(key)
         if self._exists_plain(key):
             # the plain object is the content: its segments are leftovers of an interrupted
@@ -294,11 +271,7 @@ class SegmentedLogs:
             if level >= _COPY_LEVEL or any(s.level != level for s in group):
                 return
             paths = [self._seg_path(key, s) for s in group]
-            with self._mutex:
-                cached = [self._recent.get(p) for p in paths]
-            missing = [p for p, c in zip(paths, cached, strict=True) if c is None]
-            fetched = iter(self._cat_many(missing, [0] * len(missing), [None] * len(missing)))
-            data = b"".join(c if c is not None else next(fetched) for c in cached)
+            data = b"".join(self._cat_many(paths, [0] * len(paths), [None] * len(paths)))
             merged = Segment(group[0].start, group[-1].end, level + 1)
             self._add_segment(key, merged, data)
             chain[-FANOUT:] = [merged]
