@@ -326,21 +326,23 @@ class FsspecStore(SegmentedLogs, Store):
         lease.acquire()
         with self._mutex:
             self._lease, self._index = lease, None
-        lease.on_release.append(self._released)
         return lease
 
-    def _released(self, lease: Lease) -> None:
+    def lease_released(self, lease: Lease) -> None:
+        """*lease* was given up: forget the listing kept while it was held."""
         with self._mutex:
             if self._lease is lease:
                 self._lease, self._index = None, None
 
     def lease_read(self) -> bytes | None:
+        """The lease object, or None if there is none."""
         try:
             return self._cat(self._path(LEASE_KEY), self._where(LEASE_KEY))
         except FileNotFoundError:
             return None
 
     def lease_tag(self) -> str | None:
+        """The version tag (ETag) of the lease object now, or None if there is none."""
         path = self._path(LEASE_KEY)
         try:
             if self._s3:
@@ -350,6 +352,7 @@ class FsspecStore(SegmentedLogs, Store):
             return None
 
     def lease_write(self, data: bytes, *, expect: str | None) -> str:
+        """Write the lease if its version (tag) is *expect* (None: if there is none); return the new tag."""
         path = self._path(LEASE_KEY)
         if not self._s3:
             # no conditional writes: check, then write (the lease reads its write back)
@@ -371,6 +374,7 @@ class FsspecStore(SegmentedLogs, Store):
         return str(out["ETag"])
 
     def lease_delete(self, *, expect: str) -> None:
+        """Delete the lease if its version is *expect*; raise :class:`LeaseConflict` otherwise."""
         path = self._path(LEASE_KEY)
         if self.lease_tag() != expect:
             raise LeaseConflict

@@ -26,7 +26,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -45,24 +45,15 @@ class LeaseConflict(Exception):  # noqa: N818 - an outcome, not an error to show
 
 
 class LeaseIO(Protocol):
-    """What a lease needs from its store: the lease object, read and written conditionally."""
+    """A store's lease object, read and written conditionally (see ``FsspecStore``)."""
 
     location: str
 
-    def lease_read(self) -> bytes | None:
-        """The lease object, or ``None`` if there is none."""
-
-    def lease_tag(self) -> str | None:
-        """The version tag (ETag) of the lease object now, or ``None`` if there is none."""
-
-    def lease_write(self, data: bytes, *, expect: str | None) -> str:
-        """
-        Write the lease if its current version is *expect* (``None``: if there is none);
-        return the new version's tag. Raises :class:`LeaseConflict` otherwise.
-        """
-
-    def lease_delete(self, *, expect: str) -> None:
-        """Delete the lease if its current version is *expect*, else raise :class:`LeaseConflict`."""
+    def lease_read(self) -> bytes | None: ...
+    def lease_tag(self) -> str | None: ...
+    def lease_write(self, data: bytes, *, expect: str | None) -> str: ...
+    def lease_delete(self, *, expect: str) -> None: ...
+    def lease_released(self, lease: Lease) -> None: ...
 
 
 def ttl_from_env() -> float:
@@ -120,7 +111,7 @@ def locked_error(location: str, info: Mapping[str, Any]) -> StateLockedError:
 
 
 class Lease:
-    """A held (or lost) lease; :meth:`release` gives it up."""
+    """A held (or lost) lease on *io*'s lease object; :meth:`release` gives it up."""
 
     def __init__(self, io: LeaseIO, holder: Mapping[str, Any], *, ttl: float) -> None:
         if not ttl > 0:
@@ -138,23 +129,11 @@ class Lease:
         self._mutex = threading.Lock()
         # who holds the lease after we lost it (None while we hold it)
         self.taken_by: dict[str, Any] | None = None
-        self.on_release: list[Callable[[Lease], None]] = []
 
     @property
     def lost(self) -> bool:
         """True once another run holds the lease (or ours expired without renewal)."""
         return self.taken_by is not None
-
-    def lost_error(self) -> StateLockedError:
-        """The error for a write attempted after the lease was lost."""
-        exc = locked_error(self._io.location, self.taken_by or {})
-        msg = (
-            f"{exc.args[0]} This run's lease on it could not be renewed in time and was lost, so "
-            "this run stops writing to keep the state consistent; run the script again once "
-            "the other run is done."
-        )
-        exc.args = (msg,)
-        return exc
 
     def _write(self, expect: str | None) -> None:
         """Write the lease with a new expiry, if its current version is *expect*."""
@@ -229,7 +208,14 @@ class Lease:
         if not self.lost and time.time() >= self.expires_at:
             self.renew(strict=True)
         if self.lost:
-            raise self.lost_error()
+            exc = locked_error(self._io.location, self.taken_by or {})
+            msg = (
+                f"{exc.args[0]} This run's lease on it could not be renewed in time and was lost, so "
+                "this run stops writing to keep the state consistent; run the script again once "
+                "the other run is done."
+            )
+            exc.args = (msg,)
+            raise exc
 
     def renew(self, *, strict: bool = False) -> None:
         """
@@ -279,6 +265,4 @@ class Lease:
                     log.warning(
                         "%s: could not delete the lease (%s); it expires by itself", self._io.location, exc
                     )
-        callbacks, self.on_release = self.on_release, []
-        for callback in callbacks:
-            callback(self)
+        self._io.lease_released(self)
