@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -22,13 +23,14 @@ class _MemoryLock:
         store, self._store = self._store, None
         if store is not None:
             with store._mutex:  # noqa: SLF001 - the lock belongs to its store
-                store._holder = None  # noqa: SLF001
+                store._holders.pop(store._prefix, None)  # noqa: SLF001
 
 
 class MemoryStore(Store):
     """
     Objects in a dict; ``memory://name`` returns the same store for the same name, as long
-    as something (a pipeline) holds it: the last one dropped, its objects are freed.
+    as something (a pipeline) holds it: the last one dropped, its objects are freed. A named
+    session's store (:meth:`sub`) is a view of the keys under a prefix, with a lock of its own.
     """
 
     _named: ClassVar[weakref.WeakValueDictionary[str, MemoryStore]] = weakref.WeakValueDictionary()
@@ -38,7 +40,8 @@ class MemoryStore(Store):
         self.location = f"memory://{name}"
         self._objects: dict[str, bytes | bytearray] = {}
         self._mutex = threading.Lock()
-        self._holder: dict[str, Any] | None = None
+        self._holders: dict[str, dict[str, Any]] = {}  # the lock's holder, per prefix
+        self._prefix = ""
 
     def __repr__(self) -> str:
         return f"MemoryStore({self.location!r})"
@@ -54,19 +57,27 @@ class MemoryStore(Store):
                 store = cls._named[name] = cls(name)
             return store
 
+    def sub(self, prefix: str) -> MemoryStore:
+        """The keys under ``prefix/``, sharing this store's objects."""
+        view = copy.copy(self)
+        view._prefix = f"{self._prefix}{prefix.rstrip('/')}/"  # noqa: SLF001 - a view of this store
+        view.location = f"{self.location}/{prefix.rstrip('/')}"
+        return view
+
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytearray:
         try:
             # a copy: values decoded from it (NumPy arrays) must not alias the store
-            return bytearray(memoryview(self._objects[key])[start:end])
+            return bytearray(memoryview(self._objects[self._prefix + key])[start:end])
         except KeyError:
             raise FileNotFoundError(f"{self.location}/{key}") from None
 
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:  # noqa: ARG002
         data = b"".join(chunks)
         with self._mutex:
-            self._objects[key] = data
+            self._objects[self._prefix + key] = data
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:  # noqa: ARG002
+        key = self._prefix + key
         with self._mutex:
             current = self._objects.get(key)
             if isinstance(current, bytearray):
@@ -76,17 +87,19 @@ class MemoryStore(Store):
 
     def delete(self, key: str, *, durable: bool) -> None:  # noqa: ARG002
         with self._mutex:
-            self._objects.pop(key, None)
+            self._objects.pop(self._prefix + key, None)
 
     def list(self, prefix: str = "") -> list[str]:
+        start, n = self._prefix + prefix, len(self._prefix)
         with self._mutex:
-            if prefix.startswith(SESSIONS_DIR):
-                return [k for k in self._objects if k.startswith(prefix)]
-            return [k for k in self._objects if k.startswith(prefix) and not k.startswith(_SESSIONS)]
+            keys = [k[n:] for k in self._objects if k.startswith(start)]
+        if prefix.startswith(SESSIONS_DIR):
+            return keys
+        return [k for k in keys if not k.startswith(_SESSIONS)]
 
     def lock(self, holder: Mapping[str, Any]) -> _MemoryLock:
         with self._mutex:
-            if self._holder is not None:
-                raise StateLockedError(self.location, self._holder)
-            self._holder = dict(holder)
+            if self._prefix in self._holders:
+                raise StateLockedError(self.location, self._holders[self._prefix])
+            self._holders[self._prefix] = dict(holder)
         return _MemoryLock(self)
