@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import abc
 import builtins
-import functools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -127,21 +126,14 @@ def check_key(key: str, location: str) -> str:
     Raises:
         UsageError: it is not such a key.
     """
-    if not _valid_key(key):
+    *dirs, name = key.split("/")
+    if key.startswith("/") or "\x00" in key or name in {".", ".."} or any(p in {"", ".", ".."} for p in dirs):
         msg = (
             f"{key!r} is not a key inside the store {location}: keys are relative paths with no "
             "'.' or '..' component"
         )
         raise UsageError(msg)
     return key
-
-
-@functools.lru_cache(maxsize=4096)  # the keys of a run's hot slots; not one per slot of a large state
-def _valid_key(key: str) -> bool:
-    *dirs, name = key.split("/")
-    return not (
-        key.startswith("/") or "\x00" in key or name in {".", ".."} or any(p in {"", ".", ".."} for p in dirs)
-    )
 
 
 def stamp_of(st: os.stat_result) -> Stamp:
