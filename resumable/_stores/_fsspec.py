@@ -155,6 +155,12 @@ class FsspecStore(SegmentedLogs, Store):
                 self._index = self._scan("")
             return self._index
 
+    def _note(self, key: str, *, present: bool) -> None:
+        """Keep the listing held with the lease true after *key* was written or deleted."""
+        with self._mutex:
+            if self._index is not None:
+                (self._index.objects.add if present else self._index.objects.discard)(key)
+
     def _check_fence(self) -> None:
         lease = self._lease
         if lease is not None:
@@ -244,9 +250,7 @@ class FsspecStore(SegmentedLogs, Store):
         self._check_fence()
         data = b"".join(chunks)
         self._put(self._path(key), data, self._where(key))
-        with self._mutex:
-            if self._index is not None:
-                self._index.objects.add(key)
+        self._note(key, present=True)
         # the plain object now wins over any segments: drop them
         self._drop_log(key)
 
@@ -262,9 +266,7 @@ class FsspecStore(SegmentedLogs, Store):
             raise FileNotFoundError(errno.ENOENT, "No such object", self._where(src)) from None
         except OSError as exc:
             raise named_error(exc, self._where(dst)) from exc
-        with self._mutex:
-            if self._index is not None:
-                self._index.objects.add(dst)
+        self._note(dst, present=True)
         self._drop_log(dst)
 
     def delete(self, key: str, *, durable: bool) -> None:  # noqa: ARG002 - a DELETE is durable once it returns
@@ -274,9 +276,7 @@ class FsspecStore(SegmentedLogs, Store):
             self._rm([self._path(key)])
         except OSError as exc:
             raise named_error(exc, self._where(key)) from exc
-        with self._mutex:
-            if self._index is not None:
-                self._index.objects.discard(key)
+        self._note(key, present=False)
 
     def list(self, prefix: str = "") -> list[str]:
         known = self._known()

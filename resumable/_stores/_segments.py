@@ -116,6 +116,7 @@ class SegmentedLogs:
         def _where(self, key: str) -> str: ...
         def _classify(self, path: str, index: Index) -> None: ...
         def _known(self) -> Index | None: ...
+        def _note(self, key: str, *, present: bool) -> None: ...
         def _check_fence(self) -> None: ...
         def _cat(self, path: str, where: str, start: int = 0, end: int | None = None) -> bytes: ...
         def _put(self, path: str, data: bytes | bytearray, where: str) -> None: ...
@@ -216,9 +217,7 @@ class SegmentedLogs:
             if not data:
                 if not chain and not self._exists_plain(key):
                     self._put(self._path(key), b"", self._where(key))
-                    with self._mutex:
-                        if self._index is not None:
-                            self._index.objects.add(key)
+                    self._note(key, present=True)
                 return
             start = chain[-1].end if chain else 0
             seg = Segment(start, start + len(data), 0)
@@ -251,9 +250,7 @@ class SegmentedLogs:
                 chain = [Segment(0, len(data), _COPY_LEVEL)]
                 self._add_segment(key, chain[0], data)
             self._rm([self._path(key)])
-            with self._mutex:
-                if self._index is not None:
-                    self._index.objects.discard(key)
+            self._note(key, present=False)
             return chain
         chain, stale, gap = chain_of(segments)
         if gap is not None:
