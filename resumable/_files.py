@@ -36,10 +36,7 @@ log = logging.getLogger("resumable")
 CACHE_KEY = ".resumable/file-digests.msgpack"
 _MAX_ENTRIES = 100_000
 _READ_SIZE = 1 << 20
-# A file modified this recently may be modified again within the same tick of the file
-# system's clock without its stat changing: its digest is not cached (git's "racy clean"
-# problem). Two seconds covers the coarsest clocks (FAT's mtime).
-_RACY_NS = 2_000_000_000
+_RACY_NS = 2_000_000_000  # "racy clean" (see above): two seconds covers FAT's mtime clock
 
 _Signature = tuple[int, int, int, int, int]  # size, mtime_ns, ctime_ns, inode, device
 
@@ -70,15 +67,14 @@ class FileDigests:
         The digest of the file or directory at *path* (32 bytes, a directory's tagged
         differently), or None if nothing is there (the caller then uses the name).
         """
-        while self._pending:
+        if self._pending:
             with self._lock:
-                location = next(iter(self._pending), None)
-                pending = self._pending.pop(location) if location is not None else None
-                if location is not None:
-                    self._attached.add(location)
-            store = pending[0]() if pending is not None else None
-            if pending is not None and store is not None:
-                self.load(store, pending[1])
+                pending, self._pending = self._pending, {}
+                self._attached.update(pending)
+            for ref, secret in pending.values():
+                store = ref()
+                if store is not None:
+                    self.load(store, secret)
         try:
             st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
@@ -156,7 +152,6 @@ class FileDigests:
         """Write the cache into *store* if it learned anything (best effort: it is a cache)."""
         if not self.dirty or _in_memory(store):
             return
-
         with self._lock:
             items = list(self._cache.items())[-_MAX_ENTRIES:]
             self.dirty = False
