@@ -134,12 +134,6 @@ class StoreConformance(abc.ABC):
         """Extra environment variables for the processes started by the tests."""
         return {}
 
-    # reading and writing -----------------------------------------------------------------
-
-    def test_is_a_store(self) -> None:
-        """The store is a :class:`Store`."""
-        _check(isinstance(self.make_store(), Store), "isinstance(store, Store) is false")
-
     # the optional methods: overridden or not, they keep their contract --------------------------
 
     def test_copy_is_a_whole_independent_copy(self) -> None:
@@ -162,6 +156,8 @@ class StoreConformance(abc.ABC):
         _expect([], store.remove_temp_files(dry_run=True), "temporary files after a completed write")
         _expect([], store.remove_temp_files(), "temporary files removed after a completed write")
         _expect(b"x", bytes(store.read("x.bin")), "an object after remove_temp_files()")
+
+    # reading and writing -----------------------------------------------------------------
 
     def test_write_then_read_whole_object(self) -> None:
         """write joins its chunks (bytes, bytearray, memoryview) into one object; read returns it."""
