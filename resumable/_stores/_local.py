@@ -24,7 +24,7 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._slots import INTERNAL_DIR, SESSIONS_DIR
@@ -103,7 +103,8 @@ def _temp_path(target: str) -> str:
     return os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")
 
 
-def _is_temp(name: str) -> bool:
+def _is_temp(key: str) -> bool:
+    name = key.rpartition("/")[2]
     return name.startswith(".") and name.endswith(".tmp")
 
 
@@ -403,43 +404,40 @@ class LocalStore(Store):
     def remove_temp_files(self, *, dry_run: bool = False) -> builtins.list[str]:
         """
         Delete the temporary files killed writers left behind (``.<name>.<pid>-...tmp``);
-        return their keys. Call it holding the lock.
+        return their keys. Call it holding the lock. Each named session sweeps its own.
         """
-        keys: builtins.list[str] = []
-        for directory, dirs, files in os.walk(self.root):
-            if directory == self.root and SESSIONS_DIR in dirs:
-                dirs.remove(SESSIONS_DIR)  # each session sweeps its own
-            prefix = "" if directory == self.root else os.path.relpath(directory, self.root) + "/"
-            keys.extend(prefix + n for n in files if _is_temp(n))
+        keys = sorted(k for k in self._files("", sessions=False) if _is_temp(k))
         if not dry_run:
             for key in keys:
                 with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(self.root, key))
-        return sorted(keys)
+                    os.unlink(f"{self.root}/{key}")
+        return keys
 
     def list(self, prefix: str = "") -> list[str]:
         base = prefix.rpartition("/")[0]
-        start = self.path(base) if base else self.root
         if base and self._linked_dir(f"{base}/") is not None:
             return []  # the prefix leads out of the state directory: nothing of ours is there
-        keys: list[str] = []
-        stack = [(start, base)]
+        return [
+            k
+            for k in self._files(base, sessions=prefix.startswith(SESSIONS_DIR))
+            if k.startswith(prefix) and k not in {_LOCK_FILE, GITIGNORE} and not _is_temp(k)
+        ]
+
+    def _files(self, base: str, *, sessions: bool) -> Iterator[str]:
+        """The files under directory *base*, not through links; with named sessions' if *sessions*."""
+        stack = [base]
         while stack:
-            directory, rel = stack.pop()
+            rel = stack.pop()
             try:
-                entries = list(os.scandir(directory))
+                entries = list(os.scandir(self.path(rel) if rel else self.root))
             except (FileNotFoundError, NotADirectoryError):
                 continue
             for entry in entries:
                 key = f"{rel}/{entry.name}" if rel else entry.name
-                if entry.is_dir(follow_symlinks=False):
-                    if key != SESSIONS_DIR or prefix.startswith(SESSIONS_DIR):  # sessions: not the root's
-                        stack.append((entry.path, key))
-                elif (
-                    key.startswith(prefix) and key not in {_LOCK_FILE, GITIGNORE} and not _is_temp(entry.name)
-                ):
-                    keys.append(key)
-        return keys
+                if not entry.is_dir(follow_symlinks=False):
+                    yield key
+                elif key != SESSIONS_DIR or sessions:
+                    stack.append(key)
 
     # the lock ----------------------------------------------------------------------------
 
