@@ -289,6 +289,21 @@ def test_lease_is_renewed_while_held(s3):
         lock.release()
 
 
+def test_one_thread_renews_every_lease_of_a_process():
+    """Twenty held leases are renewed by one thread, which ends once none is held."""
+    stores = [memory_store(lease_ttl=0.3) for _ in range(20)]
+    locks = [store.lock({"pid": n}) for n, store in enumerate(stores)]
+    first = [lock.expires_at for lock in locks]
+    time.sleep(0.5)
+    renewers = [t for t in threading.enumerate() if t.name == "resumable-leases"]
+    assert 1 == len(renewers)
+    assert all(lock.expires_at > t for lock, t in zip(locks, first, strict=True))
+    for lock in locks:
+        lock.release()
+    renewers[0].join(5)
+    assert not renewers[0].is_alive()
+
+
 def test_expired_lease_is_taken_over(s3, caplog):
     """A lease nobody renews (its holder died) is taken over once expired, with a warning."""
     store = FsspecStore(s3.url(), lease_ttl=0.5)

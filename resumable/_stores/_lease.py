@@ -3,8 +3,9 @@ The run lock of remote stores: a lease with an owner and an expiry.
 
 A remote store has no process-scoped lock that dies with its holder, so the lock is an
 object, ``.resumable/lease.json``, holding an owner token, the holder's pid, host and start
-time, and an expiry. A thread of the holder renews it every third of its time to live; a
-holder that dies stops renewing, and once its lease has expired the next run takes it over.
+time, and an expiry. One thread per process renews the leases it holds, each every third of
+its time to live; a holder that dies stops renewing, and once its lease has expired the next
+run takes it over.
 
 Taking, renewing and releasing the lease are conditional writes where the backend has them
 (S3: ``If-None-Match: *`` to create it, ``If-Match: <ETag>`` to replace or delete it), so
@@ -125,7 +126,7 @@ class Lease:
         self._tag: str | None = None
         self._stop = threading.Event()
         self._released = False
-        self._thread: threading.Thread | None = None
+        self.next_renewal = 0.0
         self._mutex = threading.Lock()
         # who holds the lease after we lost it (None while we hold it)
         self.taken_by: dict[str, Any] | None = None
@@ -188,16 +189,10 @@ class Lease:
         raise locked_error(self._io.location, info)
 
     def _start(self) -> None:
-        self._thread = threading.Thread(target=self._renew_loop, name="resumable-lease", daemon=True)
-        self._thread.start()
+        self.next_renewal = time.time() + self.ttl / 3
+        _renewer.add(self)
 
     # keeping it -----------------------------------------------------------------------------
-
-    def _renew_loop(self) -> None:
-        while not self._stop.wait(self.ttl / 3):
-            self.renew()
-            if self.lost:
-                return
 
     def check(self) -> None:
         """
@@ -251,9 +246,9 @@ class Lease:
         """Stop renewing and delete the lease if it is still ours. Calling it twice is harmless."""
         self._released = True
         self._stop.set()
-        thread, self._thread = self._thread, None
-        if thread is not None and thread is not threading.current_thread():
-            thread.join()
+        with _renewer.wake:
+            _renewer.leases.discard(self)
+            _renewer.wake.notify()
         with self._mutex:
             tag, self._tag = self._tag, None
             if tag is not None and not self.lost:
@@ -266,3 +261,43 @@ class Lease:
                         "%s: could not delete the lease (%s); it expires by itself", self._io.location, exc
                     )
         self._io.lease_released(self)
+
+
+class _Renewer:
+    """The thread that renews the leases this process holds, started while it holds any."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Hold no lease (a forked child holds none of its parent's)."""
+        self.leases: set[Lease] = set()
+        self.wake = threading.Condition()
+        self.running = False
+
+    def add(self, lease: Lease) -> None:
+        with self.wake:
+            self.leases.add(lease)
+            if not self.running:
+                self.running = True
+                threading.Thread(target=self._run, name="resumable-leases", daemon=True).start()
+            self.wake.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self.wake:
+                self.leases = {x for x in self.leases if not (x.lost or x._stop.is_set())}  # noqa: SLF001
+                if not self.leases:
+                    self.running = False
+                    return
+                lease = min(self.leases, key=lambda x: x.next_renewal)
+                wait = lease.next_renewal - time.time()
+                if wait > 0:
+                    self.wake.wait(wait)
+                    continue
+                lease.next_renewal = time.time() + lease.ttl / 3
+            lease.renew()  # outside the condition: a request, while leases are added and released
+
+
+_renewer = _Renewer()
+os.register_at_fork(after_in_child=_renewer.reset)
