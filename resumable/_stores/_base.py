@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import builtins
+import errno
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
@@ -134,6 +135,16 @@ def check_key(key: str, location: str) -> str:
         )
         raise UsageError(msg)
     return key
+
+
+def with_path(exc: OSError, path: str) -> OSError:
+    """The same kind of error, naming *path* (os.write's and object stores' errors often name nothing)."""
+    if exc.filename is not None:
+        return exc
+    try:
+        return type(exc)(exc.errno or errno.EIO, exc.strerror or str(exc), path)
+    except TypeError:  # pragma: no cover - an OSError subclass with its own signature
+        return OSError(exc.errno or errno.EIO, exc.strerror or str(exc), path)
 
 
 def stamp_of(st: os.stat_result) -> Stamp:

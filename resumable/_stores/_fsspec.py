@@ -37,9 +37,9 @@ import blake3
 
 from .._slots import SESSIONS_DIR
 from ..exceptions import ResumableError
-from ._base import Buffer, Store, check_key
+from ._base import Buffer, Store, check_key, with_path
 from ._lease import LEASE_KEY, Lease, LeaseConflict, ttl_from_env
-from ._segments import SEGMENTS, Index, Segment, SegmentedLogs, named_error
+from ._segments import SEGMENTS, Index, Segment, SegmentedLogs
 
 # Protocols where writing an object in one request is atomic.
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"})
@@ -178,7 +178,7 @@ class FsspecStore(SegmentedLogs, Store):
             raise FileNotFoundError(errno.ENOENT, "No such object", where) from None
         except OSError as exc:
             if start == 0 and end is None:
-                raise named_error(exc, where) from exc
+                raise with_path(exc, where) from exc
             # a range past the end is an error on S3; locally it reads nothing
             try:
                 size = int(self.fs.info(path, **self._fresh)["size"])
@@ -186,7 +186,7 @@ class FsspecStore(SegmentedLogs, Store):
                 raise FileNotFoundError(errno.ENOENT, "No such object", where) from None
             if start >= size or (end is not None and end <= start):
                 return b""
-            raise named_error(exc, where) from exc
+            raise with_path(exc, where) from exc
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         data = self._read(key, start, end)
@@ -233,7 +233,7 @@ class FsspecStore(SegmentedLogs, Store):
                     self.fs.rm_file(tmp)
                 raise
         except OSError as exc:
-            raise named_error(exc, where) from exc
+            raise with_path(exc, where) from exc
 
     def _rm(self, paths: Sequence[str]) -> None:
         """Delete objects; absent ones are no error."""
@@ -265,7 +265,7 @@ class FsspecStore(SegmentedLogs, Store):
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "No such object", self._where(src)) from None
         except OSError as exc:
-            raise named_error(exc, self._where(dst)) from exc
+            raise with_path(exc, self._where(dst)) from exc
         self._note(dst, present=True)
         self._drop_log(dst)
 
@@ -275,7 +275,7 @@ class FsspecStore(SegmentedLogs, Store):
         try:
             self._rm([self._path(key)])
         except OSError as exc:
-            raise named_error(exc, self._where(key)) from exc
+            raise with_path(exc, self._where(key)) from exc
         self._note(key, present=False)
 
     def list(self, prefix: str = "") -> list[str]:
@@ -370,7 +370,7 @@ class FsspecStore(SegmentedLogs, Store):
         except OSError as exc:
             if _is_precondition_failure(exc):
                 raise LeaseConflict from None
-            raise named_error(exc, self._where(LEASE_KEY)) from exc
+            raise with_path(exc, self._where(LEASE_KEY)) from exc
         return str(out["ETag"])
 
     def lease_delete(self, *, expect: str) -> None:

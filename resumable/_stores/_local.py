@@ -29,7 +29,7 @@ from typing import Any
 
 from .._slots import INTERNAL_DIR, SESSIONS_DIR
 from ..exceptions import StateDirectoryError, StateLockedError
-from ._base import Buffer, Stamp, Store, check_key, stamp_of
+from ._base import Buffer, Stamp, Store, check_key, stamp_of, with_path
 
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _counter = itertools.count()
@@ -57,13 +57,6 @@ def fsync_dir(path: str) -> None:
             os.close(fd)
     except OSError as exc:
         raise with_path(exc, path) from exc
-
-
-def with_path(exc: OSError, path: str) -> OSError:
-    """The same kind of error, naming *path* (os.write errors carry no file name)."""
-    if exc.filename is not None:
-        return exc
-    return type(exc)(exc.errno, exc.strerror, path)
 
 
 def write_all(fd: int, chunks: Sequence[Buffer]) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from .._slots import INTERNAL_DIR
+from ._base import with_path
 
 SEGMENTS = f"{INTERNAL_DIR}/segments"
 FANOUT = 16  # segments of one level merged into one of the next
@@ -82,16 +83,6 @@ class Index:
 
     def keys(self) -> set[str]:
         return self.objects | {k for k, segs in self.logs.items() if segs}
-
-
-def named_error(exc: OSError, where: str) -> OSError:
-    """The same kind of error, naming *where* (errors from object stores often name nothing)."""
-    if exc.filename is not None:
-        return exc
-    try:
-        return type(exc)(exc.errno or errno.EIO, exc.strerror or str(exc), where)
-    except TypeError:  # pragma: no cover - an OSError subclass with its own signature
-        return OSError(exc.errno or errno.EIO, exc.strerror or str(exc), where)
 
 
 class SegmentedLogs:
@@ -163,7 +154,7 @@ class SegmentedLogs:
             except FileNotFoundError:
                 continue  # merged and deleted since the listing: look again
             except OSError as exc:
-                raise named_error(exc, where) from exc
+                raise with_path(exc, where) from exc
         raise self._damaged_log(key, gap)
 
     def _cat_many(self, paths: list[str], starts: list[int], ends: list[int | None]) -> list[bytes]:
