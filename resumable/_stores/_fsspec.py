@@ -129,19 +129,21 @@ class FsspecStore(SegmentedLogs, Store):
             return
         index.objects.add(rel)
 
-    def _scan(self, base: str) -> Index:
-        """List the objects under directory *base* ("" for all), and the segments of keys there."""
+    def _find(self, directory: str) -> builtins.list[str]:
+        """The paths of every object under *directory* ("" for all), listed afresh."""
+        path = self._path(directory).rstrip("/")
+        with contextlib.suppress(AttributeError):
+            self.fs.invalidate_cache(path)
+        try:
+            return builtins.list(self.fs.find(path))
+        except FileNotFoundError:
+            return []
+
+    def _scan(self, *dirs: str) -> Index:
+        """The objects under the directories *dirs*, and the segments of appended keys there."""
         index = Index()
-        dirs = [base, f"{SEGMENTS}/{base}"] if base else [""]
         for d in dirs:
-            path = self._path(d).rstrip("/")
-            with contextlib.suppress(AttributeError):
-                self.fs.invalidate_cache(path)
-            try:
-                found = self.fs.find(path)
-            except FileNotFoundError:
-                continue
-            for p in found:
+            for p in self._find(d):
                 self._classify(p, index)
         return index
 
@@ -284,23 +286,19 @@ class FsspecStore(SegmentedLogs, Store):
             with self._mutex:
                 keys = known.keys()
         else:
-            keys = self._scan(prefix.rpartition("/")[0]).keys()
+            base = prefix.rpartition("/")[0]
+            keys = (self._scan(base, f"{SEGMENTS}/{base}") if base else self._scan("")).keys()
         return sorted(k for k in keys if k.startswith(prefix))
 
     def remove_temp_files(self, *, dry_run: bool = False) -> builtins.list[str]:
         """Delete what a killed writer left: temp objects, unfinished S3 multipart uploads."""
         removed: builtins.list[str] = []
-        if not self.atomic_put:
-            path = self._path("").rstrip("/")
-            with contextlib.suppress(AttributeError):
-                self.fs.invalidate_cache(path)
-            with contextlib.suppress(FileNotFoundError):
-                for p in self.fs.find(path):
-                    name = p.rpartition("/")[2]
-                    if name.startswith(".") and name.endswith(".tmp"):
-                        if not dry_run:
-                            self._rm([p])
-                        removed.append(p[len(self._path("")) :])
+        for p in self._find("") if not self.atomic_put else []:
+            name = p.rpartition("/")[2]
+            if name.startswith(".") and name.endswith(".tmp"):
+                if not dry_run:
+                    self._rm([p])
+                removed.append(p[len(self._prefix) :])
         if self._s3:
             removed += self._abort_uploads(dry_run=dry_run)
         return removed

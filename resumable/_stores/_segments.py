@@ -17,7 +17,6 @@ that does this, on top of the store's whole-object operations and its listing.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import re
 import threading
@@ -105,7 +104,7 @@ class SegmentedLogs:
 
         def _path(self, key: str) -> str: ...
         def _where(self, key: str) -> str: ...
-        def _classify(self, path: str, index: Index) -> None: ...
+        def _scan(self, *dirs: str) -> Index: ...
         def _known(self) -> Index | None: ...
         def _note(self, key: str, *, present: bool) -> None: ...
         def _check_fence(self) -> None: ...
@@ -122,14 +121,7 @@ class SegmentedLogs:
             with self._mutex:
                 return set(known.logs.get(key, ()))
         # only this key's segments: one narrow listing, not the key's whole directory
-        index = Index()
-        path = self._path(f"{SEGMENTS}/{key}")
-        with contextlib.suppress(AttributeError):
-            self.fs.invalidate_cache(path)
-        with contextlib.suppress(FileNotFoundError):
-            for p in self.fs.find(path):
-                self._classify(p, index)
-        return index.logs.get(key, set())
+        return self._scan(f"{SEGMENTS}/{key}").logs.get(key, set())
 
     def _read_log(self, key: str, start: int, end: int | None) -> bytes:
         where = self._where(key)
