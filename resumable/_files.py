@@ -21,7 +21,6 @@ import os
 import stat
 import threading
 import time
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import blake3
@@ -48,33 +47,12 @@ class FileDigests:
         self._cache: dict[str, tuple[_Signature, bytes]] = {}
         self._lock = threading.Lock()
         self.dirty = False
-        # caches to read on first use, one per store location (a run opening again and
-        # again must not pile them up)
-        self._pending: dict[str, tuple[weakref.ref[Store], bytes | None]] = {}
-        self._attached: set[str] = set()  # locations whose cache was read already
-
-    def attach(self, store: Store, secret: bytes | None) -> None:
-        """Use the cache kept in *store* too (read when a path is first fingerprinted)."""
-        if _in_memory(store):
-            return
-        with self._lock:
-            if store.location not in self._attached:
-                # weakly: a pipeline dropped before any path was fingerprinted frees its store
-                self._pending[store.location] = (weakref.ref(store), secret)
 
     def digest(self, path: os.PathLike[str]) -> bytes | None:
         """
         The digest of the file or directory at *path* (32 bytes, a directory's tagged
         differently), or None if nothing is there (the caller then uses the name).
         """
-        if self._pending:
-            with self._lock:
-                pending, self._pending = self._pending, {}
-                self._attached.update(pending)
-            for ref, secret in pending.values():
-                store = ref()
-                if store is not None:
-                    self.load(store, secret)
         try:
             st = os.stat(path)
         except (FileNotFoundError, NotADirectoryError):
@@ -130,8 +108,10 @@ class FileDigests:
 
     # the cache in the state directory ----------------------------------------------------
 
-    def load(self, store: Store, secret: bytes | None) -> None:
-        """Merge the cache kept in *store* (anything malformed in it is ignored)."""
+    def attach(self, store: Store, secret: bytes | None) -> None:
+        """Merge the cache kept in *store*, as its run opens (anything malformed in it is ignored)."""
+        if _in_memory(store):
+            return
         try:
             value = read_verified(store.read(CACHE_KEY), secret).decode(allow_pickle=False)
         except (FileNotFoundError, DamagedFileError):
@@ -162,17 +142,9 @@ class FileDigests:
         except Exception as exc:  # noqa: BLE001 - a cache: never worth failing a run for
             log.debug("file digest cache not written: %s", exc)
 
-    def detach(self, store: Store) -> None:
-        """*store*'s run closed: keep no reference to it (a service opens thousands of sessions)."""
-        with self._lock:
-            self._pending.pop(store.location, None)
-            self._attached.discard(store.location)
-
     def clear(self) -> None:
         with self._lock:
             self._cache.clear()
-            self._pending.clear()
-            self._attached.clear()
             self.dirty = False
 
 

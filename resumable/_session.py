@@ -337,7 +337,6 @@ class RunState:
         )
 
     def _release(self) -> None:
-        file_digests.detach(self.store)
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()

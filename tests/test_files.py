@@ -5,12 +5,14 @@ the stat cache that spares reading an unchanged file, kept in the state director
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 from pathlib import Path, PurePosixPath
 
 import pytest
 
-from resumable import Pipeline
+from resumable import Pipeline, Store
 from resumable._files import CACHE_KEY, FileDigests, file_digests
 from resumable._fingerprint import digest_value
 
@@ -166,18 +168,21 @@ def test_a_damaged_stat_cache_is_ignored(tmp_path: Path):
         assert size.is_cached(source)
 
 
-def test_runs_opened_again_and_again_do_not_pile_up_caches(tmp_path: Path):
-    """Each run attaches the store's digest cache; a thousand runs keep one pending entry, not a thousand."""
-    from resumable import Pipeline
-    from resumable._files import file_digests
+def test_runs_opened_again_and_again_keep_no_reference_to_their_store(tmp_path: Path):
+    """Each run merges the store's digest cache as it opens; the store is freed with its pipeline."""
 
-    pipe = Pipeline("p", state_dir=tmp_path / "state")
+    def fifty_runs() -> weakref.ref[Store]:
+        pipe = Pipeline("p", state_dir=tmp_path / "state")
 
-    @pipe.step
-    def one() -> int:
-        return 1
+        @pipe.step
+        def one() -> int:
+            return 1
 
-    for _ in range(50):
-        with pipe:
-            one()
-    assert len(file_digests._pending) <= 1  # the leak this guards against
+        for _ in range(50):
+            with pipe:
+                one()
+        return weakref.ref(pipe.store)
+
+    store = fifty_runs()
+    gc.collect()
+    assert store() is None
