@@ -189,7 +189,7 @@ class Lease:
         raise locked_error(self._io.location, info)
 
     def _start(self) -> None:
-        self.next_renewal = time.time() + self.ttl / 3
+        self.next_renewal = time.monotonic() + self.ttl / 3
         _renewer.add(self)
 
     # keeping it -----------------------------------------------------------------------------
@@ -291,12 +291,15 @@ class _Renewer:
                     self.running = False
                     return
                 lease = min(self.leases, key=lambda x: x.next_renewal)
-                wait = lease.next_renewal - time.time()
+                wait = lease.next_renewal - time.monotonic()
                 if wait > 0:
                     self.wake.wait(wait)
                     continue
-                lease.next_renewal = time.time() + lease.ttl / 3
-            lease.renew()  # outside the condition: a request, while leases are added and released
+                lease.next_renewal = time.monotonic() + lease.ttl / 3
+            try:
+                lease.renew()  # outside the condition: a request, while leases are added and released
+            except Exception:  # the other leases must still be renewed
+                log.exception("renewing a lease failed; retrying")
 
 
 _renewer = _Renewer()
