@@ -38,7 +38,7 @@ import blake3
 from .._slots import SESSIONS_DIR
 from ..exceptions import ResumableError
 from ._base import Buffer, Store, check_key, with_path
-from ._lease import LEASE_KEY, Lease, LeaseConflict, ttl_from_env
+from ._lease import LEASE_KEY, Lease, LeaseConflict, ttl_seconds
 from ._segments import SEGMENTS, Index, Segment, SegmentedLogs
 
 # Protocols where writing an object in one request is atomic.
@@ -95,7 +95,7 @@ class FsspecStore(SegmentedLogs, Store):
         self._s3 = bool(protocols & {"s3", "s3a"})
         self._one_request: dict[str, Any] = {"max_concurrency": 1} if self._s3 else {}
         self._fresh: dict[str, Any] = {"refresh": True} if self._s3 else {}  # not from s3fs's cache
-        self.lease_ttl = ttl_from_env() if lease_ttl is None else float(lease_ttl)
+        self.lease_ttl = ttl_seconds(lease_ttl)
         self._mutex = threading.RLock()
         self._append_lock = threading.Lock()
         self._lease: Lease | None = None

@@ -57,9 +57,9 @@ class LeaseIO(Protocol):
     def lease_released(self, lease: Lease) -> None: ...
 
 
-def ttl_from_env() -> float:
-    """The lease time to live: ``$RESUMABLE_LEASE_TTL`` seconds, else :data:`DEFAULT_TTL`."""
-    text = os.environ.get(TTL_VARIABLE)
+def ttl_seconds(value: float | None) -> float:
+    """The lease time to live: *value*, else ``$RESUMABLE_LEASE_TTL``, else :data:`DEFAULT_TTL` seconds."""
+    text = os.environ.get(TTL_VARIABLE) if value is None else str(value)
     if not text:
         return DEFAULT_TTL
     try:
@@ -67,7 +67,8 @@ def ttl_from_env() -> float:
     except ValueError:
         ttl = 0.0
     if not ttl > 0:
-        msg = f"${TTL_VARIABLE} must be a number of seconds > 0, got {text!r}"
+        what = f"${TTL_VARIABLE}" if value is None else "lease_ttl"
+        msg = f"{what} must be a number of seconds > 0, got {text!r}"
         raise ResumableError(msg)
     return ttl
 
@@ -115,9 +116,6 @@ class Lease:
     """A held (or lost) lease on *io*'s lease object; :meth:`release` gives it up."""
 
     def __init__(self, io: LeaseIO, holder: Mapping[str, Any], *, ttl: float) -> None:
-        if not ttl > 0:
-            msg = f"the lease time to live must be > 0 seconds, got {ttl!r}"
-            raise ResumableError(msg)
         self._io = io
         self.holder = dict(holder)
         self.ttl = float(ttl)
