@@ -88,12 +88,12 @@ def parse_lease(data: bytes | None) -> dict[str, Any] | None:
     return info if isinstance(info, dict) else {}
 
 
-def expired(info: Mapping[str, Any], now: float | None = None) -> bool:
+def expired(info: Mapping[str, Any]) -> bool:
     """True if the lease described by *info* may be taken over."""
     expires_at = info.get("expires_at")
     if isinstance(expires_at, bool) or not isinstance(expires_at, int | float):
         return True
-    return float(expires_at) <= (time.time() if now is None else now)
+    return float(expires_at) <= time.time()
 
 
 def locked_error(location: str, info: Mapping[str, Any]) -> StateLockedError:
