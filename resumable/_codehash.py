@@ -30,10 +30,8 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
-import inspect
 import linecache
 import reprlib
-import textwrap
 import types
 import weakref
 from itertools import islice
@@ -71,15 +69,6 @@ def _snapshot(fn: types.FunctionType) -> None:
     lines = linecache.getlines(filename, fn.__globals__)
     if lines:
         _snapshots[filename] = list(lines)
-
-
-def _source(fn: types.FunctionType) -> str | None:
-    code = fn.__code__
-    lines = _snapshots.get(code.co_filename) or linecache.getlines(code.co_filename, fn.__globals__)
-    start = code.co_firstlineno - 1
-    if not lines or start >= len(lines):
-        return None
-    return "".join(inspect.getblock(lines[start:]))
 
 
 # per node class: the fields that may hold code (all but _SKIP_FIELDS, which never do), and
@@ -162,42 +151,6 @@ def _module_nodes(filename: str, lines: list[str]) -> dict[int, list[ast.AST]] |
     return index
 
 
-def _own_lines_node(fn: types.FunctionType, lines: list[str]) -> ast.AST | None:
-    """
-    The syntax tree of *fn* from its own lines alone, or None (then the whole file is parsed).
-
-    Its lines run from its first (decorator) line to the first line after its header that is
-    indented no deeper than that line, skipping blank lines, comments and lines a backslash
-    continues. A line like that inside a string or brackets cuts them open, so the lines do
-    not parse alone and the whole file is parsed instead: a function is never cut short.
-    """
-    if fn.__name__ == "<lambda>":
-        return None
-    start = fn.__code__.co_firstlineno - 1
-    if not 0 <= start < len(lines):
-        return None
-    indent = len(lines[start]) - len(lines[start].lstrip())
-    end = start
-    while end < len(lines) and lines[end].lstrip().startswith("@"):  # one-line decorators
-        end += 1
-    end += 1  # the def line
-    while end < len(lines):
-        line = lines[end]
-        text = line.strip()
-        continued = lines[end - 1].rstrip().endswith("\\")
-        if text and not text.startswith("#") and len(line) - len(line.lstrip()) <= indent and not continued:
-            break
-        end += 1
-    try:
-        tree = ast.parse(textwrap.dedent("".join(lines[start:end])))
-    except (SyntaxError, ValueError):
-        return None
-    node = tree.body[0] if len(tree.body) == 1 else None
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == fn.__name__:
-        return node
-    return None
-
-
 def _indexed(fn: types.FunctionType, index: dict[int, list[ast.AST]]) -> ast.AST | None:
     here = index.get(fn.__code__.co_firstlineno, [])
     if fn.__name__ == "<lambda>":
@@ -210,33 +163,11 @@ def _indexed(fn: types.FunctionType, index: dict[int, list[ast.AST]]) -> ast.AST
 
 
 def _function_node(fn: types.FunctionType) -> ast.AST | None:
-    """The syntax tree of *fn* from its source (as snapshotted), or None if it cannot be found."""
+    """The syntax tree of *fn* from its file (as snapshotted), or None if it cannot be found."""
     code = fn.__code__
     lines = _snapshots.get(code.co_filename) or linecache.getlines(code.co_filename, fn.__globals__)
-    # its own lines alone if they parse; else the whole file (parsed once), with no tokenizing
-    found = _own_lines_node(fn, lines) if lines else None
-    if found is None and lines:
-        index = _module_nodes(code.co_filename, lines)
-        found = _indexed(fn, index) if index is not None else None
-    if found is not None:
-        return found
-    try:
-        source = _source(fn)
-        if source is None:
-            return None
-        tree = ast.parse(textwrap.dedent(source))
-    except (SyntaxError, ValueError):  # ValueError: a null byte; IndentationError is a SyntaxError
-        return None
-    kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
-    if fn.__name__ == "<lambda>":
-        matches: list[ast.AST] = [n for n in ast.walk(tree) if isinstance(n, ast.Lambda)]
-    else:
-        matches = [n for n in ast.walk(tree) if isinstance(n, kinds) and n.name == fn.__name__]
-    if not matches:
-        return None
-    if len(matches) > 1 and fn.__name__ == "<lambda>":
-        return None  # several lambdas on one line: cannot tell which one this is
-    return matches[0]
+    index = _module_nodes(code.co_filename, lines) if lines else None
+    return _indexed(fn, index) if index is not None else None
 
 
 def _source_digest(node: ast.AST | None) -> str | None:

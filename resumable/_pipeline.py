@@ -182,30 +182,9 @@ class Pipeline:
         retry_on: RetryOn = Exception,
         idempotent: bool = True,
     ) -> Callable[[Callable[P, R]], Step[P, R]]: ...
-    def step(  # noqa: PLR0913 - the decorator's options
-        self,
-        fn: Callable[P, R] | None = None,
-        /,
-        *,
-        name: str | None = None,
-        version: str | None = None,
-        key: KeySpec | None = None,
-        ignore: Iterable[str] = (),
-        retries: int = 0,
-        retry_on: RetryOn = Exception,
-        idempotent: bool = True,
-    ) -> Step[P, R] | Callable[[Callable[P, R]], Step[P, R]]:
+    def step(self, fn: Callable[P, R] | None = None, /, **options: Any) -> Any:
         """The ``@step`` decorator, binding steps to this pipeline."""
-        decorate: Callable[[Callable[P, R]], Step[P, R]] = step(
-            name=name,
-            version=version,
-            key=key,
-            ignore=ignore,
-            retries=retries,
-            retry_on=retry_on,
-            idempotent=idempotent,
-            pipeline=self,
-        )
+        decorate: Callable[[Callable[P, R]], Step[P, R]] = step(**options, pipeline=self)
         return decorate if fn is None else decorate(fn)
 
     # the run -----------------------------------------------------------------------------

@@ -38,64 +38,6 @@ KeySpec = str | Callable[..., str]
 RetryOn = type[BaseException] | tuple[type[BaseException], ...]
 
 
-def _names(ignore: Iterable[str]) -> frozenset[str]:
-    return frozenset((ignore,) if isinstance(ignore, str) else ignore)
-
-
-def _types(retry_on: object) -> tuple[Any, ...]:
-    return retry_on if isinstance(retry_on, tuple) else (retry_on,)
-
-
-class StepOptions:
-    """
-    The options of ``@step``, in one place: ``step()`` and ``Pipeline.step()`` build one,
-    :meth:`check` validates what does not depend on the function, and the ``StepSpec``
-    checks the rest against the function's signature (``ignore``, ``key``).
-    """
-
-    # a plain class: making an attrs class at import would slow every `import resumable`
-    __slots__ = ("idempotent", "ignore", "key", "name", "retries", "retry_on", "version")
-
-    def __init__(  # noqa: PLR0913 - the options of @step
-        self,
-        *,
-        name: str | None = None,
-        version: str | None = None,
-        key: KeySpec | None = None,
-        ignore: Iterable[str] = (),
-        retries: int = 0,
-        retry_on: RetryOn = Exception,
-        idempotent: bool = True,
-    ) -> None:
-        self.name = name
-        self.version = version
-        self.key = key
-        self.ignore = _names(ignore)
-        self.retries = retries
-        self.retry_on: tuple[type[BaseException], ...] = _types(retry_on)
-        self.idempotent = bool(idempotent)
-
-    def check(self, step: str) -> None:
-        """
-        Raises:
-            StepDefinitionError: an option has a value it cannot have (naming *step*).
-        """
-        if self.version is not None and (not isinstance(self.version, str) or not self.version):
-            msg = f"step {step!r}: version must be a non-empty str, got {self.version!r}"
-            raise StepDefinitionError(msg, step=step)
-        if isinstance(self.retries, bool) or not isinstance(self.retries, int) or self.retries < 0:
-            msg = f"step {step!r}: retries must be an int >= 0, got {self.retries!r}"
-            raise StepDefinitionError(msg, step=step)
-        types = self.retry_on
-        if not types or not all(isinstance(t, type) and issubclass(t, Exception) for t in types):
-            shown = types[0] if len(types) == 1 else types
-            msg = (
-                f"step {step!r}: retry_on must be an exception class or a tuple of them "
-                f"(subclasses of Exception), got {shown!r}"
-            )
-            raise StepDefinitionError(msg, step=step)
-
-
 def by_arguments(*args: Any, **kwargs: Any) -> str:  # noqa: ARG001 - the signature of a key function
     """
     ``@step(key=by_arguments)``: one slot per distinct set of arguments, as ``joblib.Memory``
@@ -145,9 +87,21 @@ class Step(Protocol[P, R_co]):
 
 
 class StepSpec(Generic[P, R]):
-    """Everything known about one step; shared by all its calls."""
+    """Everything known about one step, its options validated; shared by all its calls."""
 
-    def __init__(self, fn: Callable[P, R], options: StepOptions, pipeline: Host | None = None) -> None:
+    def __init__(  # noqa: PLR0913 - the options of @step
+        self,
+        fn: Callable[P, R],
+        *,
+        name: str | None = None,
+        version: str | None = None,
+        key: KeySpec | None = None,
+        ignore: Iterable[str] = (),
+        retries: int = 0,
+        retry_on: RetryOn = Exception,
+        idempotent: bool = True,
+        pipeline: Host | None = None,
+    ) -> None:
         if not callable(fn) or isinstance(fn, type):
             msg = f"@step decorates functions, not {type(fn).__name__} objects"
             raise StepDefinitionError(msg)
@@ -155,24 +109,36 @@ class StepSpec(Generic[P, R]):
             msg = "put @step below @staticmethod/@classmethod, directly on the function"
             raise StepDefinitionError(msg)
         self.fn = fn
-        self.options = options
-        self.name = check_name(options.name if options.name is not None else getattr(fn, "__name__", None))
-        options.check(self.name)
-        self.version = options.version
-        self.retries = options.retries
-        self.retry_on = options.retry_on
-        self.idempotent = options.idempotent
+        self.name = check_name(name if name is not None else getattr(fn, "__name__", None))
+        if version is not None and (not isinstance(version, str) or not version):
+            msg = f"step {self.name!r}: version must be a non-empty str, got {version!r}"
+            raise StepDefinitionError(msg, step=self.name)
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            msg = f"step {self.name!r}: retries must be an int >= 0, got {retries!r}"
+            raise StepDefinitionError(msg, step=self.name)
+        types = retry_on if isinstance(retry_on, tuple) else (retry_on,)
+        if not types or not all(isinstance(t, type) and issubclass(t, Exception) for t in types):
+            shown = types[0] if len(types) == 1 else types
+            msg = (
+                f"step {self.name!r}: retry_on must be an exception class or a tuple of them "
+                f"(subclasses of Exception), got {shown!r}"
+            )
+            raise StepDefinitionError(msg, step=self.name)
+        self.version = version
+        self.retries = retries
+        self.retry_on: tuple[type[BaseException], ...] = types
+        self.idempotent = bool(idempotent)
         self.pipeline = pipeline
         self.is_async = inspect.iscoroutinefunction(fn)
         self.signature = self._signature()
         params = self.signature.parameters
-        self.ignore = options.ignore
+        self.ignore = frozenset((ignore,) if isinstance(ignore, str) else ignore)
         unknown = sorted(self.ignore - set(params))
         if unknown:
             msg = f"step {self.name!r}: ignore= names {unknown}, which are not parameters of it"
             raise StepDefinitionError(msg, step=self.name)
-        self.key = self._check_key(options.key, params)
-        self._binding = self._binding_of(self.signature)
+        self.key = self._check_key(key, params)
+        self._memo_defaults = self._immutable_defaults()
         self._shape: Any = None  # the _codeshape.CodeShape of the step, once known
         self._plans: dict[tuple[object, ...], tuple[str, str | None, str, str, dict[str, str]]] = {}
         self._identity_lock = threading.Lock()
@@ -198,24 +164,12 @@ class StepSpec(Generic[P, R]):
             msg = f"step {self.name!r}: cannot read the signature of {self.fn!r} ({exc})"
             raise StepDefinitionError(msg, step=self.name) from None
 
-    def _binding_of(
-        self, signature: inspect.Signature
-    ) -> tuple[bool, tuple[str, ...], tuple[Any, ...], bool]:
-        """
-        What binding a call needs, in one tuple (a thread sees all of it or none): whether
-        arguments can be bound by position alone, the parameter names and defaults, and
-        whether a call whose defaults are applied may be memoized (they are immutable).
-        """
-        params = signature.parameters
-        kinds = {p.kind for p in params.values()}
-        fast = kinds <= {inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD}
-        defaults = tuple(p.default for p in params.values())
-        # a mutable default changed in place must be fingerprinted as it is at the call
-        memo = all(
+    def _immutable_defaults(self) -> bool:
+        """True if no default can change in place (a call using defaults may then be memoized)."""
+        return all(
             p.default is inspect.Parameter.empty or name in self.ignore or type(p.default) in _MEMO_TYPES
-            for name, p in params.items()
+            for name, p in self.signature.parameters.items()
         )
-        return fast, tuple(params), defaults, memo
 
     def _check_key(self, key: KeySpec | None, params: Any) -> KeySpec | None:
         if key is None or callable(key):
@@ -273,7 +227,7 @@ class StepSpec(Generic[P, R]):
             if shape is stale and (again or shape is None or not shape.current()):
                 if shape is not None:  # its own function may have new parameters (hot reload)
                     self.signature = self._signature()
-                    self._binding = self._binding_of(self.signature)
+                    self._memo_defaults = self._immutable_defaults()
                     self._plans = {}
                 shape = self._shape = self._code_shape()
             return shape
@@ -296,15 +250,6 @@ class StepSpec(Generic[P, R]):
 
     def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
         """The call's arguments by parameter name, defaults applied."""
-        fast, names, defaults, _ = self._binding
-        if fast and not kwargs and len(args) <= len(names):
-            bound = dict(zip(names, args, strict=False))
-            for name, default in zip(names[len(args) :], defaults[len(args) :], strict=True):
-                if default is inspect.Parameter.empty:
-                    break
-                bound[name] = default
-            else:
-                return bound
         try:
             ba = self.signature.bind(*args, **kwargs)
         except TypeError as exc:
@@ -340,9 +285,8 @@ class StepSpec(Generic[P, R]):
         """Resolve a call to its slot and fingerprint."""
         ident = self.identity()
         memo_key = None
-        _, names, _, memo_defaults = self._binding
         memoizable = (not callable(self.key) or self.key is by_arguments) and (
-            memo_defaults or len(args) >= len(names)
+            self._memo_defaults or len(args) >= len(self.signature.parameters)
         )
         if not kwargs and memoizable and all(type(a) in _MEMO_TYPES for a in args):
             # Calls with the same simple arguments (and the same identity and immutable
@@ -426,8 +370,8 @@ def _step_of(value: object) -> StepSpec[Any, Any] | None:
     return spec if isinstance(spec, StepSpec) else None
 
 
-def _make(fn: Callable[P, R], options: StepOptions, pipeline: Host | None) -> Step[P, R]:
-    spec: StepSpec[P, R] = StepSpec(fn, options, pipeline)
+def _make(fn: Callable[P, R], **options: Any) -> Step[P, R]:
+    spec: StepSpec[P, R] = StepSpec(fn, **options)
     wrapper: Any
     if spec.is_async:
 
@@ -500,15 +444,16 @@ def step(  # noqa: PLR0913 - the documented options
         StepDefinitionError: the name, key or an option is invalid, or another function
             already uses the name.
     """
-    options = StepOptions(
-        name=name,
-        version=version,
-        key=key,
-        ignore=ignore,
-        retries=retries,
-        retry_on=retry_on,
-        idempotent=idempotent,
-    )
+    options: dict[str, Any] = {
+        "name": name,
+        "version": version,
+        "key": key,
+        "ignore": ignore,
+        "retries": retries,
+        "retry_on": retry_on,
+        "idempotent": idempotent,
+        "pipeline": pipeline,
+    }
     if fn is None:
-        return functools.partial(_make, options=options, pipeline=pipeline)
-    return _make(fn, options, pipeline)
+        return lambda fn: _make(fn, **options)
+    return _make(fn, **options)
