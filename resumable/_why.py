@@ -41,13 +41,6 @@ def record_code(store: Store, step: str, identity: Identity) -> bool:
     written. Records are named by their digest: the sessions of a store share them (they
     go to the store the session is in).
     """
-    record = {
-        "step": step,
-        "components": identity.components,
-        "sources": identity.sources,
-        "values": {label: short_repr(value) for label, value in identity.values().items()},
-        "left_out": identity.left_out,
-    }
     store = root_of(store)
     key = f"{CODE_DIR}{identity.code}.json"
     try:  # written once: a record is named by the digest of what it holds
@@ -56,6 +49,13 @@ def record_code(store: Store, step: str, identity: Identity) -> bool:
         pass
     else:
         return True
+    record = {
+        "step": step,
+        "components": identity.components,
+        "sources": identity.sources,
+        "values": {label: short_repr(value) for label, value in identity.values().items()},
+        "left_out": identity.left_out,
+    }
     data = json.dumps(record, indent=1, sort_keys=True, ensure_ascii=False).encode()
     try:
         store.write(key, [data], durable=False)
