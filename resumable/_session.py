@@ -1,19 +1,14 @@
 """
-The run state: one open run of a pipeline (in one session of its store), in one class.
-
-A :class:`RunState` holds the store's lock, the journal, and everything a step call does
-with the state: look it up (a *skip* if its slot holds a valid output with the same
-fingerprint, else a miss with the reason why), and run a miss: ``step_started`` is logged
-first (fsynced for ``idempotent=False`` steps), the function runs with retries, its output
-is encoded before anything is overwritten (so an output that cannot be stored fails with
-the previous one intact), written atomically, and ``step_completed`` is logged.
-
-It sits between the public API (steps, pipelines, batches, the command line), which calls
-it, and the state records (journal, history) and codec below, which it calls.
+The run state: one open run of a pipeline (in one session of its store). It holds the lock
+and the journal, looks step calls up (a skip, or a miss with its reason) and runs the misses:
+``step_started`` logged (fsynced for ``idempotent=False`` steps), the function run with
+retries, its output encoded before anything is overwritten, written atomically, and
+``step_completed`` logged.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import itertools
@@ -27,8 +22,8 @@ import time
 import traceback
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Iterable
-from typing import Any
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from typing import Any, NamedTuple
 
 from . import _codehash
 from ._codec import (
@@ -81,12 +76,9 @@ class Execution:
 
 class Loops:
     """
-    The ``checkpointed`` loops of a step call (or of a run, outside steps) not finished yet.
-
-    A loop kept in a variable (``loop = checkpointed(...)``) outlives an exception raised in
-    its body: the traceback holds the frame that holds it. Closing the loops as the
-    exception leaves the step (or the run) commits their finished rows at once, while the
-    run can still write them.
+    The ``checkpointed`` loops of a step call (or of a run, outside steps) not finished yet:
+    closed as an exception leaves the step (or the run), which commits their finished rows
+    while the run can still write them (a loop in a variable outlives the exception).
     """
 
     __slots__ = ("_open",)
@@ -167,29 +159,16 @@ def _key_advice(spec: StepView, plan: Plan) -> str:
     return by_all
 
 
-class Found:
+class Found(NamedTuple):
     """The result of looking a call up: a hit with its value, or a miss with a reason."""
 
-    __slots__ = ("detail", "hit", "params", "ran_at", "reason", "value", "was")
-
-    def __init__(  # noqa: PLR0913 - plain data
-        self,
-        *,
-        hit: bool,
-        value: Any = None,
-        reason: str = "",
-        detail: str = "",
-        was: str | None = None,
-        params: list[str] | None = None,
-        ran_at: str | None = None,
-    ) -> None:
-        self.hit = hit
-        self.value = value
-        self.reason = reason
-        self.detail = detail
-        self.was = was  # for a miss on a stored output: the code digest that made it
-        self.params = params  # and the parameters whose values differ from its
-        self.ran_at = ran_at  # and when it was made
+    hit: bool
+    value: Any = None
+    reason: str = ""
+    detail: str = ""
+    was: str | None = None  # for a miss on a stored output: the code digest that made it
+    params: list[str] | None = None  # and the parameters whose values differ from its
+    ran_at: str | None = None  # and when it was made
 
 
 class RunState:
@@ -603,25 +582,33 @@ class RunState:
         )
         return time.perf_counter()
 
-    def _retry_or_fail(
-        self, spec: StepView, plan: Plan, exc: BaseException, started: float, attempt: int
-    ) -> float | None:
-        """After an attempt raised: the delay before the next one, or None (recorded: re-raise)."""
-        if isinstance(exc, Exception) and isinstance(exc, spec.retry_on) and attempt <= spec.retries:
-            return self._retry_delay(spec, plan, attempt, exc)
-        self._failed_noting(spec, plan, exc, started, attempt)
-        return None
-
-    def _retry_delay(self, spec: StepView, plan: Plan, attempt: int, exc: Exception) -> float:
-        # Exponential backoff with jitter: many workers failing at once do not retry at once.
-        delay = min(RETRY_BASE_DELAY * 2.0 ** (attempt - 1), RETRY_MAX_DELAY)
-        delay *= random.uniform(0.5, 1.0)  # noqa: S311 - spreading retries, not secrets
-        log.warning(
-            "step %r attempt %d of %d failed (%s: %s); retrying in %.1fs",
-            plan.slot, attempt, spec.retries + 1, type(exc).__name__, exc, delay,
-        )  # fmt: skip
-        self.journal.record("step_retry", slot=plan.slot, attempt=attempt + 1, error=_error_fields(exc))
-        return delay
+    @contextlib.contextmanager
+    def _attempt(self, spec: StepView, plan: Plan, started: float, attempt: int) -> Iterator[_Retry]:
+        """
+        One attempt of a step that missed: an exception worth a retry is swallowed (its delay
+        is in the ``_Retry``, with exponential backoff and jitter); any other one is recorded.
+        """
+        execution = Execution(self, spec, plan)
+        token = current_execution.set(execution)
+        retry = _Retry()
+        try:
+            yield retry
+        except BaseException as exc:
+            execution.loops.close()
+            if not (
+                isinstance(exc, Exception) and isinstance(exc, spec.retry_on) and attempt <= spec.retries
+            ):
+                self._failed_noting(spec, plan, exc, started, attempt)
+                raise
+            delay = min(RETRY_BASE_DELAY * 2.0 ** (attempt - 1), RETRY_MAX_DELAY)
+            retry.delay = delay * random.uniform(0.5, 1.0)  # noqa: S311 - spreading retries, not secrets
+            log.warning(
+                "step %r attempt %d of %d failed (%s: %s); retrying in %.1fs",
+                plan.slot, attempt, spec.retries + 1, type(exc).__name__, exc, retry.delay,
+            )  # fmt: skip
+            self.journal.record("step_retry", slot=plan.slot, attempt=attempt + 1, error=_error_fields(exc))
+        finally:
+            current_execution.reset(token)
 
     def complete(self, spec: StepView, plan: Plan, value: Any, started: float, attempts: int) -> None:
         """Store the output atomically, then record the step as completed."""
@@ -729,62 +716,50 @@ class RunState:
     def execute(self, spec: StepView, plan: Plan, found: Found, call: Callable[[], Any]) -> Any:
         """Run a step that missed, with retries, and store its output."""
         started = self.begin(spec, plan, found)
-        attempt = 1
+        attempt = 0
         while True:
-            execution = Execution(self, spec, plan)
-            token = current_execution.set(execution)
-            try:
+            attempt += 1
+            with self._attempt(spec, plan, started, attempt) as retry:
                 value = call()
-            except BaseException as exc:
-                execution.loops.close()
-                delay = self._retry_or_fail(spec, plan, exc, started, attempt)
-                if delay is None:
-                    raise
-            else:
+            if retry.delay is None:
                 self.complete(spec, plan, value, started, attempt)
                 return value
-            finally:
-                current_execution.reset(token)
             try:
-                time.sleep(delay)
+                time.sleep(retry.delay)
             except BaseException as exc:
                 self._failed_noting(spec, plan, exc, started, attempt)
                 raise
-            attempt += 1
 
     async def execute_async(
         self, spec: StepView, plan: Plan, found: Found, call: Callable[[], Coroutine[Any, Any, Any]]
     ) -> Any:
-        """The async twin of :meth:`execute`; the output is written off the event loop."""
+        """The async twin of :meth:`execute`; a durable output is written off the event loop."""
         import asyncio  # noqa: PLC0415 - loaded by the async caller already; slow to import
 
         started = self.begin(spec, plan, found)
-        attempt = 1
+        attempt = 0
         while True:
-            execution = Execution(self, spec, plan)
-            token = current_execution.set(execution)
-            try:
+            attempt += 1
+            with self._attempt(spec, plan, started, attempt) as retry:
                 value = await call()
-            except BaseException as exc:
-                execution.loops.close()
-                delay = self._retry_or_fail(spec, plan, exc, started, attempt)
-                if delay is None:
-                    raise
-            else:
-                if self.durable:
-                    # an fsync takes milliseconds: keep the event loop serving other steps
+            if retry.delay is None:
+                if self.durable:  # an fsync takes milliseconds: keep the event loop serving others
                     await asyncio.to_thread(self.complete, spec, plan, value, started, attempt)
                 else:
                     self.complete(spec, plan, value, started, attempt)
                 return value
-            finally:
-                current_execution.reset(token)
             try:
-                await asyncio.sleep(delay)
+                await asyncio.sleep(retry.delay)
             except BaseException as exc:
                 self._failed_noting(spec, plan, exc, started, attempt)
                 raise
-            attempt += 1
+
+
+class _Retry:
+    __slots__ = ("delay",)
+
+    def __init__(self) -> None:
+        self.delay: float | None = None  # set when an attempt failed and another is due
 
 
 def chunks_of_completed(store: Store, completed: Callable[[str], bool]) -> list[tuple[str, str]]:
