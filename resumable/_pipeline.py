@@ -266,8 +266,7 @@ class Pipeline:
                 self._dropped = None
             if run is not None:
                 run.close(status, error, defined=self._defined())
-                if self._session_id is not None:
-                    self._index_session(run)
+                self._index_session(run)
 
     def _close_at_exit(self, status: str, error: BaseException | None) -> None:
         """Close the run script mode opened, as the interpreter exits with *status*."""
@@ -319,8 +318,7 @@ class Pipeline:
                         self.store.remove_temp_files()
                 finally:
                     run.close("completed")
-                    if self._session_id is not None:
-                        self._index_session(run)
+                    self._index_session(run)
 
     def _maintenance_run(self) -> tuple[RunState, bool]:
         """A run of our own that counts no run (True), or the open run holding the lock here (False)."""
@@ -751,7 +749,7 @@ def snapshot(store: Store) -> dict[str, Any]:
 
 # --- named sessions ----------------------------------------------------------------------
 
-_POLL = 0.02  # seconds between two attempts at a busy session's lock (doubling up to _POLL_MAX)
+_POLL = 0.02  # seconds before the second attempt at a busy session's lock (doubling up to _POLL_MAX)
 _POLL_MAX = 0.5
 
 
@@ -820,33 +818,33 @@ class Session(Pipeline):
         self._session_tokens.append(_context.enter_session(self, self._parent))
         return self
 
+    def _pause(self, busy: SessionBusyError, started: float, attempt: int) -> float:
+        """The wait before the next attempt at the busy session's lock; raises *busy* if out of time."""
+        left = 0.0 if self._wait is None else started + self._wait - time.monotonic()
+        if left <= 0:
+            raise busy
+        return min(_POLL * 2.0 ** min(attempt, 8), _POLL_MAX, left)
+
     def __enter__(self) -> Self:
-        if _context.disabled():
-            return self._opened()
-        deadline = None if self._wait is None else time.monotonic() + self._wait
-        delay = _POLL
-        while (busy := self._try_open()) is not None:
-            left = 0.0 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise busy
-            time.sleep(min(delay, left))
-            delay = min(delay * 2, _POLL_MAX)
+        started = time.monotonic()
+        attempt = 0
+        while not _context.disabled() and (busy := self._try_open()) is not None:
+            time.sleep(self._pause(busy, started, attempt))
+            attempt += 1
         return self._opened()
 
     async def __aenter__(self) -> Self:
         import asyncio  # noqa: PLC0415 - only async users need it
 
-        if _context.disabled():
-            return self._opened()
-        deadline = None if self._wait is None else time.monotonic() + self._wait
-        delay = _POLL
+        started = time.monotonic()
+        attempt = 0
         remote = self._root_store.slow_appends  # a round trip or more: off the event loop
-        while (busy := (await asyncio.to_thread(self._try_open) if remote else self._try_open())) is not None:
-            left = 0.0 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                raise busy
-            await asyncio.sleep(min(delay, left))
-            delay = min(delay * 2, _POLL_MAX)
+        while (
+            not _context.disabled()
+            and (busy := await asyncio.to_thread(self._try_open) if remote else self._try_open()) is not None
+        ):
+            await asyncio.sleep(self._pause(busy, started, attempt))
+            attempt += 1
         return self._opened()
 
     def __exit__(

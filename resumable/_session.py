@@ -202,8 +202,7 @@ class RunState:
         self.token = os.urandom(8).hex()
         self._single_slot: dict[str, str] = {}
         # one call at a time per slot of an idempotent=False step (see slot_lock)
-        self._slot_locks: dict[str, threading.RLock] = {}
-        self._async_slot_locks: dict[str, Any] = {}
+        self._slot_locks: dict[tuple[str, bool], Any] = {}
         self._slot_locks_lock = threading.Lock()
         self._warned: set[str] = set()
         self.maintenance = False
@@ -462,26 +461,22 @@ class RunState:
             )
         return note
 
-    def slot_lock(self, slot: str) -> threading.RLock:
+    def slot_lock(self, slot: str, *, asynchronous: bool = False) -> Any:
         """
-        The lock that serialises calls of one slot of an ``idempotent=False`` step: a second
-        thread calling it while the first runs waits and then finds the stored output,
-        instead of taking the running step for one a dead run left behind.
+        The lock that serialises calls of one slot of an ``idempotent=False`` step (an
+        :class:`asyncio.Lock` for coroutines): a second call waits for the first, then finds
+        its stored output instead of taking the running step for one a dead run left behind.
         """
         with self._slot_locks_lock:
-            lock = self._slot_locks.get(slot)
+            lock = self._slot_locks.get((slot, asynchronous))
             if lock is None:
-                lock = self._slot_locks[slot] = threading.RLock()
-            return lock
+                if asynchronous:
+                    import asyncio  # noqa: PLC0415 - loaded by the async caller already; slow to import
 
-    def async_slot_lock(self, slot: str) -> Any:
-        """:meth:`slot_lock` for coroutines of one event loop (an :class:`asyncio.Lock`)."""
-        import asyncio  # noqa: PLC0415 - loaded by the async caller already; slow to import
-
-        with self._slot_locks_lock:
-            lock = self._async_slot_locks.get(slot)
-            if lock is None:
-                lock = self._async_slot_locks[slot] = asyncio.Lock()
+                    lock = asyncio.Lock()
+                else:
+                    lock = threading.RLock()
+                self._slot_locks[slot, asynchronous] = lock
             return lock
 
     def _record_code(self, spec: StepView, plan: Plan) -> None:

@@ -342,7 +342,7 @@ class StepSpec(Generic[P, R]):
         run = self.host()._session_for(self)  # noqa: SLF001 - the Host protocol
         plan = self.plan(args, kwargs)
         if not self.idempotent:  # never two at once: the second finds the first's output
-            async with run.async_slot_lock(plan.slot):
+            async with run.slot_lock(plan.slot, asynchronous=True):
                 return await self._lookup_or_run_async(run, plan, args, kwargs)
         return await self._lookup_or_run_async(run, plan, args, kwargs)
 
