@@ -8,7 +8,7 @@ its stored digests); it is read only when a step that runs needs its value.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from ._codec import DamagedFileError, value_digest
@@ -16,6 +16,7 @@ from ._fingerprint import StoredOutput
 from ._journal import read_header
 from ._plan import Plan
 from ._session import Found, RunState
+from ._sessions import Outputs
 from ._slots import slot_file
 from ._step import StepSpec
 from ._warn import warn
@@ -26,30 +27,12 @@ class Run:
     """What :meth:`Pipeline.run` did: outputs (loaded on access), executed and skipped slots."""
 
     def __init__(self, outputs: Mapping[str, Any], executed: list[str], skipped: list[str]) -> None:
-        self.outputs: Mapping[str, Any] = _LazyOutputs(outputs)
+        self.outputs: Mapping[str, Any] = Outputs(outputs)
         self.executed = executed
         self.skipped = skipped
 
     def __repr__(self) -> str:
         return f"Run(executed={self.executed!r}, skipped={self.skipped!r})"
-
-
-class _LazyOutputs(Mapping[str, Any]):
-    def __init__(self, data: Mapping[str, Any]) -> None:
-        self._data = data
-
-    def __getitem__(self, name: str) -> Any:
-        value = self._data[name]
-        return value.get() if isinstance(value, StoredOutput) else value
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __repr__(self) -> str:
-        return f"<outputs {list(self._data)}>"
 
 
 def run_steps(owner: str, run: RunState, specs: list[StepSpec[Any, Any]], inputs: Mapping[str, Any]) -> Run:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import os
 import socket
@@ -28,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from ._codec import DamagedFileError, parse_header, read_verified, utcnow
+from ._fingerprint import StoredOutput
 from ._journal import read_head
 from ._sessions_index import index_of
 from ._slots import (
@@ -389,48 +391,44 @@ def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
 
 
 class Outputs(Mapping[str, Any]):
-    """The completed outputs of a keyed step, key → value in completion order, read when used."""
+    """Outputs by step name or key, in order; a :class:`StoredOutput` is loaded when first used."""
 
-    def __init__(
-        self, store: Store, slots: dict[str, str], *, secret: bytes | None, allow_pickle: bool
-    ) -> None:
-        self._store = store
-        self._slots = slots  # key -> slot
-        self._secret = secret
-        self._allow_pickle = allow_pickle
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = data
 
     def __getitem__(self, key: str) -> Any:
-        slot = self._slots[key]
-        where = f"{self._store.location}/{slot_file(slot)}"
-        try:
-            data = self._store.read(slot_file(slot))
-            return read_verified(data, self._secret).decode(allow_pickle=self._allow_pickle)
-        except FileNotFoundError:
-            raise KeyError(key) from None
-        except DamagedFileError as exc:
-            raise ResumableError(f"{where} is damaged: {exc}") from None
+        value = self._data[key]
+        return value.get() if isinstance(value, StoredOutput) else value
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._slots)
+        return iter(self._data)
 
     def __len__(self) -> int:
-        return len(self._slots)
+        return len(self._data)
 
     def __repr__(self) -> str:
-        return f"<outputs {list(self._slots)}>"
+        return f"<outputs {list(self._data)}>"
 
 
 def outputs(
     manifest: Manifest, store: Store, step: str, *, secret: bytes | None, allow_pickle: bool
 ) -> Outputs:
-    """The completed outputs of keyed step *step* in a session's *manifest*, lazily."""
-    keyed = [s for s in manifest.completed_steps if step_of(s) == step and "/" in s]
-    slots: dict[str, str] = {}
-    for slot in keyed:
-        key = _original_key(store, slot)
-        if key is not None:
-            slots[key] = slot
-    return Outputs(store, slots, secret=secret, allow_pickle=allow_pickle)
+    """The completed outputs of keyed step *step* in a session's *manifest*, key → value, lazily."""
+
+    def load(key: str, slot: str) -> Any:
+        try:
+            data = store.read(slot_file(slot))
+            return read_verified(data, secret).decode(allow_pickle=allow_pickle)
+        except FileNotFoundError:
+            raise KeyError(key) from None
+        except DamagedFileError as exc:
+            raise ResumableError(f"{store.location}/{slot_file(slot)} is damaged: {exc}") from None
+
+    found: dict[str, Any] = {}
+    for slot in manifest.completed_steps:
+        if step_of(slot) == step and "/" in slot and (key := _original_key(store, slot)) is not None:
+            found[key] = StoredOutput(slot, "", functools.partial(load, key, slot))
+    return Outputs(found)
 
 
 def _original_key(store: Store, slot: str) -> str | None:
