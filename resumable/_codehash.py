@@ -1,28 +1,11 @@
 """
 Code digests: a step reruns when its logic changes, not when its text moves.
 
-The digest of a function is taken from its syntax tree (comments, whitespace,
-docstring, decorators, annotations and line numbers left out), so reformatting,
-documenting or moving a function keeps its outputs. What the function refers to by
-a global or closure name is part of the digest too:
-
-- plain functions defined in the same module (transitively), also behind decorators
-  (``functools.lru_cache`` and anything setting ``__wrapped__``) and inside dicts, lists
-  and tuples the code uses (dispatch tables),
-- other steps (their version if pinned, else their identity, as of each call),
-- every other value it reads that can be fingerprinted like an argument (strings,
-  numbers, containers, dataclasses ...), read again at every call, so editing
-  ``PROMPT = "..."`` or ``WEATHER = {...}``, or reassigning a global during the run,
-  reruns the steps that use it. Values that cannot be fingerprinted (clients, locks,
-  modules) are left out, and ``resumable why`` lists them; so is what the code changes
-  itself (``CALLS.append(x)``, ``CACHE[k] = v``), read from its bytecode.
-
-How a step's identity is put together from these digests, and kept current in a live
-process, is :mod:`._codeshape`.
-
-Code from other modules and installed packages is not; pin ``version=`` when such a
-change should rerun a step. When the source is unavailable the bytecode is hashed
-instead, which also changes across Python versions.
+A function's digest is taken from its syntax tree (comments, whitespace, docstring,
+decorators, annotations and line numbers left out), or from its bytecode when its source
+cannot be found. What a step's code refers to (same-module helpers and dispatch tables,
+other steps, the values it reads) is followed by :mod:`._codeshape`; code from other
+modules is not (pin ``version=`` for that).
 """
 
 from __future__ import annotations
@@ -33,7 +16,6 @@ import dataclasses
 import linecache
 import reprlib
 import types
-import weakref
 from itertools import islice
 from typing import Any, Literal
 
@@ -53,11 +35,6 @@ _PLAIN_DATA = frozenset({
     type(None), bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset,
 })  # fmt: skip
 
-# each function's code and the digest of its logic (a function whose __code__ is replaced
-# gets another; equal code objects can come from sources differing in default values)
-_cache: weakref.WeakKeyDictionary[types.FunctionType, tuple[types.CodeType, str]] = (
-    weakref.WeakKeyDictionary()
-)
 # Source lines of modules, as they were when their first step was decorated: a file edited
 # while the script runs must not change the digest of the code that is running.
 _snapshots: dict[str, list[str]] = {}
@@ -178,8 +155,8 @@ def _source_digest(node: ast.AST | None) -> str | None:
     return blake3.blake3("".join(out).encode()).hexdigest()
 
 
-def _bytecode_digest(code: types.CodeType, doc: str | None, extra: bytes) -> str:
-    h = blake3.blake3(extra)
+def _bytecode_digest(code: types.CodeType, doc: str | None) -> str:
+    h = blake3.blake3()
 
     def feed(c: types.CodeType) -> None:
         h.update(c.co_code)
@@ -199,15 +176,8 @@ def function_digest(fn: types.FunctionType, node: ast.AST | Literal[False] | Non
     Digest of one function's own logic (not of what it calls); *node*: its syntax tree, if
     known. Its default values are not part of it: they are arguments, or values it reads.
     """
-    code = fn.__code__
-    known = _cache.get(fn)
-    if known is not None and known[0] is code:  # the code is held: it cannot be another one
-        return known[1]
     digest = _source_digest(_function_node(fn) if node is False else node)
-    if digest is None:
-        digest = "bytecode:" + _bytecode_digest(code, fn.__doc__, b"")
-    _cache[fn] = (code, digest)
-    return digest
+    return digest or "bytecode:" + _bytecode_digest(fn.__code__, fn.__doc__)
 
 
 _MAX_SOURCE = 20_000  # characters of a component's source kept for `resumable why`

@@ -1,10 +1,8 @@
 """
-Pipelines: where steps store their outputs, the run lifecycle and the runner.
+Pipelines and their named sessions: where steps store their outputs, and the run lifecycle.
 
 A pipeline's run opens at its first step call (script mode) or when a ``with`` block
-enters it, and closes at interpreter exit or at the end of the block. Steps decorated
-with the module-level ``step`` belong to no pipeline in particular: they run in the
-pipeline of the innermost ``with`` block, else in the default pipeline.
+enters it, and closes at interpreter exit or at the end of the block.
 """
 
 from __future__ import annotations
@@ -139,22 +137,19 @@ class Pipeline:
         if self._store is None:
             with self._lock:
                 if self._store is None:
-                    root = self._root_store
                     sid = self._session_id
+                    root = self._root_store
                     self._store = root if sid is None else _sessions.session_store(root, sid)
         return self._store
 
     @property
     def _root_store(self) -> Store:
         """The store of the default session, which holds the named ones."""
-        if self._root is None:
-            with self._lock:
-                if self._root is None:
-                    location = self._location
-                    if location is None:
-                        location = os.environ.get("RESUMABLE_STATE_DIR") or "state"
-                    self._root = open_store(location, self._storage_options or None)
-        return self._root
+        with self._lock:
+            if self._root is None:
+                location = self._location or os.environ.get("RESUMABLE_STATE_DIR") or "state"
+                self._root = open_store(location, self._storage_options or None)
+            return self._root
 
     @property
     def session_id(self) -> str | None:
@@ -230,10 +225,7 @@ class Pipeline:
         return sorted(set(self._steps) | set(_context.unbound_steps()))
 
     def _session_for(self, spec: StepSpec[Any, Any] | None = None) -> RunState:
-        """
-        The open run, opening one if there is none (script mode: closed at exit). Steps
-        and batches reach it through the :class:`~resumable._context.Host` protocol.
-        """
+        """The open run, opening one if there is none (script mode: closed at exit)."""
         named = _context.session_of(self)
         if named is not None:  # inside `with self.session(id)` in this context
             return named._session_for(spec)  # type: ignore[no-any-return]  # noqa: SLF001
@@ -302,11 +294,7 @@ class Pipeline:
         kept is linked to itself, and that leaves the link's temporary name behind).
         """
         with self._lock:
-            run = self._run
-            if run is not None:
-                yield run
-                return
-            run, own = self._maintenance_run()
+            run, own = (self._run, False) if self._run is not None else self._maintenance_run()
             if not own:
                 yield run
                 return

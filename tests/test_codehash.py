@@ -52,14 +52,12 @@ def modules(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModuleFactory:
 
 
 def digest_of(fn: types.FunctionType) -> str:
-    """function_digest computed afresh (the process-wide cache would hide what is compared)."""
-    _codehash._cache.clear()
+    """function_digest computed afresh."""
     return function_digest(fn)
 
 
 def components_of(fn: types.FunctionType) -> dict[str, str]:
     """Every digest of *fn*'s code identity computed afresh, with steps identified as the runner does."""
-    _codehash._cache.clear()
     shape = code_shape(fn, _step_of)
     found = shape.values(None, ())
     assert found is not None
