@@ -1,13 +1,10 @@
 """
 A step's code identity in a live process: what it is made of, and when to work it out again.
 
-:func:`code_shape` follows a step's callable (its function, wrappers, a partial's function
-and frozen arguments, a method's or callable object's instance) and every name its code
-refers to: same-module helpers and dispatch tables (digested by :mod:`._codehash`), other
-steps, and the values it reads. The :class:`CodeShape` records what each name was bound
-to, and each call checks those bindings (attribute reads, no hashing): a helper or step
-defined again (a notebook cell run again), or a function whose ``__code__`` was replaced
-(hot reload), makes the shape be worked out again, as a fresh process would. What the code
+:func:`code_shape` follows a step's callable (wrappers, a partial's function and arguments,
+a method's or callable object's instance) and every name its code refers to. Each call
+checks the bindings the shape followed (no hashing): a helper or step defined again, or a
+``__code__`` replaced, makes the shape again, as a fresh process would. What the code
 changes itself is read from its bytecode (:func:`changed_names`) and left out.
 """
 
@@ -43,9 +40,7 @@ _code_seen: weakref.WeakKeyDictionary[types.FunctionType, types.CodeType] = weak
 
 
 def snapshot_source(fn: object) -> None:
-    """Keep the source files of the functions *fn* runs as they are now (when a step is decorated)."""
-    # decorating runs while the module executes: the file now is the code now (a module
-    # reloaded after an edit is snapshotted again)
+    """Keep the source files of the functions *fn* runs as they are now (the code now)."""
     for func in _functions_of(fn):
         _snapshot(func)
 
@@ -68,10 +63,9 @@ class NoIdentity(Exception):  # noqa: N818 - turned into StepDefinitionError by 
 
 class CodeShape:
     """
-    What a step's code identity is made of: digests of its own code, its wrappers and the
-    same-module helpers it calls; the steps it calls and the values it reads by name, both
-    read again at every call (a global reassigned or changed in place between calls counts);
-    and what every name it followed was bound to, which :meth:`current` checks at each call.
+    What a step's code identity is made of: digests of its own code, wrappers and helpers;
+    the steps it calls and the values it reads (both read again at every call); and what
+    every name it followed was bound to, which :meth:`current` checks at each call.
     """
 
     __slots__ = (

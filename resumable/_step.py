@@ -8,13 +8,14 @@ still a coroutine function. Its metadata lives in one attribute, ``__resumable_s
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import re
 import string
 import threading
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
+from typing import Any, Concatenate, Generic, ParamSpec, Protocol, Self, TypeVar, overload
 
 import blake3
 
@@ -24,9 +25,6 @@ from ._fingerprint import digest_parameters
 from ._plan import Identity, Plan
 from ._slots import check_name, slot_id
 from .exceptions import StepDefinitionError
-
-if TYPE_CHECKING:
-    from ._session import RunState
 
 P = ParamSpec("P")
 P2 = ParamSpec("P2")
@@ -325,35 +323,26 @@ class StepSpec(Generic[P, R]):
             return self.fn(*args, **kwargs)
         run = self.host()._session_for(self)  # noqa: SLF001 - the Host protocol
         plan = self.plan(args, kwargs)
-        if not self.idempotent:  # never two at once: the second finds the first's output
-            with run.slot_lock(plan.slot):
-                return self._lookup_or_run(run, plan, args, kwargs)
-        return self._lookup_or_run(run, plan, args, kwargs)
-
-    def _lookup_or_run(self, run: RunState, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        found = run.lookup(self, plan)
-        if found.hit:
-            return found.value
-        return run.execute(self, plan, found, functools.partial(self.fn, *args, **kwargs))
+        # never two calls of a non-idempotent slot at once: the second finds the first's output
+        with contextlib.nullcontext() if self.idempotent else run.slot_lock(plan.slot):
+            found = run.lookup(self, plan)
+            if found.hit:
+                return found.value
+            return run.execute(self, plan, found, functools.partial(self.fn, *args, **kwargs))
 
     async def call_async(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if disabled():
             return await self.fn(*args, **kwargs)  # type: ignore[misc]
         run = self.host()._session_for(self)  # noqa: SLF001 - the Host protocol
         plan = self.plan(args, kwargs)
-        if not self.idempotent:  # never two at once: the second finds the first's output
-            async with run.slot_lock(plan.slot, asynchronous=True):
-                return await self._lookup_or_run_async(run, plan, args, kwargs)
-        return await self._lookup_or_run_async(run, plan, args, kwargs)
-
-    async def _lookup_or_run_async(
-        self, run: RunState, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        found = run.lookup(self, plan)
-        if found.hit:
-            return found.value
-        call: Any = functools.partial(self.fn, *args, **kwargs)
-        return await run.execute_async(self, plan, found, call)
+        async with (
+            contextlib.nullcontext() if self.idempotent else run.slot_lock(plan.slot, asynchronous=True)
+        ):
+            found = run.lookup(self, plan)
+            if found.hit:
+                return found.value
+            call: Any = functools.partial(self.fn, *args, **kwargs)
+            return await run.execute_async(self, plan, found, call)
 
     def is_cached(self, *args: Any, **kwargs: Any) -> bool:
         plan = self.plan(args, kwargs)
