@@ -1,14 +1,9 @@
 """
 Which pipeline a step runs in, and which steps exist.
 
-Steps decorated with the module-level ``step`` belong to no pipeline in particular: they
-run in the pipeline of the innermost ``with`` block (of this context, else of any thread),
-else in the default pipeline of script mode. Step names are unique per pipeline (and
-among the unbound steps).
-
-This module sits below steps and pipelines: it holds them as the :class:`Host` and
-:class:`Registered` protocols, and the pipeline class gives it the factory of the default
-pipeline (:func:`set_default_factory`) when it is defined.
+Steps decorated with the module-level ``step`` run in the pipeline of the innermost ``with``
+block (of this context, else of any thread), else in the default pipeline of script mode.
+Step names are unique per pipeline (and among the unbound steps).
 """
 
 from __future__ import annotations
@@ -40,21 +35,11 @@ class Registered(Protocol):
 class Host(Protocol):
     """A pipeline as steps know it (a ``Pipeline`` is one)."""
 
-    # its own steps by name: the pipeline holds them, and they hold it (a cycle the
-    # garbage collector frees once both are dropped)
-    _steps: dict[str, Any]
+    _steps: dict[str, Any]  # its own steps by name (they hold it too: a cycle the GC frees)
 
-    def _session_for(self, spec: Any) -> Any:
-        """The open run (a ``RunState``) steps of this pipeline run in (opened if needed)."""
-        ...
-
-    def _has_output(self, plan: Any) -> bool:
-        """True if *plan*'s slot holds a valid output with its fingerprint."""
-        ...
-
-    def reset(self, *steps: str, downstream: bool = True) -> list[str]:
-        """Forget the outputs of *steps*."""
-        ...
+    def _session_for(self, spec: Any) -> Any: ...  # the open RunState (opened if needed)
+    def _has_output(self, plan: Any) -> bool: ...
+    def reset(self, *steps: str, downstream: bool = True) -> list[str]: ...
 
 
 _lock = threading.RLock()
@@ -122,7 +107,7 @@ def leave(pipeline: object, token: contextvars.Token[Any]) -> None:
 
 
 def set_default_factory(factory: Callable[[], Any]) -> None:
-    """How to make the pipeline of script mode (the pipeline class, given when defined)."""
+    """How to make the pipeline of script mode (the pipeline class gives itself when defined)."""
     global _default_factory  # noqa: PLW0603 - set once, by the pipeline module
     _default_factory = factory
 
@@ -162,9 +147,4 @@ def leave_session(tokens: tuple[contextvars.Token[Any], contextvars.Token[Any]])
 
 def session_of(pipeline: object) -> Any:
     """The innermost named session of *pipeline* entered in this context, or None."""
-    entered = _sessions.get()
-    if entered:
-        for session, owner in entered:
-            if owner is pipeline:
-                return session
-    return None
+    return next((session for session, owner in _sessions.get() if owner is pipeline), None)

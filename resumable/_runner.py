@@ -90,10 +90,8 @@ def _load_or_redo(  # noqa: PLR0913 - what the lazy value needs to load or make 
     digest: str,
 ) -> Any:
     """
-    The output this run found for a skipped step, read when first used. While the run is
-    open (it holds the lock) an output removed or replaced since is made again as a call of
-    the step would make it, with its events. Once the run has closed nothing may be written
-    for it: an output that is no longer the one it found is an error.
+    The output this run found for a skipped step, read when first used: made again (with its
+    events) if removed or replaced since while the run is open; an error once it has closed.
     """
     key = slot_file(plan.slot)
     if not run.closed:
