@@ -861,10 +861,6 @@ class Session(Pipeline):
             self.status(), self.store, step, secret=self._secret, allow_pickle=self.allow_pickle
         )
 
-    def info(self) -> SessionInfo | None:
-        """This session as ``pipe.sessions()`` lists it (None if it was never opened)."""
-        return next((s for s in self._parent.sessions(prefix=self.id) if s.id == self.id), None)
-
     # forking into it ---------------------------------------------------------------------
 
     def _fork_from(self, src: str, at: int | str | None) -> None:

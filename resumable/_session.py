@@ -169,7 +169,6 @@ class Found(NamedTuple):
     detail: str = ""
     was: str | None = None  # for a miss on a stored output: the code digest that made it
     params: list[str] | None = None  # and the parameters whose values differ from its
-    ran_at: str | None = None  # and when it was made
 
 
 class RunState:
@@ -327,27 +326,32 @@ class RunState:
         if plan.key is None:
             self._check_single_slot(spec, plan)
         key = slot_file(plan.slot)
+        checked: Verified | None = None
         try:
             # A slot skipped before in this run is stamped, before it is read, and kept verified
             # (the other order could keep a stale copy); a first skip needs no stamp.
             stamp = key_stamp(self.store, key) if plan.slot in self._skipped else None
             known = self._verified.get(plan.slot)
-            if known is not None and known[0] == stamp:
-                return self._hit_verified(spec, plan, known[1])
-            data = self.store.read(key)
-            header, head_len = parse_header(data)
+            if known is not None and known[0] == stamp:  # verified in this run, unchanged since
+                checked = known[1]
+                header, head_len = checked.header, checked.head_len
+            else:
+                data = self.store.read(key)
+                header, head_len = parse_header(data)
         except (FileNotFoundError, DamagedFileError) as exc:
             return self._unusable(plan, exc)
         miss = self._check_header(spec, plan, header)
         if miss is not None:
             return miss
+        fresh = checked is None
         try:
-            verify(data, header, head_len, self.secret)
-            checked = Verified(data, header, head_len)
+            if checked is None:
+                verify(data, header, head_len, self.secret)
+                checked = Verified(data, header, head_len)
             value = checked.decode(allow_pickle=self.allow_pickle)
         except DamagedFileError as exc:
             return self._corrupt(plan, str(exc))
-        if stamp is not None:
+        if fresh and stamp is not None:
             self._keep_verified(plan.slot, stamp, checked)
         _remember(value, header)
         return self._hit(spec, plan, value, header, head_len)
@@ -406,37 +410,22 @@ class RunState:
             # oldest first, in O(1)
             self._verified_bytes -= len(self._verified.popitem(last=False)[1][1].data)
 
-    def _hit_verified(self, spec: StepView, plan: Plan, checked: Verified) -> Found:
-        """A file already verified in this run and unchanged since: decode it from memory."""
-        miss = self._check_header(spec, plan, checked.header)
-        if miss is not None:
-            return miss
-        value = checked.decode(allow_pickle=self.allow_pickle)
-        _remember(value, checked.header)
-        return self._hit(spec, plan, value, checked.header, checked.head_len)
-
     def _hit(self, spec: StepView, plan: Plan, value: Any, header: dict[str, Any], head_len: int) -> Found:
         self.last_outcome = "ok"
-        if plan.slot not in self._skipped:  # one log line per slot and run is enough
+        if plan.slot not in self._skipped:  # one event per slot and run is enough
             self._skipped.add(plan.slot)
             code = header.get("code")
-            if spec.version is not None and isinstance(code, str) and code != plan.identity.code:
-                self._kept(spec, plan, code)
-            elif plan.slot not in self._recent and self.journal.manifest.steps.is_completed(plan.slot):
-                # The skips of the slots completed last are logged (why and report show them);
-                # older ones change nothing: a run replaying a conversation of 200 turns would
-                # otherwise log 200 skips, and the log would grow with the square of its length.
-                return self._hit_found(plan, spec, header, value)
-            self.journal.record_skip(
-                plan.slot,
-                plan.fingerprint,
-                head_len + header["size"],
-                header.get("created_at"),
-                header["hsum"],
-            )
-        return self._hit_found(plan, spec, header, value)
-
-    def _hit_found(self, plan: Plan, spec: StepView, header: dict[str, Any], value: Any) -> Found:
+            kept = spec.version is not None and isinstance(code, str) and code != plan.identity.code
+            if kept:
+                self._kept(spec, plan, str(code))
+            # The skips of the slots completed last are logged (why and report show them);
+            # older ones change nothing: a run replaying a conversation of 200 turns would
+            # otherwise log 200 skips, and the log would grow with the square of its length.
+            if kept or plan.slot in self._recent or not self.journal.manifest.steps.is_completed(plan.slot):
+                size = head_len + header["size"]
+                self.journal.record_skip(
+                    plan.slot, plan.fingerprint, size, header.get("created_at"), header["hsum"]
+                )
         if log.isEnabledFor(logging.INFO):
             log.info("step %r skipped: %s", plan.slot, self._skip_note(spec, plan, header))
         return Found(hit=True, value=value)
@@ -526,7 +515,7 @@ class RunState:
 
             old_components = _why.code_components(self.store, was) or self._old_code(spec.name)
             reason, detail = "code changed", _codehash.describe_change(old_components, ident.components)
-        found = Found(hit=False, reason=reason, detail=detail, was=was, params=params, ran_at=made)
+        found = Found(hit=False, reason=reason, detail=detail, was=was, params=params)
         if not spec.idempotent:
             raise StepChangedError(plan.slot, _changed_phrase(found), made, step=spec.name)
         return found
@@ -541,14 +530,12 @@ class RunState:
                 f"recomputes all but the last. Give it one slot per call with {_key_advice(spec, plan)}."
             )
 
-    # execution ---------------------------------------------------------------------------
-
     @property
     def closed(self) -> bool:
         """True once the run has released its lock: nothing may be written for it any more."""
         return self._lock is None
 
-    # running a step that missed -------------------------------------------------------------
+    # running a step that missed ----------------------------------------------------------
 
     def begin(self, spec: StepView, plan: Plan, found: Found) -> float:
         """Record that a step starts running (durably for non-idempotent steps)."""
