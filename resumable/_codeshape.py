@@ -124,14 +124,26 @@ class CodeShape:
         left out (by type); None if a value read became code (the shape must be made again).
         *within*: the steps whose identity is being worked out on this thread (a cycle).
         """
-        found = read_values(self, getattr(owner, "name", None))
-        if found is None:
-            return None
-        if self.steps:
-            inside = (*within, owner)
-            for label, spec in self.steps:
-                found[0][label] = "cycle" if spec in inside else spec.identity(inside).identity[:16]
-        return found
+        step = getattr(owner, "name", None)
+        digests: dict[str, str] = {}
+        left_out: dict[str, str] = {}
+        for label, getter in self.reads:
+            value = getter()
+            if value is _MISSING:
+                continue
+            if _is_code(value) and label != "const self":
+                return None
+            name = label.removeprefix("const ")
+            describe = None if step is None else f"step {step!r}: value {name!r} read by its code"
+            digest = value_digest(value, describe)
+            if digest is None:
+                left_out[name] = qualified_name(type(value))
+            else:
+                digests[label] = digest
+        inside = (*within, owner)
+        for label, spec in self.steps:
+            digests[label] = "cycle" if spec in inside else spec.identity(inside).identity[:16]
+        return digests, left_out
 
 
 def _global(namespace: dict[str, Any], name: str) -> Callable[[], object]:
@@ -593,27 +605,3 @@ def code_shape(fn: object, step_of: Callable[[object], Any], owner: object = Non
     builder = _Builder(step_of, owner)
     builder.callable(fn, "code", main=True)
     return builder.finish()
-
-
-def read_values(shape: CodeShape, step: str | None = None) -> tuple[dict[str, str], dict[str, str]] | None:
-    """
-    The digests of the values *shape* reads, as they are now, and those left out (by type);
-    None if one of them is code now (the shape is out of date). *step* names the step in
-    the message about a value that takes long to fingerprint.
-    """
-    digests: dict[str, str] = {}
-    left_out: dict[str, str] = {}
-    for label, getter in shape.reads:
-        value = getter()
-        if value is _MISSING:
-            continue
-        if _is_code(value) and label != "const self":
-            return None
-        name = label.removeprefix("const ")
-        describe = None if step is None else f"step {step!r}: value {name!r} read by its code"
-        digest = value_digest(value, describe)
-        if digest is None:
-            left_out[name] = qualified_name(type(value))
-        else:
-            digests[label] = digest
-    return digests, left_out
