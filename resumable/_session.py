@@ -128,13 +128,10 @@ def _error_fields(exc: BaseException) -> dict[str, str]:
     }
 
 
-# Files verified in this run are kept in memory, stamped, if small (each under the first
-# size, all together under the second): a later skip of the same slot decodes from memory.
+# Small files skipped more than once in a run are kept verified in memory, stamped (at most
+# these sizes and count): a later skip of the same slot decodes from memory.
 _VERIFIED_MAX_FILE = 64 * 1024
 _VERIFIED_MAX_TOTAL = 16 * 1024 * 1024
-# each entry also holds its parsed header (about 1.5 KB): a run skipping 100,000 small slots
-# once each would otherwise keep 36,000 of them (75 MB) for skips that never come; the
-# hot slots of a run (skipped again and again) are far fewer
 _VERIFIED_MAX_FILES = 1024
 
 
@@ -214,7 +211,7 @@ class RunState:
         self._skipped: set[str] = set()
         self._recent: set[str] = set()  # the slots completed last when the run opened
         self._code_recorded: set[str] = set()  # code digests whose record is in the store (_why)
-        # slot -> (stamp, bytes, header, header length) of files verified in this run
+        # slot -> (stamp, verified file) of files skipped again in this run
         self._verified: OrderedDict[str, tuple[Stamp, Verified]] = OrderedDict()
         self._verified_bytes = 0
 
@@ -269,10 +266,7 @@ class RunState:
                 )
                 if self.journal.rebuilt or not (self.journal.large or self.lagging_manifest):
                     self.journal.flush(durable=False)  # manifest.json says "running" at once
-                else:
-                    # Rewriting a manifest of many thousand slots would be most of the cost of
-                    # opening (and most of a session's request): it is rewritten later, and
-                    # readers that fold the log (status, show, history) see the run as running.
+                else:  # a large or lagging manifest is rewritten later; readers fold the log
                     self.journal.write_pending(durable=False)
         except BaseException:
             self._release()
@@ -305,11 +299,10 @@ class RunState:
             self._release()
 
     def prune(self) -> int:
-        """Delete kept output versions that no retained checkpoint needs any more."""
+        """Delete kept output versions that no retained checkpoint needs any more (at the close)."""
         from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
 
         self.journal.write_pending(durable=False)  # the log must hold every event replayed
-        # called as the run closes: nothing changes the manifest any more
         return _history.prune(
             self.store, self.secret, self.keep_checkpoints, self.journal.manifest, durable=False
         )
@@ -396,8 +389,7 @@ class RunState:
         return Found(hit=False, reason="new")
 
     def _keep_verified(self, slot: str, stamp: Stamp, checked: Verified) -> None:
-        # Only small files without out-of-band buffers: their decoded values never share
-        # memory with the data, so what a caller does with a value cannot alter the cache.
+        # small files without out-of-band buffers only: their values never share the data's memory
         data = checked.data
         if checked.header["buffers"] or len(data) > _VERIFIED_MAX_FILE:
             return
@@ -407,7 +399,6 @@ class RunState:
         self._verified[slot] = (stamp, Verified(bytes(data), checked.header, checked.head_len))
         self._verified_bytes += len(data)
         while self._verified_bytes > _VERIFIED_MAX_TOTAL or len(self._verified) > _VERIFIED_MAX_FILES:
-            # oldest first, in O(1)
             self._verified_bytes -= len(self._verified.popitem(last=False)[1][1].data)
 
     def _hit(self, spec: StepView, plan: Plan, value: Any, header: dict[str, Any], head_len: int) -> Found:
