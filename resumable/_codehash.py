@@ -48,17 +48,17 @@ def _snapshot(fn: types.FunctionType) -> None:
         _snapshots[filename] = list(lines)
 
 
-# per node class: the fields that may hold code (all but _SKIP_FIELDS, which never do), and
-# those the canonical text writes (an argument's annotation left out), each with its "field="
-_FIELDS: dict[type, tuple[tuple[str, ...], tuple[tuple[str, str], ...]]] = {}
+# per node class: the fields the canonical text writes (all but _SKIP_FIELDS, which never
+# hold code, and an argument's annotation), each with its "field="
+_FIELDS: dict[type, tuple[tuple[str, str], ...]] = {}
 
 
-def _fields_of(kind: type) -> tuple[tuple[str, ...], tuple[tuple[str, str], ...]]:
+def _fields_of(kind: type) -> tuple[tuple[str, str], ...]:
     fields = _FIELDS.get(kind)
     if fields is None:
-        code = tuple(f for f in kind._fields if f not in _SKIP_FIELDS)  # type: ignore[attr-defined]
-        written = tuple((f, f"{f}=") for f in code if not (f == "annotation" and issubclass(kind, ast.arg)))
-        fields = _FIELDS[kind] = (code, written)
+        names = [f for f in kind._fields if f not in _SKIP_FIELDS]  # type: ignore[attr-defined]
+        fields = tuple((f, f"{f}=") for f in names if not (f == "annotation" and issubclass(kind, ast.arg)))
+        _FIELDS[kind] = fields
     return fields
 
 
@@ -67,7 +67,7 @@ def _canon(node: ast.AST, out: list[str], *, top: bool = False) -> None:
     kind = type(node)
     out.append(kind.__name__)
     out.append("(")
-    for field, label in _fields_of(kind)[1]:
+    for field, label in _fields_of(kind):
         if top and field in _TOP_SKIP:
             continue
         value = getattr(node, field, None)
