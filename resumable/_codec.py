@@ -32,7 +32,6 @@ import msgpack
 from . import _codec_arrays  # noqa: F401 - adds NumPy and pandas values to the codec
 from ._checksum import PREFIX, checksum, short_digest
 from ._codec_types import Decoder, Encoder, StandInDecoder, Undecodable, Unstorable, find_path, qualified_name
-from ._stores import Stamp, Store, key_stamp
 from .exceptions import SerializationError, StateFormatError
 
 FORMAT = 1
@@ -369,43 +368,6 @@ def read_verified(data: Buffer, secret: bytes | None) -> Verified:
     header, head_len = parse_header(data)
     verify(data, header, head_len, secret)
     return Verified(data, header, head_len)
-
-
-@attrs.define
-class Reading:
-    """An output file read whole, its header parsed (a lookup checks it before the rest), and its stamp."""
-
-    data: Buffer
-    header: dict[str, Any]
-    head_len: int
-    stamp: Stamp | None
-
-    def verified(self, secret: bytes | None) -> Verified:
-        """
-        The file read, checked.
-
-        Raises:
-            DamagedFileError: it is incomplete, forged or damaged.
-        """
-        verify(self.data, self.header, self.head_len, secret)
-        return Verified(self.data, self.header, self.head_len)
-
-
-def read_output(store: Store, key: str) -> Reading:
-    """
-    Read the output file *key* of *store* and parse its header.
-
-    Raises:
-        FileNotFoundError: there is no such file.
-        DamagedFileError: it is not a resumable output file (a damaged header).
-        StateFormatError: it was written by a newer version.
-    """
-    # The stamp first: if the file is replaced in between, the stamp is of an older version
-    # and the next lookup reads the file again (the other order could keep a stale copy).
-    stamp = key_stamp(store, key)
-    data = store.read(key)
-    header, head_len = parse_header(data)
-    return Reading(data, header, head_len, stamp)
 
 
 def _read_path(path: str | os.PathLike[str]) -> bytearray:
