@@ -79,10 +79,13 @@ class Progress:
         parts += [f"failed {self._failed:,}"] if self._failed else []
         return ", ".join(parts) or None
 
-    def failed(self, n: int) -> None:
-        if n and self.bar is not None:
-            self._failed += n
+    def advance(self, rows: int, failed: int = 0) -> None:
+        if self.bar is None:
+            return
+        if failed:
+            self._failed += failed
             self.bar.set_postfix_str(self._text(), refresh=False)
+        self.bar.update(rows)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -152,23 +155,17 @@ def run_sequential(ledger: Ledger, source: Source, job: Job, progress: Progress)
     fn, record, bar = job.fn, job.record, progress.bar
     for start, rows in ledger.pieces(source):
         results: list[Any] = []
-        append = results.append
         try:
-            if record or bar is not None:
-                for index, row in enumerate(rows, start):
-                    try:
-                        value = fn(row)
-                    except Exception as exc:
-                        if not record:
-                            raise
-                        value = RowFailure.of(index, exc)
-                        progress.failed(1)
-                    append(value)
-                    if bar is not None:
-                        bar.update(1)
-            else:
-                for row in rows:  # the hot loop: nothing but the call
-                    append(fn(row))
+            for index, row in enumerate(rows, start):
+                try:
+                    results.append(fn(row))
+                except Exception as exc:
+                    if not record:
+                        raise
+                    results.append(RowFailure.of(index, exc))
+                    progress.advance(0, failed=1)
+                if bar is not None:
+                    bar.update(1)
         except BaseException:
             ledger.salvage(start, rows[: len(results)], results)
             raise
@@ -236,8 +233,7 @@ def _each(
                 for row in rows:
                     yield row
                     done += 1
-                    if progress.bar is not None:
-                        progress.bar.update(1)
+                    progress.advance(1)
             except BaseException:  # the loop was left (GeneratorExit), or an exception thrown in
                 ledger.salvage(start, rows[:done], state)
                 raise
@@ -302,8 +298,7 @@ def _drain(
         results = future.result()
         ledger.commit(start, rows, results)
         if progress.bar is not None:
-            progress.failed(sum(type(r) is RowFailure for r in results) if job.record else 0)
-            progress.bar.update(len(rows))
+            progress.advance(len(rows), sum(type(r) is RowFailure for r in results) if job.record else 0)
     if failed is not None:
         pending.pop(failed)
         failed.result()  # raises the row's exception
@@ -312,41 +307,7 @@ def _drain(
 # async -------------------------------------------------------------------------------------
 
 
-class _Open:
-    """A piece whose rows are running: its results so far."""
-
-    __slots__ = ("left", "results", "rows")
-
-    def __init__(self, rows: list[Any]) -> None:
-        self.rows = rows
-        self.results: list[Any] = [_PENDING] * len(rows)
-        self.left = len(rows)
-
-    def finished_runs(self, start: int) -> Iterator[tuple[int, list[Any], list[Any]]]:
-        """Each run of consecutive finished rows: (its start, its rows, their results)."""
-        i = 0
-        n = len(self.rows)
-        while i < n:
-            if self.results[i] is _PENDING:
-                i += 1
-                continue
-            j = i
-            while j < n and self.results[j] is not _PENDING:
-                j += 1
-            yield start + i, self.rows[i:j], self.results[i:j]
-            i = j
-
-
-async def _call(fn: Callable[[Any], Any], row: Any, index: int, record: bool) -> Any:
-    try:
-        return await fn(row)
-    except Exception as exc:
-        if not record:
-            raise
-        return RowFailure.of(index, exc)
-
-
-async def run_async(ledger: Ledger, source: Source, job: Job, progress: Progress) -> None:  # noqa: C901, PLR0912, PLR0915 - one scheduling loop, kept in one piece
+async def run_async(ledger: Ledger, source: Source, job: Job, progress: Progress) -> None:  # noqa: C901 - one scheduler and the two coroutines it runs
     """
     Keep at most ``job.concurrency`` calls of the async function in flight; commit each
     piece when its last row finishes. At most a few pieces are open at once, so a crash
@@ -354,70 +315,72 @@ async def run_async(ledger: Ledger, source: Source, job: Job, progress: Progress
     """
     import asyncio  # noqa: PLC0415 - only async steps need it; it takes longer to import than this package
 
-    fn, record, concurrency = job.fn, job.record, job.concurrency
-    pieces = ledger.pieces(source)
-    max_open = max(2, -(-concurrency // ledger.every) + 1)
-    open_: dict[int, _Open] = {}
-    queue: list[tuple[int, int]] = []  # (piece start, row offset) not started yet, reversed
-    running: dict[asyncio.Future[Any], tuple[int, int]] = {}
-    exhausted = False
-    try:
-        while True:
-            while len(running) < concurrency:
-                if not queue:
-                    if exhausted or len(open_) >= max_open:
-                        break
-                    piece = next(pieces, None)
-                    if piece is None:
-                        exhausted = True
-                        break
-                    start, rows = piece
-                    open_[start] = _Open(rows)
-                    queue = [(start, i) for i in reversed(range(len(rows)))]
-                start, i = queue.pop()
-                row = open_[start].rows[i]
-                running[asyncio.ensure_future(_call(fn, row, start + i, record))] = (start, i)
-            if not running:
-                break
-            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            error: BaseException | None = None
-            complete = []
+    fn, record = job.fn, job.record
+    in_flight = asyncio.Semaphore(job.concurrency)
+    max_open = max(2, -(-job.concurrency // ledger.every) + 1)
+    open_: dict[int, tuple[list[Any], list[Any]]] = {}  # start -> (rows, results so far)
+
+    async def call(results: list[Any], i: int, row: Any, index: int) -> None:
+        async with in_flight:
+            try:
+                results[i] = await fn(row)
+            except Exception as exc:
+                if not record:
+                    raise
+                results[i] = RowFailure.of(index, exc)
+                progress.advance(0, failed=1)
+        progress.advance(1)
+
+    async def piece(start: int, rows: list[Any]) -> None:
+        results = [_PENDING] * len(rows)
+        open_[start] = (rows, results)
+        calls = [asyncio.ensure_future(call(results, i, row, start + i)) for i, row in enumerate(rows)]
+        try:
+            await asyncio.gather(*calls)
+        finally:
+            for task in calls:
+                task.cancel()  # the others, when one failed
+        del open_[start]
+        if ledger.durable:  # an fsync takes milliseconds: keep the event loop serving the calls in flight
+            await asyncio.to_thread(ledger.commit, start, rows, results)
+        else:
+            ledger.commit(start, rows, results)
+
+    running: set[asyncio.Future[None]] = set()
+
+    async def settle(limit: int) -> None:
+        nonlocal running
+        while len(running) > limit:
+            done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
-                start, i = running.pop(task)
-                if task.exception() is not None:
-                    error = error or task.exception()
-                    continue
-                piece_ = open_[start]
-                piece_.results[i] = task.result()
-                piece_.left -= 1
-                if progress.bar is not None:
-                    progress.failed(type(piece_.results[i]) is RowFailure)
-                    progress.bar.update(1)
-                if not piece_.left:
-                    complete.append(start)
-            for start in sorted(complete):
-                finished = open_.pop(start)
-                if ledger.durable:
-                    # an fsync takes milliseconds: keep the event loop serving the calls in flight
-                    await asyncio.to_thread(ledger.commit, start, finished.rows, finished.results)
-                else:
-                    ledger.commit(start, finished.rows, finished.results)
-            if error is not None:
-                _reraise(error)
+                task.result()  # raises a row's exception
+
+    try:
+        for start, rows in ledger.pieces(source):
+            await settle(max_open - 1)
+            running.add(asyncio.ensure_future(piece(start, rows)))
+        await settle(0)
     except BaseException:
         for task in running:
             task.cancel()
         if running:
             await asyncio.wait(running)
-        for task, (start, i) in running.items():
-            if not task.cancelled() and task.exception() is None and start in open_:
-                open_[start].results[i] = task.result()  # finished before it could be cancelled
-        for start, piece_ in open_.items():
-            for run_start, rows, results in piece_.finished_runs(start):
-                ledger.salvage(run_start, rows, results)
+        for start, (rows, results) in open_.items():
+            for run_start, run_rows, run_results in _finished_runs(start, rows, results):
+                ledger.salvage(run_start, run_rows, run_results)
         ledger.report(force=True)
         raise
 
 
-def _reraise(error: BaseException) -> None:
-    raise error
+def _finished_runs(
+    start: int, rows: list[Any], results: list[Any]
+) -> Iterator[tuple[int, list[Any], list[Any]]]:
+    """Each run of consecutive finished rows of a piece: (its start, its rows, their results)."""
+    i, n = 0, len(rows)
+    while i < n:
+        j = i
+        while j < n and results[j] is not _PENDING:
+            j += 1
+        if j > i:
+            yield start + i, rows[i:j], results[i:j]
+        i = j + 1
