@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 from ._chunklog import LOG, Record, resolve, scan
@@ -32,7 +32,6 @@ log = logging.getLogger("resumable")
 
 RECORD = "batch.msgpack"
 _CHUNK = re.compile(r"(\d{12})-(\d{12})-(\d+)-([mf][0-9a-f]{24})\.msgpack")
-_MERGED_READ = 64 << 20  # at most this many bytes of the log are read at once when assembling
 
 
 class Chunk(NamedTuple):
@@ -192,65 +191,28 @@ class ChunkStore:
             DamagedFileError: it is damaged, forged, or holds other rows.
         """
         if chunk.offset < 0:
-            return _checked(self.run.store.read(self.directory + chunk.file_name), chunk, self.run.secret)
+            data = self.run.store.read(self.directory + chunk.file_name)
+        else:
+            data = self._read_log(chunk.offset, chunk.offset + chunk.length)
+            if len(data) != chunk.length:
+                msg = "the chunk log ends inside it"
+                raise DamagedFileError(msg)
         # a writable buffer, as from a file: arrays decoded from it are writable
-        data = bytearray(self._read_log(chunk.offset, chunk.offset + chunk.length))
-        return _checked(data, chunk, self.run.secret)
-
-    def read_many(self, chunks: list[Chunk]) -> Iterator[tuple[Chunk, Verified | DamagedFileError]]:
-        """Each chunk with its verified contents, or what is wrong with it (the log read in long runs)."""
-        run: list[Chunk] = []
-        for chunk in sorted(chunks, key=lambda c: c.offset):
-            if chunk.offset < 0:
-                yield chunk, _attempt(self.read, chunk)
-                continue
-            if run and (
-                chunk.offset != run[-1].offset + run[-1].length
-                or chunk.offset + chunk.length - run[0].offset > _MERGED_READ
-            ):
-                yield from self._read_run(run)
-                run = []
-            run.append(chunk)
-        if run:
-            yield from self._read_run(run)
-
-    def _read_run(self, run: list[Chunk]) -> Iterator[tuple[Chunk, Verified | DamagedFileError]]:
-        """Consecutive records of the log, read at once."""
-        first, last = run[0], run[-1]
-        # a writable buffer, as from a file: arrays decoded from it are writable
-        view = memoryview(bytearray(self._read_log(first.offset, last.offset + last.length)))
-        for chunk in run:
-            start = chunk.offset - first.offset
-            try:
-                yield chunk, _checked(view[start : start + chunk.length], chunk, self.run.secret)
-            except DamagedFileError as exc:
-                yield chunk, exc
+        checked = read_verified(bytearray(data), self.run.secret)
+        if (
+            checked.header.get("rows") != [chunk.start, chunk.end]
+            or checked.header.get("digest") != chunk.digest
+        ):
+            msg = (
+                "it holds other rows than its name says"
+                if chunk.offset < 0
+                else "it holds other rows than the log said"
+            )
+            raise DamagedFileError(msg)
+        return checked
 
 
 def _chunk_of(record: Record) -> Chunk:
     header = record.header
     start, end = header["rows"]
     return Chunk(start, end, header["failures"], header["digest"], record.offset, record.length)
-
-
-def _checked(data: bytes | bytearray | memoryview, chunk: Chunk, secret: bytes | None) -> Verified:
-    if chunk.offset >= 0 and len(data) != chunk.length:
-        msg = "the chunk log ends inside it"
-        raise DamagedFileError(msg)
-    checked = read_verified(data, secret)
-    header = checked.header
-    if header.get("rows") != [chunk.start, chunk.end] or header.get("digest") != chunk.digest:
-        msg = (
-            "it holds other rows than its name says"
-            if chunk.offset < 0
-            else "it holds other rows than the log said"
-        )
-        raise DamagedFileError(msg)
-    return checked
-
-
-def _attempt(read: Callable[[Chunk], Verified], chunk: Chunk) -> Verified | DamagedFileError:
-    try:
-        return read(chunk)
-    except DamagedFileError as exc:
-        return exc

@@ -511,11 +511,9 @@ class StoredLedger(Ledger):
         stored: dict[Chunk, list[Any]] = {}
         damaged: list[str] = []
         allow_pickle = self.where.run.allow_pickle
-        for chunk, checked in self._chunks.read_many(earlier):
+        for chunk in earlier:
             try:
-                if isinstance(checked, DamagedFileError):
-                    raise checked
-                stored[chunk] = _results(checked.decode(allow_pickle=allow_pickle), chunk)
+                stored[chunk] = _results(self._chunks.read(chunk).decode(allow_pickle=allow_pickle), chunk)
             except DamagedFileError as exc:
                 damaged.append(f"{chunk.label} ({exc})")
         if damaged:
