@@ -9,6 +9,7 @@ its ``name=``, and its chunks stay until the state is reset. How chunks are stor
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from concurrent.futures import Executor, ThreadPoolExecutor
@@ -199,28 +200,26 @@ def checkpointed_map(  # noqa: PLR0913 - the documented options
         job = Job(fn, record=record, progress=progress, concurrency=concurrency or DEFAULT_CONCURRENCY)
         return _map_async(job, _locate(name, "checkpointed_map", items), source, every)
     where = _locate(name, "checkpointed_map", items)
-    if executor is None and concurrency is not None and concurrency > 1:
-        with ThreadPoolExecutor(concurrency, thread_name_prefix="resumable-batch") as pool:
-            job = Job(fn, record=record, progress=progress, executor=pool, window=2 * concurrency)
-            return _map(job, where, source, every)
-    if executor is not None:
-        executor = _as_executor(executor)
-        window = concurrency or 2 * workers_of(executor)
+    window = 0  # pieces submitted to an executor at once
+    with contextlib.ExitStack() as stack:
+        if executor is not None:
+            executor = _as_executor(executor)
+            window = concurrency or 2 * workers_of(executor)
+        elif concurrency is not None and concurrency > 1:
+            executor = stack.enter_context(
+                ThreadPoolExecutor(concurrency, thread_name_prefix="resumable-batch")
+            )
+            window = 2 * concurrency
         job = Job(fn, record=record, progress=progress, executor=executor, window=window)
         return _map(job, where, source, every)
-    return _map(Job(fn, record=record, progress=progress), where, source, every)
 
 
 def _map(job: Job, where: Where | None, source: Source, every: int) -> list[Any]:
     runner = run_sequential if job.executor is None else run_executor
     for attempt in range(3):
-        ledger = ledger_for(where, kind="map", every=every, total=source.total, record_failures=job.record)
-        ledger.open()
-        bar = Progress(job.progress, ledger)
-        try:
+        ledger = _open(job, where, source, every)
+        with Progress(job.progress, ledger) as bar:
             runner(ledger, source, job, bar)
-        finally:
-            bar.close()
         ledger.finish()
         try:
             return ledger.assemble()
@@ -231,19 +230,21 @@ def _map(job: Job, where: Where | None, source: Source, every: int) -> list[Any]
 
 async def _map_async(job: Job, where: Where | None, source: Source, every: int) -> list[Any]:
     for attempt in range(3):
-        ledger = ledger_for(where, kind="map", every=every, total=source.total, record_failures=job.record)
-        ledger.open()
-        bar = Progress(job.progress, ledger)
-        try:
+        ledger = _open(job, where, source, every)
+        with Progress(job.progress, ledger) as bar:
             await run_async(ledger, source, job, bar)
-        finally:
-            bar.close()
         ledger.finish()
         try:
             return ledger.assemble()
         except DamagedChunksError:
             source = _again(source, ledger, attempt)
     raise AssertionError  # pragma: no cover - _again raises on the last attempt
+
+
+def _open(job: Job, where: Where | None, source: Source, every: int) -> Ledger:
+    ledger = ledger_for(where, kind="map", every=every, total=source.total, record_failures=job.record)
+    ledger.open()
+    return ledger
 
 
 def _again(source: Source, ledger: Ledger, attempt: int) -> Source:

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import FIRST_COMPLETED, wait
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Self, TypeVar
 
 import attrs
 
@@ -87,7 +87,10 @@ class Progress:
             self.bar.set_postfix_str(self._text(), refresh=False)
         self.bar.update(rows)
 
-    def close(self) -> None:
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         if self.bar is not None:
             self.bar.close()
 
@@ -225,8 +228,7 @@ def _each(
     ledger: Ledger, source: Source, setting: bool | None, state: dict[str, Any]
 ) -> Generator[Any, None, None]:
     """Yield the rows still to do; a row is done when the consumer asks for the next one."""
-    progress = Progress(setting, ledger)
-    try:
+    with Progress(setting, ledger) as progress:
         for start, rows in ledger.pieces(source):
             done = 0
             try:
@@ -239,8 +241,6 @@ def _each(
                 raise
             ledger.commit(start, rows, state)
         ledger.finish()
-    finally:
-        progress.close()
 
 
 # executors ---------------------------------------------------------------------------------
