@@ -1,16 +1,7 @@
 """
-Where a batch's committed chunks are: records of one chunk log, or objects of their own.
-
-On a store whose appends are not slow (:attr:`Store.slow_appends`: the local directory, memory)
-a commit appends one record to the batch's chunk log (see :mod:`resumable._chunklog`): one
-write, and one sync when durable. On other stores (object stores, where every object is
-written whole) each chunk is an object named by its rows::
-
-    000000000000-000000000100-0-m5f0c...a1.msgpack    rows 0 to 99, no failed row
-
-Both are read on every store: a state copied from an object store holds chunk files, and
-one copied to an object store may hold a log. A chunk is never changed once
-committed: a chunk file is deleted, a log record is voided by a void record appended later.
+Where a batch's committed chunks are: records of one chunk log (:mod:`resumable._chunklog`)
+on stores that append cheaply, else an object per chunk, named by its rows. Both are read on
+every store, so a state copied between kinds of stores resumes.
 """
 
 from __future__ import annotations
@@ -74,10 +65,7 @@ class ChunkStore:
         self._lock = threading.Lock()
 
     def find(self) -> tuple[bool, list[Chunk]]:
-        """
-        Whether the batch record exists, and the committed chunks, in no particular order.
-        A torn tail of the log is cut; damage in it is warned about once (and voided).
-        """
+        """Whether the batch record exists, and the committed chunks (a torn log tail is cut)."""
         has_record = has_log = False
         chunks: list[Chunk] = []
         prefix = self.directory
@@ -102,7 +90,6 @@ class ChunkStore:
         records, damaged = resolve(found, self._read_log, self.run.secret)
         self._end = found.end
         if found.tail:
-            # a record a crash cut short: the next record goes where the whole ones end
             self._cut(found.end, durable=self.run.durable)
             log.info(
                 "batch %r: cut the last %d bytes of %s/%s, a record cut short by a crash; "
@@ -123,7 +110,6 @@ class ChunkStore:
     # changing ----------------------------------------------------------------------------
 
     def add(self, start: int, end: int, failures: int, digest: str, framed: Framed) -> Chunk:
-        """Store one committed chunk (rows *start* to *end*, framed); return it, with its place."""
         run = self.run
         if not self.appends:
             chunk = Chunk(start, end, failures, digest)
@@ -133,7 +119,7 @@ class ChunkStore:
         return Chunk(start, end, failures, digest, self._append(data, durable=run.durable), len(data))
 
     def _append(self, data: bytes, *, durable: bool) -> int:
-        """Append one record to the log in one write; return where it starts."""
+        """Append one record to the log; return where it starts."""
         store = self.run.store
         with self._lock:
             if self._torn:
@@ -149,7 +135,7 @@ class ChunkStore:
             return offset
 
     def _cut(self, size: int, *, durable: bool) -> None:
-        """Rewrite the log without what follows its first *size* bytes (a record cut short)."""
+        """Keep only the log's first *size* bytes."""
         store = self.run.store
         store.write(self.log_key, [store.read(self.log_key, 0, size)], durable=durable)
 
@@ -157,12 +143,10 @@ class ChunkStore:
         """Append a void record: the records (or damaged bytes) at *offsets* no longer count."""
         meta = {"slot": self.label, "batch": self.directory, "void": sorted(offsets)}
         framed = frame(encode(None, allow_pickle=False), meta, secret=self.run.secret)
-        # Not fsynced: a later durable append fsyncs it too (the same file), and if a crash
-        # loses it, the next run finds the same records to drop again.
+        # not fsynced: the next durable append syncs it, and a lost one is found again next run
         self._append(b"".join(framed.chunks()), durable=False)
 
     def drop(self, chunks: Iterable[Chunk]) -> None:
-        """Forget committed chunks: delete their files, void their records."""
         offsets = []
         for chunk in chunks:
             if chunk.offset < 0:
@@ -173,7 +157,6 @@ class ChunkStore:
             self._void(offsets)
 
     def drop_all(self, chunks: Iterable[Chunk]) -> None:
-        """Forget every chunk: delete the chunk files and the log."""
         store = self.run.store
         for chunk in chunks:
             if chunk.offset < 0:
@@ -184,12 +167,7 @@ class ChunkStore:
     # reading -----------------------------------------------------------------------------
 
     def read(self, chunk: Chunk) -> Verified:
-        """
-        The chunk's verified contents.
-
-        Raises:
-            DamagedFileError: it is damaged, forged, or holds other rows.
-        """
+        """The chunk's verified contents (DamagedFileError: damaged, forged, or other rows)."""
         if chunk.offset < 0:
             data = self.run.store.read(self.directory + chunk.file_name)
         else:

@@ -1,19 +1,7 @@
 """
-Row chunks: which rows of a batch are committed, and committing more.
-
-A batch lives in one directory of the store (see :func:`resumable._slots.batch_dir`)::
-
-    batch.msgpack      the batch record (kind, every, total, owner)
-    chunks.log         the committed chunks, one record each (stores that append cheaply)
-    000000000000-000000000100-0-m5f0c...a1.msgpack    or a file per chunk (other stores)
-
-A chunk says which rows it holds, how many of them failed, and a digest of the rows'
-*inputs* (in its record's header, or its file's name); its value (framed like an output
-file: checksum, HMAC with a secret) holds their results. Reading the headers therefore
-tells which rows are committed without reading any result, and a resume checks its input
-by digesting the committed rows' inputs again. Chunks are only ever added: a commit
-appends one record (or writes one new file), so the cost of a commit does not grow with
-the rows committed before it. Where chunks are kept is :mod:`resumable._batch_chunks`.
+Which rows of a batch are committed, and committing more: the batch's record and chunks
+(the layout is in docs/batches.md, "On-disk layout"; where chunks are kept, in
+:mod:`resumable._batch_chunks`).
 """
 
 from __future__ import annotations
@@ -79,11 +67,7 @@ class DamagedChunksError(Exception):
 
 
 class Ledger:
-    """
-    The commits of one batch call, kept in memory only: the null object of a batch, used
-    with ``RESUMABLE_DISABLE=1``, where nothing is read or written. :class:`StoredLedger`
-    (the batch's chunks in the store) extends it.
-    """
+    """The commits of one batch call, in memory only (``RESUMABLE_DISABLE=1``)."""
 
     def __init__(self, *, kind: str, every: int, total: int | None, record_failures: bool = False) -> None:
         self.kind = kind
@@ -257,11 +241,7 @@ class StoredLedger(Ledger):
         return None
 
     def _code_changed(self, record: dict[str, Any], chunks: list[Chunk]) -> str | None:
-        """
-        Keep the rows earlier code computed (work already paid for), except those chunks
-        that hold failed rows: the change is likely their fix. Say so once, and how to redo all.
-        A new ``version`` declares the results different: then nothing is kept.
-        """
+        """Keep the rows earlier code computed, except chunks with failed rows (none after a new version)."""
         where = self.where
         identity = str(record.get("identity"))
         if identity == str(where.identity):
@@ -298,9 +278,7 @@ class StoredLedger(Ledger):
                     f"{_rows(chunks)} committed row(s), computed with the old ones, are not reused."
                 )
             return f"the step's arguments changed{what}"
-        # Only the items changed: committed rows whose input row is unchanged are kept, the
-        # others are redone (no InputChangedError).
-        self._lenient = True
+        self._lenient = True  # only the items changed: pieces() keeps the chunks whose input is unchanged
         log.info(
             "batch %r: its items changed; committed rows whose input is unchanged are kept", where.display
         )
@@ -311,7 +289,6 @@ class StoredLedger(Ledger):
         end = 0
         for chunk in chunks:
             if chunk.start < end or chunk.end <= chunk.start:
-                # never written by resumable: chunks are only made for rows not yet committed
                 warn(
                     f"batch {self.display!r}: chunk {chunk.label} overlaps another one; "
                     f"it is dropped and its rows are done again."
@@ -340,11 +317,8 @@ class StoredLedger(Ledger):
 
     def pieces(self, source: Source) -> Iterator[tuple[int, list[Any]]]:
         """
-        Yield ``(start, rows)`` for the rows still to do, at most :attr:`every` at a time,
-        checking on the way that the committed rows' input has not changed.
-
-        Raises:
-            InputChangedError: it has (named batches, or a step whose arguments are the same).
+        Yield ``(start, rows)`` for the rows still to do, checking that the committed rows'
+        input has not changed (raising InputChangedError, unless only a step's items did).
         """
         committed = list(self.chunks)
         limit = source.total
@@ -383,12 +357,7 @@ class StoredLedger(Ledger):
     # committing --------------------------------------------------------------------------
 
     def commit(self, start: int, rows: Sequence[Any], results: Any) -> None:
-        """
-        Store the results of ``rows`` (input rows ``start`` on) as one new chunk.
-
-        Raises:
-            SerializationError: a result cannot be stored.
-        """
+        """Store the results of ``rows`` (input rows ``start`` on) as one new chunk."""
         size = len(rows)
         where = self.where
         failures = sum(type(r) is RowFailure for r in results) if self.record_failures else 0
@@ -398,7 +367,6 @@ class StoredLedger(Ledger):
         try:
             encoded = encode(results, allow_pickle=run.allow_pickle)
         except SerializationError:
-            # again, for the message (not built for every commit: it takes as long as a write)
             encode(results, allow_pickle=run.allow_pickle, what=self._what(start, end))
             raise  # pragma: no cover - the second encode raises the same error
         meta = {
@@ -462,8 +430,6 @@ class StoredLedger(Ledger):
 
     def _save_record(self) -> None:
         where = self.where
-        # In lenient mode the stored record keeps the old arguments until finish(): a crash
-        # before every chunk committed under them was checked checks them again, leniently.
         record = self._record()
         run = where.run
         encoded = encode(record, allow_pickle=False, what="a batch record")
@@ -479,8 +445,7 @@ class StoredLedger(Ledger):
             return
         self._reported = now
         progress = {"done": self.done, "every": self.every, "total": self.total, "failures": self.failures}
-        # `resumed` and `failure` (a sample) are for `resumable report`; older logs lack them
-        extra: dict[str, Any] = {"resumed": self.resumed}
+        extra: dict[str, Any] = {"resumed": self.resumed}  # and a sample failure: for `resumable report`
         if self.failure is not None:
             extra["failure"] = self.failure
         where.run.journal.record("batch", defer=True, batch=where.label, progress=progress, **extra)
@@ -500,13 +465,7 @@ class StoredLedger(Ledger):
     # assembling --------------------------------------------------------------------------
 
     def assemble(self) -> list[Any]:
-        """
-        The results of every row, in input order: this call's from memory, earlier ones
-        read (and verified) from their chunks.
-
-        Raises:
-            DamagedChunksError: some chunks were damaged; they have been deleted.
-        """
+        """The results of every row, in input order (DamagedChunksError: damaged chunks were dropped)."""
         earlier = [c for c in self.chunks if c.start not in self.fresh]
         stored: dict[Chunk, list[Any]] = {}
         damaged: list[str] = []
@@ -531,10 +490,6 @@ class StoredLedger(Ledger):
         return out
 
     def restore_state(self, state: dict[str, Any]) -> None:
-        """
-        Put the loop state committed with the newest chunk into *state* (a ``checkpointed``
-        loop's): it is the state after the last committed row.
-        """
         if not self.chunks:
             return
         self._carries_state = True
@@ -560,7 +515,7 @@ _WHAT = {"map": "results", "each": "loop state"}  # what a chunk holds
 
 
 def _changed(old: object, new: dict[str, str] | None) -> set[str] | None:
-    """The parameters whose digests differ (None if a record predates per-parameter digests)."""
+    """The parameters whose digests differ (None if the record has none)."""
     if not isinstance(old, dict) or new is None:
         return None
     return {name for name in old.keys() | new.keys() if old.get(name) != new.get(name)}

@@ -1,20 +1,11 @@
 """
-A batch's chunk log: its committed row chunks, one record after another in one object.
+A batch's chunk log: one record after another, each framed like a file of its own
+(:func:`resumable._codec.frame`), so every record is checked on its own. A record's header
+holds either a chunk (``rows``, ``digest``, ``failures``; its value: the results) or a void
+(``void``: offsets of earlier records or damaged bytes that no longer count).
 
-Each record is framed exactly like a file of its own (:func:`resumable._codec.frame`: a
-msgpack header holding the checksum of the value, and an HMAC with a secret, then the
-value), so the log is a stream of msgpack objects and every record is checked on its own.
-Its header says what it is:
-
-- a chunk: ``rows`` (``[start, end]``), ``digest`` (of the input rows) and ``failures``;
-  its value is the rows' results (for ``checkpointed``, the loop state);
-- a void: ``void``, the offsets of earlier records (or damaged bytes) that no longer
-  count; its value is nil.
-
-A record is appended with one write, so a crash leaves at most the last record cut short.
-:func:`scan` reads headers only, never a chunk's value, and says where the whole records
-end: what follows is a torn tail, to be cut. A damaged header in the middle is stepped over by looking for the
-next header (every header starts with the same bytes).
+:func:`scan` reads headers only and says where the whole records end (what follows is a
+torn tail, to be cut); a damaged header is stepped over by looking for the next one.
 """
 
 from __future__ import annotations
@@ -77,14 +68,13 @@ class Scan:
 
 
 class _Reader:
-    """Reads a log in blocks through *read_range*, learning its size on the way."""
+    """Reads a log in blocks through *read_range*, learning its size on the way (from a short read)."""
 
     def __init__(self, read_range: ReadRange) -> None:
         self._read = read_range
         self._buf: bytes | bytearray = b""
         self._start = 0
-        self._seen = 0  # the log is at least this long
-        self.size: int | None = None  # exactly, once a read came back short
+        self.size: int | None = None
 
     def view(self, pos: int, n: int) -> memoryview:
         """*n* bytes from *pos*, fewer only at the end of the log."""
@@ -93,10 +83,8 @@ class _Reader:
         if not (start <= pos and (pos + n <= have or have == self.size)):
             want = max(n, _BLOCK)
             buf = self._read(pos, pos + want)
-            if buf:
-                self._seen = max(self._seen, pos + len(buf))
-                if len(buf) < want:
-                    self.size = pos + len(buf)
+            if len(buf) < want:
+                self.size = pos + len(buf)
             self._buf = buf
             self._start = start = pos
         return memoryview(buf)[pos - start : pos - start + n]
@@ -112,16 +100,6 @@ class _Reader:
             if n < _BLOCK:
                 return -1
             pos += n - len(pattern) + 1
-
-    def total(self) -> int:
-        """The log's size (reading on from the last byte known to exist, if need be)."""
-        pos = self._seen
-        while self.size is None:
-            data = self._read(pos, pos + _BLOCK)
-            if len(data) < _BLOCK:
-                self.size = pos + len(data)
-            pos += len(data)
-        return self.size
 
 
 def scan(read_range: ReadRange, batch: str) -> Scan:
@@ -147,7 +125,7 @@ def scan(read_range: ReadRange, batch: str) -> Scan:
             break  # nothing whole after it: a torn tail
         out.damaged.append(Damage(pos, after, found))
         pos = after
-    out.size = reader.total()
+    out.size = reader.size or 0  # a scan stops only after a short read
     return out
 
 
