@@ -1,10 +1,6 @@
 """
-Rows committed in chunks: ``checkpointed`` and ``checkpointed_map``.
-
-Inside a step a batch belongs to the step's slot, and its chunks are removed when the
-step completes (its output then holds the results). Outside a step a batch is known by
-its ``name=``, and its chunks stay until the state is reset. How chunks are stored is in
-:mod:`resumable._batch_ledger`; how rows are run, in :mod:`resumable._batch_exec`.
+Rows committed in chunks: ``checkpointed`` and ``checkpointed_map``. Which rows are
+committed is :mod:`resumable._batch_ledger`'s; running them, :mod:`resumable._batch_exec`'s.
 """
 
 from __future__ import annotations

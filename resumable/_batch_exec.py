@@ -1,10 +1,7 @@
 """
-Running a batch's rows: in this thread, on an executor, or on the event loop.
-
-Every runner takes the pieces still to do from :meth:`Ledger.pieces` and commits each
-finished piece as one chunk. When an exception (or Ctrl-C, or a cancellation) stops it,
-the rows already finished are committed before the exception goes on, unchanged. Only
-the calling process writes state: executors return results, they commit nothing.
+Running a batch's rows: in this thread, on an executor, or on the event loop. Each runner
+commits every finished piece as one chunk; when an exception (Ctrl-C, a cancellation)
+stops it, the rows already finished are committed before the exception goes on.
 """
 
 from __future__ import annotations
@@ -96,10 +93,7 @@ class Progress:
 
 
 def wanted(setting: bool | None) -> bool:
-    """
-    Whether to show a bar: never with ``RESUMABLE_PROGRESS=0``; else as *setting* says;
-    else with ``RESUMABLE_PROGRESS=1`` or when stderr is a terminal.
-    """
+    """Whether to show a bar: ``RESUMABLE_PROGRESS=0`` wins, then *setting*, then ``=1`` or a terminal."""
     env = os.environ.get("RESUMABLE_PROGRESS", "").strip().lower()
     if env in _OFF:
         return False
@@ -115,11 +109,7 @@ _watching: list[int] = []  # the pid whose parent this worker process watches (s
 
 
 def _exit_with_parent() -> None:
-    """
-    In a worker process (a process pool's), exit when the process that started it dies:
-    a run killed with ``kill -9`` must not leave its workers running rows nobody will commit.
-    A daemon thread checks the parent's pid every second (no signal, no platform call).
-    """
+    """In a process pool's worker, exit once the run that started it died (checked every second)."""
     if _watching and _watching[0] == os.getpid():
         return
     parent = multiprocessing.parent_process()
@@ -178,14 +168,7 @@ def run_sequential(ledger: Ledger, source: Source, job: Job, progress: Progress)
 class Checkpointed(Generic[T]):
     """
     What :func:`~resumable.checkpointed` returns: an iterator over the items not yet done,
-    and :attr:`state`, the loop's own small state (counters, totals), committed with every
-    chunk of rows and restored on resume::
-
-        loop = checkpointed(rows, every=500, state={"errors": 0})
-        for row in loop:
-            if not send(row):
-                loop.state["errors"] += 1
-        print(loop.state["errors"])  # right after a resume too
+    and :attr:`state`, the loop's own state, committed with every chunk and restored on resume.
     """
 
     __slots__ = ("__weakref__", "_owner", "_rows", "state")
@@ -308,11 +291,7 @@ def _drain(
 
 
 async def run_async(ledger: Ledger, source: Source, job: Job, progress: Progress) -> None:  # noqa: C901 - one scheduler and the two coroutines it runs
-    """
-    Keep at most ``job.concurrency`` calls of the async function in flight; commit each
-    piece when its last row finishes. At most a few pieces are open at once, so a crash
-    loses at most their rows.
-    """
+    """At most ``job.concurrency`` calls in flight over a few pieces; each piece committed when done."""
     import asyncio  # noqa: PLC0415 - only async steps need it; it takes longer to import than this package
 
     fn, record = job.fn, job.record
