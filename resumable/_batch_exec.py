@@ -148,14 +148,15 @@ def run_sequential(ledger: Ledger, source: Source, job: Job, progress: Progress)
     fn, record, bar = job.fn, job.record, progress.bar
     for start, rows in ledger.pieces(source):
         results: list[Any] = []
+        append = results.append
         try:
-            for index, row in enumerate(rows, start):
+            for row in rows:
                 try:
-                    results.append(fn(row))
+                    append(fn(row))
                 except Exception as exc:
                     if not record:
                         raise
-                    results.append(RowFailure.of(index, exc))
+                    append(RowFailure.of(start + len(results), exc))
                     progress.advance(0, failed=1)
                 if bar is not None:
                     bar.update(1)
