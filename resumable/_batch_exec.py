@@ -332,8 +332,8 @@ async def run_async(ledger: Ledger, source: Source, job: Job, progress: Progress
         nonlocal running
         while len(running) > limit:
             done, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                task.result()  # raises a row's exception
+            if (error := _first_error(done)) is not None:
+                raise error
 
     try:
         for start, rows in ledger.pieces(source):
@@ -345,11 +345,18 @@ async def run_async(ledger: Ledger, source: Source, job: Job, progress: Progress
             task.cancel()
         if running:
             await asyncio.wait(running)
+            _first_error(running)
         for start, (rows, results) in open_.items():
             for run_start, run_rows, run_results in _finished_runs(start, rows, results):
                 ledger.salvage(run_start, run_rows, run_results)
         ledger.report(force=True)
         raise
+
+
+def _first_error(tasks: set[asyncio.Future[None]]) -> BaseException | None:
+    """The exception of one of *tasks* (each one's retrieved, so that asyncio does not log it)."""
+    errors = [task.exception() for task in tasks if not task.cancelled()]
+    return next((error for error in errors if error is not None), None)
 
 
 def _finished_runs(

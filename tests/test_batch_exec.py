@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import threading
 import time
@@ -260,6 +261,29 @@ def test_async_record_and_callable_objects(pipe: Pipeline):
         out = asyncio.run(checkpointed_map(fn, range(6), every=4, name="r", on_error="record"))
     assert [1000, 1001, 1002, RowFailure(3, "RuntimeError", "async boom at 3"), 1004, 1005] == out
     assert 1 == pipe.status().batches["r"].failures
+
+
+def test_async_failures_in_several_pieces_raise_one_and_log_none(
+    pipe: Pipeline, caplog: pytest.LogCaptureFixture
+):
+    """Rows failing at once in several open pieces: one error is raised; asyncio logs no unretrieved one."""
+
+    async def fn(x: int) -> int:
+        await asyncio.sleep(0.01)
+        if x % 10 == 3:
+            raise ValueError(f"bad {x}")
+        return x
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="bad"):
+            await checkpointed_map(fn, range(100), every=10, name="f", concurrency=40)
+        gc.collect()
+        await asyncio.sleep(0.05)
+
+    with pipe, caplog.at_level("ERROR", logger="asyncio"):
+        asyncio.run(main())
+        gc.collect()
+    assert [] == [r.getMessage() for r in caplog.records if r.name == "asyncio"]
 
 
 def test_async_fn_with_executor_is_refused():
