@@ -20,7 +20,7 @@ from ._codec import DamagedFileError, encode, frame, read_verified
 from ._codec_types import qualified_name
 from ._session import RunState
 from ._warn import warn
-from .exceptions import InputChangedError, ResumableError, SerializationError
+from .exceptions import InputChangedError, ResumableError
 
 log = logging.getLogger("resumable")
 
@@ -364,11 +364,8 @@ class StoredLedger(Ledger):
         run = where.run
         digest = self._digester.digest(rows if type(rows) is list else list(rows))
         end = start + size
-        try:
-            encoded = encode(results, allow_pickle=run.allow_pickle)
-        except SerializationError:
-            encode(results, allow_pickle=run.allow_pickle, what=self._what(start, end))
-            raise  # pragma: no cover - the second encode raises the same error
+        what = f"the {_WHAT[self.kind]} of batch {where.display!r}, rows {start:,} to {end - 1:,}"
+        encoded = encode(results, allow_pickle=run.allow_pickle, what=what)
         meta = {
             "slot": where.label,
             "batch": where.directory,
@@ -389,9 +386,6 @@ class StoredLedger(Ledger):
             self.done += size
             self.failures += failures
             self.report()
-
-    def _what(self, start: int, end: int) -> str:
-        return f"the {_WHAT[self.kind]} of batch {self.where.display!r}, {Chunk(start, end, 0, '').rows}"
 
     def salvage(self, start: int, rows: Sequence[Any], results: Any) -> None:
         """Commit the rows finished before an exception; a failure here is only logged."""
