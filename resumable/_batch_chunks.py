@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("resumable")
 
 RECORD = "batch.msgpack"
-_CHUNK = re.compile(r"(\d{12})-(\d{12})-(\d+)-([mf][0-9a-f]{24})\.msgpack")
+_CHUNK = re.compile(r"(\d{12})-(\d{12})-(\d+)-(f[0-9a-f]{24})\.msgpack")
 
 
 class Chunk(NamedTuple):
