@@ -321,10 +321,7 @@ async def run_async(ledger: Ledger, source: Source, job: Job, progress: Progress
             for task in calls:
                 task.cancel()  # the others, when one failed
         del open_[start]
-        if ledger.durable:  # an fsync takes milliseconds: keep the event loop serving the calls in flight
-            await asyncio.to_thread(ledger.commit, start, rows, results)
-        else:
-            ledger.commit(start, rows, results)
+        await _commit(ledger, start, rows, results)
 
     running: set[asyncio.Future[None]] = set()
 
@@ -353,7 +350,23 @@ async def run_async(ledger: Ledger, source: Source, job: Job, progress: Progress
         raise
 
 
-def _first_error(tasks: set[asyncio.Future[None]]) -> BaseException | None:
+async def _commit(ledger: Ledger, start: int, rows: list[Any], results: list[Any]) -> None:
+    """Commit a finished piece; a durable commit (an fsync) off the event loop, finished even if cancelled."""
+    import asyncio  # noqa: PLC0415 - see run_async
+
+    if not ledger.durable:
+        ledger.commit(start, rows, results)
+        return
+    commit = asyncio.ensure_future(asyncio.to_thread(ledger.commit, start, rows, results))
+    try:
+        await asyncio.shield(commit)
+    except asyncio.CancelledError:
+        await asyncio.wait([commit])
+        _first_error({commit})  # rows it could not commit are done again next time
+        raise
+
+
+def _first_error(tasks: set[asyncio.Future[Any]]) -> BaseException | None:
     """The exception of one of *tasks* (each one's retrieved, so that asyncio does not log it)."""
     errors = [task.exception() for task in tasks if not task.cancelled()]
     return next((error for error in errors if error is not None), None)
