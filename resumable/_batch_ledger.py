@@ -442,7 +442,7 @@ class StoredLedger(Ledger):
         extra: dict[str, Any] = {"resumed": self.resumed}  # and a sample failure: for `resumable report`
         if self.failure is not None:
             extra["failure"] = self.failure
-        where.run.journal.record("batch", defer=True, batch=where.label, progress=progress, **extra)
+        where.run.journal.record("batch", batch=where.label, progress=progress, **extra)
 
     def _drop(self, chunks: list[Chunk]) -> None:
         if self._carries_state and chunks:

@@ -1,15 +1,14 @@
 """
 The event log and the manifest it folds into.
 
-Every state change is an event appended to ``events.jsonl`` on the caller's thread (a
-single ``write``; no rename, no fsync unless the change must survive a power loss before
-the step runs). Events that need not be on disk at once (an idempotent step's start and
-end, skips, batch progress) wait in memory, under the journal's lock, for the next event
-written: one recorded :data:`FLUSH_INTERVAL` seconds after them writes them, the run's
-close at the latest. ``manifest.json`` is rewritten atomically by the thread recording an
-event when it is older than its interval, and durably when a run closes. A reader loads
-the manifest and replays the events written after it, so a killed process loses nothing
-the log holds, and a lost or damaged manifest is rebuilt from the log and the step files.
+Every state change is an event appended to ``events.jsonl`` on the caller's thread, one
+``write`` each (fsynced only when the change must survive a power loss before the step
+runs); on a store with slow appends (an object store) events wait for the next one that must
+be on disk, or for the next rewrite of the manifest. ``manifest.json`` is rewritten
+atomically by the thread recording an event when it is older than its interval, and durably
+when a run closes. A reader loads the manifest and replays the events written after it, so
+a killed process loses nothing the log holds, and a lost or damaged manifest is rebuilt
+from the log and the step files.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Mapping
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 import msgpack
@@ -49,42 +48,9 @@ from .exceptions import ResumableWarning, StateDirectoryError, StateFormatError
 
 FLUSH_INTERVAL = 0.2
 _MAX_INTERVAL = 10.0
-_MAX_PENDING = 1000  # skips kept in memory before they are appended to the log
 # Files changed up to this long before the manifest's last event are checked for outputs it
 # does not know (clocks of the file system and of the event stamps may differ a little).
 _RECONCILE_SLACK = 10.0
-
-
-_Skip = tuple[float, str, str, int, str | None, str | None]
-
-
-def _skip_event(skip: _Skip, stamp: str) -> dict[str, Any]:
-    _, slot, fingerprint, size, created_at, file = skip
-    return {
-        "t": stamp,
-        "event": "step_skipped",
-        "slot": slot,
-        "fingerprint": fingerprint,
-        "bytes": size,
-        "created_at": created_at,
-        "file": file,
-    }
-
-
-def _skips_event(skips: list[_Skip]) -> dict[str, Any]:
-    """
-    Skips in a row as one event: a run that skips 100,000 slots logs 100 lines of about
-    115 bytes a slot, instead of 100,000 lines of 214 bytes (each parsed on its own by a replay).
-    """
-    return {
-        "t": _stamp(skips[0][0]),
-        "event": "steps_skipped",
-        "skips": [list(skip[1:]) for skip in skips],  # slot, fingerprint, bytes, created_at, file
-    }
-
-
-def _stamp(t: float) -> str:
-    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 _HEAD = 4096
@@ -192,14 +158,11 @@ class Journal:
         self.lock = threading.RLock()
         self.fold = Fold(Manifest(workflow_id=uuid.uuid4().hex, pipeline=pipeline))
         self._offset = 0
-        # events not yet appended (under the lock): dicts, and skips as tuples (turned into
-        # dicts when written); _pending_since: when the first of them was recorded
-        self._pending: list[dict[str, Any] | _Skip] = []
-        self._pending_since = 0.0
+        # events not yet appended (under the lock): on a store with slow appends, or after an error
+        self._pending: list[dict[str, Any]] = []
         self._flush_lock = threading.Lock()  # one manifest write at a time
         self._manifest_interval = FLUSH_INTERVAL
         self._manifest_written = time.monotonic()  # when manifest.json was last read or written
-        self._append_is_slow = store.slow_appends
         self._torn = False  # an append failed: the log may end with part of a line
         self._log_entry_durable = True
         self.rebuilt = False  # load found no usable manifest.json and rebuilt it
@@ -432,7 +395,7 @@ class Journal:
             for _, event in found:
                 self.fold.apply(event)
                 if not self.readonly:
-                    self._add_pending(event)
+                    self._pending.append(event)
             if not self.readonly:
                 self._write_pending(durable=False)
         return len(found)
@@ -471,17 +434,15 @@ class Journal:
 
     # recording ---------------------------------------------------------------------------
 
-    def record(self, event: str, *, sync: bool = False, defer: bool = False, **fields: Any) -> None:
+    def record(self, event: str, *, sync: bool = False, **fields: Any) -> None:
         """
-        Apply an event to the manifest and append it to the log (with the events pending).
+        Apply an event to the manifest and append it to the log; then, if ``manifest.json``
+        is older than its interval, rewrite it.
 
         A *sync* event is in the log before this returns, with every event recorded before
         it, on every store, and fsynced unless the journal is not :attr:`durable`: what must
-        happen before a side effect (a non-idempotent step's start). A *defer*red event is
-        appended with the next event written, or by the first record after
-        :data:`FLUSH_INTERVAL` (a step's end, a skip, batch progress). Without either, an
-        event is appended at once (deferred on stores with slow appends). Then, if
-        ``manifest.json`` is older than its interval, it is rewritten.
+        happen before a side effect (a non-idempotent step's start). On a store with slow
+        appends, other events wait for the next sync event or manifest rewrite.
 
         Raises:
             OSError: the log could not be written (naming it); the event stays pending.
@@ -490,38 +451,10 @@ class Journal:
         with self.lock:
             self.fold.apply(data)
             self.unsaved = True
-            self._add_pending(data)
-            if sync or not (defer or self._append_is_slow) or self._pending_due():
+            self._pending.append(data)
+            if sync or not self.store.slow_appends:
                 self._write_pending(durable=sync and self.durable)
         self._rewrite_if_due()
-
-    def record_skip(
-        self, slot: str, fingerprint: str, size: int, created_at: str | None, file: str | None
-    ) -> None:
-        """
-        Note a skip: written to the log with the next event (skips change no state, and this
-        keeps skipping cheap); applied at once only if the manifest had lagged behind.
-        """
-        skip = (time.time(), slot, fingerprint, size, created_at, file)
-        with self.lock:
-            if not self.manifest.steps.is_completed(slot):  # without parsing a record kept as text
-                self.fold.apply(_skip_event(skip, utcnow()))
-                self.unsaved = True
-            self._add_pending(skip)
-            if self._pending_due():
-                self._write_pending(durable=False)
-        if self.unsaved:
-            self._rewrite_if_due()
-
-    def _add_pending(self, item: dict[str, Any] | _Skip) -> None:
-        if not self._pending:
-            self._pending_since = time.monotonic()
-        self._pending.append(item)
-
-    def _pending_due(self) -> bool:
-        """True if the pending events are many, or have waited long enough."""
-        pending = self._pending
-        return len(pending) >= _MAX_PENDING or time.monotonic() - self._pending_since >= FLUSH_INTERVAL
 
     def _rewrite_if_due(self) -> None:
         """Rewrite ``manifest.json`` if it is older than its interval and behind the events."""
@@ -544,19 +477,8 @@ class Journal:
         """
         if not self._pending:
             return
-        lines = []
         pending, self._pending = self._pending, []
-        skips: list[_Skip] = []
-        for item in pending:
-            if isinstance(item, tuple):
-                skips.append(item)
-                continue
-            if skips:
-                lines.append(_dumps(_signed(_skips_event(skips), self.secret)) + "\n")
-                skips = []
-            lines.append(_dumps(_signed(item, self.secret)) + "\n")
-        if skips:
-            lines.append(_dumps(_signed(_skips_event(skips), self.secret)) + "\n")
+        lines = [_dumps(_signed(event, self.secret)) + "\n" for event in pending]
         chunk = "".join(lines).encode()
         try:
             if self._torn:

@@ -771,23 +771,21 @@ class Fold:
 
     def _step_skipped(self, event: Mapping[str, Any]) -> None:
         slot = event["slot"]
-        rec = self.manifest.steps.get(slot)
-        if rec is None or rec.status != "completed":
-            # the manifest lagged behind the files: learn the slot from its skip
-            rec = self._record(slot)
-            rec.status = "completed"
-            rec.fingerprint = event.get("fingerprint")
-            rec.bytes = event.get("bytes")
-            rec.finished_at = event.get("created_at")
-            rec.file = event.get("file")
-            self._complete(slot)
-            self._done_running(slot)
+        if self.manifest.steps.is_completed(slot):  # the common case: a keyed step's records stay unread
+            return
+        # the manifest lagged behind the files: learn the slot from its skip
+        rec = self._record(slot)
+        rec.status = "completed"
+        rec.fingerprint = event.get("fingerprint")
+        rec.bytes = event.get("bytes")
+        rec.finished_at = event.get("created_at")
+        rec.file = event.get("file")
+        self._complete(slot)
+        self._done_running(slot)
 
     def _steps_skipped(self, event: Mapping[str, Any]) -> None:
-        steps = self.manifest.steps
-        for row in event["skips"]:
-            if not steps.is_completed(row[0]):  # the common case changes nothing: checked cheaply
-                self._step_skipped(skip_fields(row))
+        for row in event["skips"]:  # skips logged together by 0.1.0: a row per slot
+            self._step_skipped(skip_fields(row))
 
     def _step_ended(self, event: Mapping[str, Any]) -> None:
         slot = event["slot"]

@@ -413,9 +413,13 @@ class RunState:
             # older ones change nothing: a run replaying a conversation of 200 turns would
             # otherwise log 200 skips, and the log would grow with the square of its length.
             if kept or plan.slot in self._recent or not self.journal.manifest.steps.is_completed(plan.slot):
-                size = head_len + header["size"]
-                self.journal.record_skip(
-                    plan.slot, plan.fingerprint, size, header.get("created_at"), header["hsum"]
+                self.journal.record(
+                    "step_skipped",
+                    slot=plan.slot,
+                    fingerprint=plan.fingerprint,
+                    bytes=head_len + header["size"],
+                    created_at=header.get("created_at"),
+                    file=header["hsum"],
                 )
         if log.isEnabledFor(logging.INFO):
             log.info("step %r skipped: %s", plan.slot, self._skip_note(spec, plan, header))
@@ -476,7 +480,7 @@ class RunState:
     def _kept(self, spec: StepView, plan: Plan, was: str) -> None:
         """Record that a pinned version kept an output made by other code (for `why`)."""
         self._record_code(spec, plan)
-        self.journal.record("step_kept", defer=True, slot=plan.slot, code=plan.identity.code, was=was)
+        self.journal.record("step_kept", slot=plan.slot, code=plan.identity.code, was=was)
 
     def _old_code(self, step: str) -> dict[str, str] | None:
         return self._code_before.get(step) or self.journal.manifest.code.get(step)

@@ -216,13 +216,17 @@ def test_short_write_to_the_log_raises_and_is_cut_off(tmp_path: Path):
     assert ["a"] == journal.manifest.completed_steps
 
 
+class _SlowAppends(_FullDisk):
+    slow_appends = True
+
+
 def test_sync_record_writes_and_fsyncs_everything_before_it(tmp_path: Path):
-    """record(sync=True) appends the deferred events with it, in one durable write."""
-    store = _FullDisk(tmp_path)
+    """On a store with slow appends, record(sync=True) appends the waiting events with it, in one durable write."""
+    store = _SlowAppends(tmp_path)
     journal = Journal(store, pipeline="p", secret=None)
     journal.load()
-    journal.record("run_started", run=1, defer=True)
-    journal.record("step_completed", slot="a", defer=True)
+    journal.record("run_started", run=1)
+    journal.record("step_completed", slot="a")
     assert [] == store.appends
     journal.record("step_started", slot="pay", reason="new", attempt=1, sync=True)
     assert [True] == [durable for _, durable in store.appends]
