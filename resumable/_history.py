@@ -16,18 +16,18 @@ from __future__ import annotations
 import bisect
 import contextlib
 import errno
-import json
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 import attrs
 
-from ._codec import DamagedFileError, encode, frame, parse_header, read_verified, verify
-from ._journal import _authentic, header_authentic, read_header, state_error
-from ._manifest import EVENT_KINDS, FORMAT, Fold, Manifest, StepRecord, Steps, json_values, valid_event
-from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
+from ._codec import DamagedFileError, encode, frame, read_verified
+from ._journal import _authentic, header_authentic, parse_manifest, read_header, state_error
+from ._manifest import EVENT_KINDS, Fold, Manifest, StepRecord, Steps, json_values, valid_event
+from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, slot_file, step_of
 from ._stores import Store
+from ._verify import check_bytes
 from .exceptions import DamagedStateError, ResumableError, StateFormatError, UsageError
 
 if TYPE_CHECKING:
@@ -751,37 +751,11 @@ def _file_problem(key: str, data: bytes, secret: bytes | None) -> str | None:
     if key.startswith("/") or "\\" in key or any(p in {"", ".", ".."} for p in parts) or key == _LOCK_KEY:
         return f"{key!r} is not a valid state file name"
     if key == MANIFEST:
-        return _manifest_problem(data, secret)
-    if key == EVENTS:
-        return None  # damaged lines are skipped with a warning when replayed, like on disk
-    if key.endswith(OUTPUT_SUFFIX):
-        try:
-            header, head_len = parse_header(data)
-            verify(data, header, head_len, secret)
-        except DamagedFileError as exc:
-            return f"{key}: {exc}"
-        if is_output_file(key) and header["slot"] + OUTPUT_SUFFIX != key:
-            return f"{key}: holds slot {header['slot']!r}"
-    return None
-
-
-def _manifest_problem(data: bytes, secret: bytes | None) -> str | None:
-    try:
-        manifest = json.loads(data)
-    except (ValueError, RecursionError):
-        return f"{MANIFEST}: not valid JSON"
-    if not isinstance(manifest, dict):
-        return f"{MANIFEST}: not a JSON object"
-    found = manifest.get("format")
-    if isinstance(found, int) and found > FORMAT:
-        raise StateFormatError(MANIFEST, found, FORMAT)
-    if not _authentic(manifest, secret):
-        return f"{MANIFEST}: not authentic (written without this pipeline's secret)"
-    try:
-        Manifest.from_dict(manifest)
-    except (ValueError, TypeError, KeyError) as exc:
-        return f"{MANIFEST}: malformed ({exc})"
-    return None
+        parsed = parse_manifest(data, secret, MANIFEST)
+        return f"{MANIFEST}: {parsed}" if isinstance(parsed, str) else None
+    # (damaged lines of the log are skipped with a warning when replayed, like on disk)
+    problem = check_bytes(data, key, secret) if key.endswith(OUTPUT_SUFFIX) else None
+    return None if problem is None else f"{key}: {problem}"
 
 
 def load_state(run: Keeper, files: Mapping[str, bytes]) -> None:

@@ -13,6 +13,7 @@ from the log and the step files.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import functools
@@ -110,13 +111,51 @@ def state_error(exc: OSError, store: Store, key: str) -> OSError:
     return type(exc)(exc.errno, exc.strerror, where)
 
 
-def _skipped(damaged: int, forged: int, invalid: int) -> list[str]:
-    problems = [f"{damaged} damaged (not JSON)"] if damaged else []
-    if forged:
-        problems.append(f"{forged} not authentic (written without the secret, or tampered with)")
-    if invalid:
-        problems.append(f"{invalid} not valid events (a missing or wrong field, an unknown event)")
-    return problems
+# why a line of the log holds no event (see parse_event)
+LINE_PROBLEMS = {
+    "damaged": "damaged (not a JSON object)",
+    "forged": "not authentic (written without the secret, or tampered with)",
+    "invalid": "not a valid event (a missing or wrong field, an unknown event)",
+}
+
+
+def parse_event(line: bytes, secret: bytes | None) -> dict[str, Any] | str:
+    """The event a line of the log holds, or why it holds none (a key of :data:`LINE_PROBLEMS`)."""
+    try:
+        event = json.loads(line)
+    except (ValueError, RecursionError):  # RecursionError: nested too deep to be an event
+        return "damaged"
+    if not isinstance(event, dict):
+        return "damaged"
+    if not _authentic(event, secret):
+        return "forged"
+    return event if valid_event(event) else "invalid"
+
+
+def parse_manifest(
+    raw: bytes | bytearray, secret: bytes | None, where: str
+) -> tuple[Manifest, dict[str, Any]] | str:
+    """
+    The manifest in *raw*, with the summaries of its keyed steps; or what is wrong with it.
+
+    Raises:
+        StateFormatError: it was written by a newer version.
+    """
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        data = None
+    if not isinstance(data, dict):
+        return "damaged"
+    found = data.get("format")
+    if isinstance(found, int) and found > FORMAT:
+        raise StateFormatError(where, found, FORMAT)
+    if not _authentic(data, secret):
+        return LINE_PROBLEMS["forged"]
+    try:
+        return Manifest.from_dict(data), data.get("keyed", {})
+    except (ValueError, TypeError, KeyError) as exc:
+        return f"damaged ({exc})"
 
 
 def header_authentic(header: Mapping[str, Any], secret: bytes) -> bool:
@@ -228,24 +267,13 @@ class Journal:
         return self._parse_manifest(raw)
 
     def _parse_manifest(self, raw: bytes | bytearray) -> tuple[Manifest | None, str | None]:
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError):  # RecursionError: nested too deep to be a manifest
-            return None, "damaged"
-        if not isinstance(data, dict):
-            return None, "damaged"
-        found = data.get("format")
-        if isinstance(found, int) and found > FORMAT:
-            raise StateFormatError(f"{self.store.location}/{MANIFEST}", found, FORMAT)
-        if not _authentic(data, self.secret):
-            return None, "not authentic (written without the secret, or tampered with)"
-        try:
-            manifest = Manifest.from_dict(data)
-        except (ValueError, TypeError, KeyError) as exc:
-            return None, f"damaged ({exc})"
+        parsed = parse_manifest(raw, self.secret, f"{self.store.location}/{MANIFEST}")
+        if isinstance(parsed, str):
+            return None, parsed
+        manifest, keyed = parsed
         manifest.steps.lock = self.lock
         completed = frozenset(manifest.completed_steps)
-        for step, summary in data.get("keyed", {}).items():
+        for step, summary in keyed.items():
             read = functools.partial(self._keyed_records, manifest, step)
             manifest.steps.defer(step, Deferred(read, completed, summary))
         return manifest, None
@@ -318,28 +346,19 @@ class Journal:
     def _replay(self, start: int, tail: bytes | bytearray) -> int:
         """Apply the complete lines of *tail*; return where they end in the log."""
         end = tail.rfind(b"\n") + 1
-        damaged = forged = invalid = 0
-        fold = self.fold
+        problems: collections.Counter[str] = collections.Counter()
         for line in tail[:end].split(b"\n")[:-1]:
-            try:
-                event = json.loads(line)
-            except (ValueError, RecursionError):
-                damaged += 1
-                continue
-            if not isinstance(event, dict):
-                damaged += 1
-            elif not _authentic(event, self.secret):
-                forged += 1
-            elif not valid_event(event):
-                invalid += 1
+            event = parse_event(line, self.secret)
+            if isinstance(event, str):
+                problems[event] += 1
             else:
-                fold.apply(event)
+                self.fold.apply(event)
         if self.readonly:
             return start + end  # a line being written now, or cut short by a kill: not yet an event
-        if damaged or forged or invalid:
+        if problems:
             warn(
-                f"{self.store.location}/{EVENTS}: skipped {damaged + forged + invalid} line(s): "
-                + "; ".join(_skipped(damaged, forged, invalid))
+                f"{self.store.location}/{EVENTS}: skipped {problems.total()} line(s): "
+                + "; ".join(f"{n} {LINE_PROBLEMS[kind]}" for kind, n in problems.items())
                 + " (`resumable verify` lists them)."
             )
         if end < len(tail):

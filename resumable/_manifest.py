@@ -281,8 +281,8 @@ class Manifest:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
         """
-        Build a manifest from its JSON data, migrating older formats (``keyed`` summaries are
-        ignored: the journal reads the records they stand for).
+        Build a manifest from its JSON data (``keyed`` summaries are ignored: the journal
+        reads the records they stand for).
 
         Every field is checked: data read from disk may have been damaged or edited.
 
@@ -296,7 +296,10 @@ class Manifest:
             raise ValueError(msg)
         if version > FORMAT:
             raise StateFormatError("manifest.json", version, FORMAT)
-        data = migrate(dict(data))
+        if version < 1:
+            msg = f"format {version} was never written"
+            raise ValueError(msg)
+        data = {**data, "format": FORMAT}  # 0.1.0's format 1 kept every record here: read as it is
         problem = manifest_problem(data)
         if problem is not None:
             raise ValueError(problem)
@@ -646,20 +649,6 @@ def dumps(data: Mapping[str, Any]) -> bytes:
 
 # one encoder for every value: json.dumps with options builds a new encoder at each call
 _json = json.JSONEncoder(ensure_ascii=False, separators=(", ", ": ")).encode
-
-
-# format -> function upgrading data of that format to the next one
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    # 0.1.0 kept every record in manifest.json: read as they are, written out at the next write
-    1: lambda data: {**data, "format": 2},
-}
-
-
-def migrate(data: dict[str, Any]) -> dict[str, Any]:
-    """Upgrade manifest data of an older format, one version at a time."""
-    while data["format"] < FORMAT:
-        data = MIGRATIONS[data["format"]](data)
-    return data
 
 
 class Fold:

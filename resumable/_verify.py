@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ._chunklog import LOG, resolve, scan
 from ._codec import DamagedFileError, read_verified
-from ._journal import Journal, _authentic
-from ._manifest import valid_event
+from ._journal import LINE_PROBLEMS, Journal, parse_event
 from ._slots import BATCHES, EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, records_file
 from ._stores import Store
 from .exceptions import StateDirectoryError, StateFormatError
@@ -111,28 +109,13 @@ def _check_events(store: Store, secret: bytes | None, problems: list[tuple[str, 
     # A last line without its newline is not damage: it is being written, or a kill cut it
     # short and the next run drops it.
     for number, line in enumerate(log[: log.rfind(b"\n") + 1].split(b"\n")[:-1], 1):
-        problem = _event_problem(line, secret)
-        if problem is not None:
-            found.append(f"line {number} {problem}")
+        event = parse_event(line, secret)
+        if isinstance(event, str):
+            found.append(f"line {number} is {LINE_PROBLEMS[event]}")
     problems.extend((where, p) for p in found[:_SHOWN_LINES])
     if len(found) > _SHOWN_LINES:
         problems.append((where, f"and {len(found) - _SHOWN_LINES} more line(s) that runs skip"))
     return 1
-
-
-def _event_problem(line: bytes, secret: bytes | None) -> str | None:
-    try:
-        event = json.loads(line)
-    except (ValueError, RecursionError):
-        return "is not valid JSON"
-    if not isinstance(event, dict):
-        return "is not a JSON object"
-    if not _authentic(event, secret):
-        return "is not authentic"
-    if not valid_event(event):
-        name = str(event.get("event"))[:40]
-        return f"is not a valid event ({name!r}: an unknown event, or a missing or wrong field)"
-    return None
 
 
 def _check_output(store: Store, key: str, secret: bytes | None) -> str | None:
@@ -140,19 +123,18 @@ def _check_output(store: Store, key: str, secret: bytes | None) -> str | None:
         data = store.read(key)
     except OSError as exc:
         return f"unreadable: {exc}"
-    return _check_bytes(data, key, secret)
+    return check_bytes(data, key, secret)
 
 
-def _check_bytes(data: bytes | bytearray, key: str, secret: bytes | None) -> str | None:
+def check_bytes(data: bytes | bytearray, key: str, secret: bytes | None) -> str | None:
     """What is wrong with *data* as the file *key*, or None."""
     try:
         checked = read_verified(data, secret)
         checked.check_decodes()  # a checksummed file can still be hostile
-        header = checked.header
     except (DamagedFileError, StateFormatError) as exc:
         return str(exc)
-    if is_output_file(key) and header["slot"] + OUTPUT_SUFFIX != key:
-        return f"holds slot {header['slot']!r}, not the one its path names"
+    if is_output_file(key) and checked.header["slot"] + OUTPUT_SUFFIX != key:
+        return f"holds slot {checked.header['slot']!r}, not the one its path names"
     return None
 
 

@@ -86,17 +86,6 @@ def test_newer_manifest_format_is_refused(pipe: Pipeline, state_dir: Path):
     assert text == (state_dir / "manifest.json").read_text()
 
 
-def test_older_format_is_migrated(monkeypatch: pytest.MonkeyPatch):
-    """Manifests of older formats go through the migrations, one version at a time."""
-    monkeypatch.setattr(manifest_module, "FORMAT", 3)
-    monkeypatch.setitem(manifest_module.MIGRATIONS, 1, lambda d: {**d, "format": 2, "pipeline": d["name"]})
-    monkeypatch.setitem(manifest_module.MIGRATIONS, 2, lambda d: {**d, "format": 3})
-    data = {"format": 1, "workflow_id": "w", "name": "old"}
-    assert {"format": 3, "workflow_id": "w", "name": "old", "pipeline": "old"} == manifest_module.migrate(
-        data
-    )
-
-
 def test_cut_short_log_line(pipe: Pipeline, state_dir: Path):
     """A log line cut short (a kill mid-append) is dropped by the next run, never glued to."""
     _three_steps(pipe)
