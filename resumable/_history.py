@@ -13,9 +13,7 @@ pruned when a run closes.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import errno
 import logging
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
@@ -70,29 +68,12 @@ def object_key(file: str) -> str:
     return f"{OBJECTS}/{file}{OUTPUT_SUFFIX}"
 
 
-def copy_object(store: Store, src: str, dst: str, *, durable: bool) -> None:
-    """
-    Make *dst* an exact copy of *src*, atomically (a hard link where the store can; a
-    store's ``copy`` that cannot link across file systems falls back to reading and writing).
-    """
-    try:
-        store.copy(src, dst, durable=durable)
-    except OSError as exc:
-        if exc.errno not in _NO_LINK:
-            raise
-        store.write(dst, [store.read(src)], durable=durable)
-
-
-# copy() errors that mean "cannot link here" (a custom store's copy may make hard links)
-_NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
-
-
 def keep_version(store: Store, slot: str, file: str | None, *, durable: bool) -> None:
     """Keep the version *file* of *slot*'s output before it is replaced or deleted."""
     if file is None:
         return
     try:
-        copy_object(store, slot_file(slot), object_key(file), durable=durable)
+        store.copy(slot_file(slot), object_key(file), durable=durable)
     except FileNotFoundError:
         return
 
@@ -626,7 +607,7 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
             continue
         keep_version(store, slot, current.get(slot), durable=durable)
         if slot in wanted:
-            copy_object(store, object_key(wanted[slot]), slot_file(slot), durable=durable)
+            store.copy(object_key(wanted[slot]), slot_file(slot), durable=durable)
         else:
             store.delete(slot_file(slot), durable=durable)
     run.journal.record("rollback", to=number, changes=_changes(run.journal.manifest, point, slots))
@@ -684,29 +665,17 @@ def _changes(now: Manifest, then: _Point, slots: Iterable[str]) -> dict[str, Any
 
 def _reorder(before: list[str], after: list[str]) -> tuple[list[str], list[tuple[int, str]]]:
     """
-    How to turn the list *before* into *after* with few edits: the items to drop, then those
-    to insert, at their index in *after*, in order. The items kept in place are a longest run
-    of *before* already in *after*'s order (a longest increasing subsequence, O(n log n)).
+    How to turn the list *before* into *after*: the items to drop, then those to insert, at
+    their index in *after*, in order. Items of *before* already in *after*'s order stay
+    (greedily: a slot completed again since then has moved to the end, and only it moves back).
     """
     where = {slot: i for i, slot in enumerate(after)}
-    kept = [slot for slot in before if slot in where]
-    # longest increasing subsequence of their indices in *after*
-    tails: list[int] = []  # tails[k]: the smallest index ending a run of k + 1
-    ends: list[int] = []  # the position in *kept* of that run's last item
-    back = [-1] * len(kept)
-    for pos, slot in enumerate(kept):
-        k = bisect.bisect_left(tails, where[slot])
-        if k == len(tails):
-            tails.append(where[slot])
-            ends.append(pos)
-        else:
-            tails[k], ends[k] = where[slot], pos
-        back[pos] = ends[k - 1] if k else -1
     stay: set[str] = set()
-    pos = ends[-1] if ends else -1
-    while pos >= 0:
-        stay.add(kept[pos])
-        pos = back[pos]
+    last = -1
+    for slot in before:
+        if where.get(slot, -1) > last:
+            stay.add(slot)
+            last = where[slot]
     drop = [slot for slot in before if slot not in stay]
     insert = [(i, slot) for i, slot in enumerate(after) if slot not in stay]
     return drop, insert

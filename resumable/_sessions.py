@@ -297,7 +297,6 @@ def copy_state(  # noqa: PLR0913 - the two sessions, as stores and as prefixes
     event log up to its last whole line, then the rest): a state a kill could have left,
     which every run resumes. Immutable files are linked; returns the bytes copied.
     """
-    from ._history import copy_object  # noqa: PLC0415 - kept out of `import resumable`
 
     copied = 0
     link = _local_linker(src, dst)
@@ -313,7 +312,7 @@ def copy_state(  # noqa: PLR0913 - the two sessions, as stores and as prefixes
         try:
             if _linked(key):
                 if link is None or not link(key):
-                    copy_object(root, f"{src_prefix}/{key}", f"{dst_prefix}/{key}", durable=False)
+                    root.copy(f"{src_prefix}/{key}", f"{dst_prefix}/{key}", durable=False)
             else:
                 data = bytes(src.read(key))
                 dst.write(key, [data], durable=False)

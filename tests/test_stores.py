@@ -296,25 +296,6 @@ def test_history_across_file_systems(state_dir: Path, monkeypatch: pytest.Monkey
     assert first == (state_dir / "produce.msgpack").read_bytes()
 
 
-def test_copy_object_falls_back_when_a_store_cannot_link(tmp_path: Path):
-    """A store whose copy() fails with EXDEV still keeps versions for history: read, then write."""
-    from resumable._history import copy_object
-
-    class Linking(MemoryStore):
-        def copy(self, src: str, dst: str, *, durable: bool) -> None:
-            raise OSError(errno.EXDEV, "Invalid cross-device link", src)
-
-    store = Linking()
-    store.write("a.msgpack", [b"version 1"], durable=True)
-    copy_object(store, "a.msgpack", ".resumable/objects/v1.msgpack", durable=True)
-    with pytest.raises(FileNotFoundError, match=r"missing\.msgpack"):  # as from read, not the EXDEV
-        copy_object(store, "missing.msgpack", "b.msgpack", durable=True)
-    assert (b"version 1", False) == (
-        bytes(store.read(".resumable/objects/v1.msgpack")),
-        "b.msgpack" in store.list(),
-    )
-
-
 FORKED_CHILD = """
 import os, sys
 from resumable._stores._local import LocalStore
