@@ -23,9 +23,8 @@ import attrs
 from ._codec import DamagedFileError, encode, frame, read_verified
 from ._journal import _authentic, header_authentic, parse_manifest, read_header, state_error
 from ._manifest import EVENT_KINDS, Fold, Manifest, StepRecord, Steps, json_values, valid_event
-from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, slot_file, step_of
+from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
 from ._stores import Store
-from ._verify import check_bytes
 from .exceptions import DamagedStateError, ResumableError, StateFormatError, UsageError
 
 if TYPE_CHECKING:
@@ -725,6 +724,18 @@ def _file_problem(key: str, data: bytes, secret: bytes | None) -> str | None:
     # (damaged lines of the log are skipped with a warning when replayed, like on disk)
     problem = check_bytes(data, key, secret) if key.endswith(OUTPUT_SUFFIX) else None
     return None if problem is None else f"{key}: {problem}"
+
+
+def check_bytes(data: bytes | bytearray, key: str, secret: bytes | None) -> str | None:
+    """What is wrong with *data* as the file *key*, or None."""
+    try:
+        checked = read_verified(data, secret)
+        checked.check_decodes()  # a checksummed file can still be hostile
+    except (DamagedFileError, StateFormatError) as exc:
+        return str(exc)
+    if is_output_file(key) and checked.header["slot"] + OUTPUT_SUFFIX != key:
+        return f"holds slot {checked.header['slot']!r}, not the one its path names"
+    return None
 
 
 def load_state(run: Keeper, files: Mapping[str, bytes]) -> None:

@@ -119,7 +119,7 @@ LINE_PROBLEMS = {
 }
 
 
-def parse_event(line: bytes, secret: bytes | None) -> dict[str, Any] | str:
+def parse_event(line: bytes | bytearray, secret: bytes | None) -> dict[str, Any] | str:
     """The event a line of the log holds, or why it holds none (a key of :data:`LINE_PROBLEMS`)."""
     try:
         event = json.loads(line)

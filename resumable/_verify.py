@@ -6,8 +6,9 @@ from typing import Any
 
 from ._chunklog import LOG, resolve, scan
 from ._codec import DamagedFileError, read_verified
+from ._history import check_bytes
 from ._journal import LINE_PROBLEMS, Journal, parse_event
-from ._slots import BATCHES, EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, records_file
+from ._slots import BATCHES, EVENTS, MANIFEST, OUTPUT_SUFFIX, records_file
 from ._stores import Store
 from .exceptions import StateDirectoryError, StateFormatError
 
@@ -124,18 +125,6 @@ def _check_output(store: Store, key: str, secret: bytes | None) -> str | None:
     except OSError as exc:
         return f"unreadable: {exc}"
     return check_bytes(data, key, secret)
-
-
-def check_bytes(data: bytes | bytearray, key: str, secret: bytes | None) -> str | None:
-    """What is wrong with *data* as the file *key*, or None."""
-    try:
-        checked = read_verified(data, secret)
-        checked.check_decodes()  # a checksummed file can still be hostile
-    except (DamagedFileError, StateFormatError) as exc:
-        return str(exc)
-    if is_output_file(key) and checked.header["slot"] + OUTPUT_SUFFIX != key:
-        return f"holds slot {checked.header['slot']!r}, not the one its path names"
-    return None
 
 
 def _rows(header: dict[str, Any]) -> str:
