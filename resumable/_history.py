@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 import attrs
 
 from ._codec import DamagedFileError, encode, frame, read_verified
-from ._journal import _authentic, header_authentic, parse_manifest, read_header, state_error
-from ._manifest import EVENT_KINDS, Fold, Manifest, StepRecord, Steps, json_values, valid_event
+from ._journal import header_authentic, parse_event, parse_manifest, read_header, state_error
+from ._manifest import EVENT_KINDS, Fold, Manifest, StepRecord, Steps
 from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
 from ._stores import Store
 from .exceptions import DamagedStateError, ResumableError, StateFormatError, UsageError
@@ -142,18 +142,13 @@ def _events_from(store: Store, secret: bytes | None, start: int) -> Iterator[tup
         cut = pending.rfind(b"\n") + 1
         lines = bytes(pending[:cut])
         del pending[:cut]
-        split = lines.split(b"\n")[:-1]
-        for first in range(0, len(split), _EVENT_BATCH):
-            batch = split[first : first + _EVENT_BATCH]
-            for line, event in zip(batch, json_values(batch), strict=True):
-                end += len(line) + 1
-                if isinstance(event, dict) and _authentic(event, secret) and valid_event(event):
-                    yield end, event
+        for line in lines.split(b"\n")[:-1]:
+            end += len(line) + 1
+            event = parse_event(line, secret)
+            if not isinstance(event, str):
+                yield end, event
         if size is None or len(piece) < size:
             return
-
-
-_EVENT_BATCH = 4096  # lines parsed in one json call (about a megabyte)
 
 
 _LOG_PIECE = 1 << 20

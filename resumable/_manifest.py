@@ -329,28 +329,6 @@ def records_of(step: str, data: object) -> dict[str, StepRecord] | None:
     return dict(zip(slots, map(StepRecord, *columns), strict=True))
 
 
-def json_values(texts: list[bytes]) -> list[Any]:
-    """
-    The JSON value of each of *texts* (None where one is not JSON), in one json call for them
-    all (C speed); one by one only where that fails or the count is off (a damaged text).
-    Each value is then checked (as an event): texts crafted to shift values between them give
-    nothing that whoever can write them could not write plainly.
-    """
-    try:
-        values = json.loads(b"[" + b",".join(texts) + b"]")
-    except (ValueError, RecursionError):
-        values = None
-    if type(values) is list and len(values) == len(texts):
-        return values
-    parsed: list[Any] = []
-    for text in texts:
-        try:
-            parsed.append(json.loads(text))
-        except (ValueError, RecursionError):
-            parsed.append(None)
-    return parsed
-
-
 _RECORD_FIELDS = tuple(a.name for a in attrs.fields(StepRecord))
 
 

@@ -584,33 +584,3 @@ def test_a_replay_of_the_checkpoints_asked_for_alone_gives_what_the_whole_replay
             ]
             alone = _history.replay(store, None, want, base_at=base_at, only_asked=True)
             assert seen(whole) == seen(alone), (seed, sorted(want), base_at)
-
-
-@given(
-    st.lists(
-        st.one_of(
-            st.sampled_from(
-                [b'{"t": "x", "event": "snapshot"}', b"null", b"", b"{", b"1, 2", b"[1", b"2]", b"\xff"]
-            ),
-            st.binary(max_size=6),
-        ),
-        max_size=12,
-    )
-)
-def test_the_lines_of_a_replay_parse_in_one_call_as_one_by_one(lines: list[bytes]):
-    """One json call for many lines gives each line's value, or None, as parsing each alone does."""
-    from resumable._manifest import json_values
-
-    lines = [line.replace(b"\n", b" ") for line in lines]
-    one_by_one = []
-    for line in lines:
-        try:
-            one_by_one.append(json.loads(line))
-        except ValueError:
-            one_by_one.append(None)
-    parsed = json_values(lines)
-    assert len(lines) == len(parsed)
-    # where every line is a value of its own, both agree; shifting values needs lines that
-    # are not valid alone (and each value is still checked as an event)
-    if all(v is not None or line.strip() == b"null" for v, line in zip(one_by_one, lines, strict=True)):
-        assert one_by_one == parsed
