@@ -22,7 +22,7 @@ import attrs
 
 from ._codec import DamagedFileError, encode, frame, read_verified
 from ._journal import header_authentic, parse_event, parse_manifest, read_header, state_error
-from ._manifest import EVENT_KINDS, Fold, Manifest, StepRecord, Steps
+from ._manifest import Fold, Manifest, StepRecord
 from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
 from ._stores import Store
 from .exceptions import DamagedStateError, ResumableError, StateFormatError, UsageError
@@ -104,9 +104,6 @@ class _Point:
     """The versions changed since the checkpoint asked for before this one (None: gone)."""
     base: tuple[int, dict[str, Any]] | None = None
     """The log offset after this checkpoint and the whole manifest then, as data (for a history base)."""
-    touched: set[str] | None = None
-    """For a checkpoint to restore: the slots whose records events after it may have changed
-    (None: any of them may have)."""
 
 
 _EMPTY = Checkpoint(0, None, None, None, [])
@@ -246,7 +243,7 @@ def replay(  # noqa: C901, PLR0913 - one pass over the log answers every kind of
     start, fold, first = _replay_start(store, secret)
     stream = _events_from(store, secret, start)
     if first is not None:
-        points.append(_base_point(first, fold, wanted, restore, stream))
+        points.append(_base_point(first, fold, wanted, restore))
         if first.id == restore:
             return points
     rolled_back_to: int | None = None
@@ -278,7 +275,7 @@ def replay(  # noqa: C901, PLR0913 - one pass over the log answers every kind of
         points.append(point)
         rolled_back_to = None
         if number == restore:
-            _restoring(point, fold, stream)  # the last asked for: asked alone
+            _restoring(point, fold)  # the last asked for: asked alone
         if last is not None and number >= last:
             break  # what follows (skips, mostly) makes no checkpoint asked for
     return points
@@ -289,59 +286,20 @@ def _base_point(
     fold: Fold,
     wanted: set[int],
     restore: int | None,
-    rest: Iterable[tuple[int, dict[str, Any]]],
 ) -> _Point:
     """The point of the history base's checkpoint (see :func:`replay`)."""
     point = _point(first, fold.manifest, first.id in wanted or first.id == restore, None)
     if first.id in wanted:
         point.versions = current_versions(fold.manifest)
     if first.id == restore:
-        _restoring(point, fold, rest)
+        _restoring(point, fold)
     return point
 
 
-def _restoring(point: _Point, fold: Fold, rest: Iterable[tuple[int, dict[str, Any]]]) -> None:
-    """
-    Make *point* the one to restore: the fold's records, not a copy (the fold stops here),
-    and the slots the events after it (*rest*) touch: a rollback compares those, not every slot.
-    """
-    m = fold.manifest
-    point.steps = m.steps
-    point.code = {k: dict(v) for k, v in m.code.items()}
-    point.touched = set(fold.running)  # a run that ends after it marks these interrupted
-    for _, event in rest:
-        if not _touch(point, event, m.steps):
-            return
-
-
-_SLOTLESS = frozenset({"run_started", "run_finished", "snapshot", "batch", "batch_done"})
-
-
-def _touch(point: _Point, event: Mapping[str, Any], then: Steps) -> bool:
-    """
-    Add to ``point.touched`` the slots whose records *event* may change (*then*: the records
-    at *point*); False, with ``touched`` None, if it may change any.
-    """
-    touched = point.touched
-    assert touched is not None  # noqa: S101 - only called while it is a set
-    kind = event.get("event")
-    slot = event.get("slot")
-    if isinstance(slot, str):
-        touched.add(slot)
-    elif kind == "steps_skipped":
-        # a skip changes a record only where the manifest had lagged: a slot not completed then
-        touched.update(row[0] for row in event["skips"] if not then.is_completed(row[0]))
-    elif kind in {"steps_reset", "steps_removed"}:
-        touched.update(event["slots"])
-    elif kind == "rollback":
-        changes = event["changes"]
-        touched.update(changes["steps"])
-        touched.update(changes["drop"])
-        touched.update(slot for _, slot in changes["insert"])
-    elif kind not in _SLOTLESS and kind in EVENT_KINDS:
-        point.touched = None  # an event of a slot without one
-        return False
-    return True
+def _restoring(point: _Point, fold: Fold) -> None:
+    """Make *point* the one to restore: the fold's records, not a copy (the fold stops here)."""
+    point.steps = fold.manifest.steps
+    point.code = {k: dict(v) for k, v in fold.manifest.code.items()}
 
 
 class _Versions:
@@ -585,14 +543,9 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
         point = next(p for p in points if p.checkpoint.id == number)
     now = run.journal.manifest.steps
     then = point.steps or {}
-    if point.touched is None or run.journal.repaired:
-        # any slot may differ (a record repaired is not in the log): every record is
-        # compared, parsed once, in bulk
-        now.parse_all()
-        slots: set[str] = set(now) | set(then)
-    else:
-        slots = point.touched or set()
-    current, wanted = _completed_versions(now, slots), _completed_versions(then, slots)
+    slots = set(now) | set(then)
+    current = now.completed_files()
+    wanted = {slot: v for slot, rec in then.items() if (v := _version_of(rec)) is not None}
     missing = sorted(set(wanted.values()) - _kept(store) - set(current.values()))
     if missing:
         _cannot_restore(run, number, sorted(s for s, v in wanted.items() if v in missing))
@@ -606,16 +559,6 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
             store.delete(slot_file(slot), durable=durable)
     run.journal.record("rollback", to=number, changes=_changes(run.journal.manifest, point, slots))
     return point.checkpoint
-
-
-def _completed_versions(steps: Mapping[str, StepRecord], slots: Iterable[str]) -> dict[str, str]:
-    """The output version of each of *slots* completed in *steps*."""
-    versions = {}
-    for slot in slots:
-        version = _version_of(steps.get(slot))
-        if version is not None:
-            versions[slot] = version
-    return versions
 
 
 def _version_of(rec: StepRecord | None) -> str | None:
@@ -644,8 +587,7 @@ def _cannot_restore(run: Keeper, number: int, slots: list[str]) -> NoReturn:
 def _changes(now: Manifest, then: _Point, slots: Iterable[str]) -> dict[str, Any]:
     """
     What a rollback from the state *now* to the state of *then* changes, as a rollback event
-    carries it (*slots*: those that may differ): rolling back 10 checkpoints in a state of
-    100,000 slots logs about 10 records, not 100,000 (and every later replay reads that much less).
+    carries it (*slots*: all of either): the records that differ, not every record.
     """
     target = then.steps or {}
     steps: dict[str, Any] = {}

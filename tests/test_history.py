@@ -493,39 +493,6 @@ def _random_history(state_dir: Path, seed: int) -> Pipeline:
     return pipe
 
 
-def _state_of(state_dir: Path) -> tuple[Any, ...]:
-    status = Pipeline("mixed", state_dir=state_dir).status()
-    files = {
-        str(p.relative_to(state_dir)): p.read_bytes() for p in sorted((state_dir / "item").glob("*.msgpack"))
-    }
-    return status.completed_steps, dict(status.steps), status.code, files
-
-
-@pytest.mark.parametrize("seed", range(10))
-def test_a_rollback_comparing_only_the_slots_touched_since_gives_what_comparing_all_does(
-    tmp_path: Path, seed: int, monkeypatch: pytest.MonkeyPatch
-):
-    """
-    A rollback compares only the slots the events after its checkpoint touch: the state it
-    restores is the one comparing every slot restores, after any history.
-    """
-    import shutil
-
-    from resumable import _history
-
-    pipe = _random_history(tmp_path / "state", seed)
-    ids = [c.id for c in pipe.checkpoints()]
-    for target in sorted({ids[0], ids[len(ids) // 2], ids[-1], 0}):
-        fast, full = tmp_path / f"fast-{target}", tmp_path / f"full-{target}"
-        shutil.copytree(tmp_path / "state", fast)
-        shutil.copytree(tmp_path / "state", full)
-        Pipeline("mixed", state_dir=fast).rollback(target)
-        with monkeypatch.context() as m:
-            m.setattr(_history, "_touch", lambda point, event, then: setattr(point, "touched", None))
-            Pipeline("mixed", state_dir=full).rollback(target)
-        assert _state_of(full) == _state_of(fast), f"rollback to {target}"
-
-
 def test_pruning_finds_the_kept_versions_in_use_by_their_headers_as_by_every_record(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
