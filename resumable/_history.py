@@ -426,41 +426,15 @@ def unneeded_versions(
     ids = _newest(manifest, keep)
     if since is not None:
         ids |= {p.checkpoint.id for p in replay(store, secret) if (p.checkpoint.created_at or "") >= since}
-    return _unneeded(store, kept, manifest, replay(store, secret, ids, only_asked=True))
+    return _unneeded(kept, manifest, replay(store, secret, ids, only_asked=True))
 
 
-def _unneeded(store: Store, kept: set[str], manifest: Manifest, points: Iterable[_Point]) -> list[str]:
+def _unneeded(kept: set[str], manifest: Manifest, points: Iterable[_Point]) -> list[str]:
     """The keys of the *kept* versions that the current state and the *points* asked for do not need."""
-    needed = _in_use(store, kept, manifest)
+    needed = set(current_versions(manifest).values())  # a rollback may have put kept versions back
     for _, versions in _each_versions(points):
         needed.update(versions.values())
     return [object_key(v) for v in sorted(kept - needed)]
-
-
-_FEW_KEPT = 256  # kept versions whose slots are read from their headers, not found among all records
-
-
-def _in_use(store: Store, kept: set[str], manifest: Manifest) -> set[str]:
-    """
-    The *kept* versions that are some slot's output now (a rollback put them back). A few
-    are looked up by the slot their header names (a state of 100,000 slots need not parse
-    every record for 50 kept versions); many, or a header that cannot be read, by every record.
-    """
-    if len(kept) <= _FEW_KEPT:
-        found = set()
-        for version in kept:
-            try:
-                header, _ = read_header(store, object_key(version))
-            except (FileNotFoundError, DamagedFileError, StateFormatError):
-                break
-            slot = header.get("slot")
-            if not isinstance(slot, str) or header.get("hsum") != version:
-                break
-            if _version_of(manifest.steps.get(slot)) == version:  # a lookup: no path is made of it
-                found.add(version)
-        else:
-            return found
-    return set(current_versions(manifest).values()) & kept
 
 
 def prune(store: Store, secret: bytes | None, keep: int, manifest: Manifest, *, durable: bool) -> int:
@@ -474,7 +448,7 @@ def prune(store: Store, secret: bytes | None, keep: int, manifest: Manifest, *, 
     if not kept and at is None:
         return 0
     points = replay(store, secret, _newest(manifest, keep) if kept else (), base_at=at, only_asked=True)
-    unneeded = _unneeded(store, kept, manifest, points) if kept else []
+    unneeded = _unneeded(kept, manifest, points) if kept else []
     for key in unneeded:
         store.delete(key, durable=durable)
     for point in points:
