@@ -233,8 +233,7 @@ def replay(  # noqa: C901, PLR0913 - one pass over the log answers every kind of
     rollback needs) holds the records then, and which slots the events after it touch. With
     *base_at*, the point of that checkpoint also holds a copy of the whole manifest and the
     log offset after it (what a new history base needs). With *only_asked*, the checkpoints
-    not asked for (in *want*, *restore* or *base_at*) are left out: the first close after a
-    million stored slots need not make a million points to use twenty.
+    not asked for (in *want*, *restore* or *base_at*) are left out.
     """
     wanted = set(want)
     ids = wanted | {i for i in (restore, base_at) if i is not None}
@@ -305,8 +304,7 @@ def _restoring(point: _Point, fold: Fold) -> None:
 class _Versions:
     """
     The output version of every completed slot as a replay goes, updated only for the slots
-    events touch: the versions at each checkpoint asked for cost a copy, not a walk of every
-    record (which made listing the newest 20 checkpoints of 100,000 slots take seconds).
+    events touch: the versions at each checkpoint asked for cost a copy, not a walk of every record.
     """
 
     def __init__(self) -> None:
@@ -370,7 +368,7 @@ def _point(checkpoint: Checkpoint, m: Manifest, asked: bool, rolled_back_to: int
 def _each_versions(points: Iterable[_Point]) -> Iterator[tuple[_Point, dict[str, str]]]:
     """
     Each point asked for, with its versions: one map brought up to date point by point (use
-    it before taking the next), so that 20 checkpoints of 100,000 slots hold one map, not 20.
+    it before taking the next), not a map per point.
     """
     now: dict[str, str] | None = None
     for point in points:

@@ -205,9 +205,6 @@ class Journal:
         self._torn = False  # an append failed: the log may end with part of a line
         self._log_entry_durable = True
         self.rebuilt = False  # load found no usable manifest.json and rebuilt it
-        # a record found damaged when used was rebuilt or dropped: the manifest is no longer
-        # just the fold of the log (a rollback then compares every slot)
-        self.repaired = False
         self.large = False  # the manifest read was over LARGE_MANIFEST bytes
         self.quiet = False  # damaged records files are rebuilt without a warning
         self.unsaved = False  # the manifest holds something manifest.json does not
@@ -293,7 +290,7 @@ class Journal:
         if self.secret is not None and not (
             isinstance(mac, str) and hmac.compare_digest(mac, _mac(self.secret, msgpack.packb(data)))
         ):
-            return None, "not authentic (written without the secret, or tampered with)"
+            return None, LINE_PROBLEMS["forged"]
         records = records_of(step, data)
         return (records, None) if records is not None else (None, "damaged (a missing or wrong field)")
 
@@ -302,14 +299,13 @@ class Journal:
         records, problem = self.records_problem(step)
         if records is not None:
             return records
-        self.repaired = True
         records = {}
         prefix = step + "/"
         for slot in [s for s in manifest.completed_steps if s.startswith(prefix)]:
             event = self._recovered(slot, slot + OUTPUT_SUFFIX)
             if event is None:  # its output is gone or damaged too: it runs again
                 if self.fold.manifest is manifest:
-                    self.fold.forget_completed(slot)
+                    self.fold.uncomplete(slot)
                 else:
                     manifest.completed_steps.remove(slot)  # read before its fold was made
                 continue

@@ -488,23 +488,11 @@ def manifest_problem(data: Mapping[str, Any]) -> str | None:
     return None
 
 
-# the types of a skip row: slot, fingerprint, bytes, created_at, file
-_TEXT, _OPT_TEXT, _OPT_COUNT = frozenset({str}), frozenset({str, _NONE}), frozenset({int, _NONE})
-_SKIP_ROW_TYPES = (
-    _TEXT,
-    _OPT_TEXT,
-    _OPT_COUNT,
-    _OPT_TEXT,
-    _OPT_TEXT,
-)  # slot, fingerprint, bytes, created_at, file
-_SKIP_ROW_COMBOS = frozenset(itertools.product(*_SKIP_ROW_TYPES))
-
-
 def _skip_rows(value: object) -> bool:
-    return (
-        type(value) is list
-        and all(type(row) is list and tuple(map(type, row)) in _SKIP_ROW_COMBOS for row in value)
-        and _all_slots(row[0] for row in value)
+    """0.1.0 logged skips in a row as one event: a row per slot, each a ``step_skipped``'s fields."""
+    return type(value) is list and all(
+        type(row) is list and len(row) == 5 and valid_event({"event": "step_skipped", **skip_fields(row)})
+        for row in value
     )
 
 
@@ -650,11 +638,8 @@ class Fold:
             rec = self.manifest.steps[slot] = StepRecord(status="new")
         return rec
 
-    def forget_completed(self, slot: str) -> None:
-        """Take *slot* out of the completed slots (its record was found damaged and is dropped)."""
-        self._uncomplete(slot)
-
-    def _uncomplete(self, slot: str) -> None:
+    def uncomplete(self, slot: str) -> None:
+        """Take *slot* out of the completed slots."""
         if slot in self._completed:
             self._completed.discard(slot)
             self.manifest.completed_steps.remove(slot)
@@ -715,7 +700,7 @@ class Fold:
             self._running.remove(slot)
         self._running.append(slot)
         self.manifest.current_step = slot
-        self._uncomplete(slot)  # running again: not completed until it finishes
+        self.uncomplete(slot)  # running again: not completed until it finishes
 
     def _step_retry(self, event: Mapping[str, Any]) -> None:
         self._record(event["slot"]).attempts = event.get("attempt", 1)
@@ -762,7 +747,7 @@ class Fold:
         rec.finished_at = event.get("t")
         rec.duration_s = event.get("duration_s")
         rec.attempts = event.get("attempts", rec.attempts)
-        self._uncomplete(slot)
+        self.uncomplete(slot)
         if failed:
             self.manifest.error = ErrorRecord(slot, **event["error"])
         self._done_running(slot)
