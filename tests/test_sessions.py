@@ -543,6 +543,7 @@ def test_a_sessions_manifest_lags_its_log_by_at_most_lag_and_readers_see_every_r
 
     pipe, calls, turn = _chat(state_dir)
     folder = state_dir / ".sessions" / "c"
+    lagged = []
     for request in range(40):
         with pipe.session("c") as s:
             for i in range(request + 1):
@@ -550,6 +551,7 @@ def test_a_sessions_manifest_lags_its_log_by_at_most_lag_and_readers_see_every_r
         manifest = json.loads((folder / "manifest.json").read_bytes())
         log_size = (folder / "events.jsonl").stat().st_size
         assert log_size - manifest["events_offset"] < LAG  # rewritten at a close once it lags that much
+        lagged.append(log_size > manifest["events_offset"])
         status = s.status()
         assert (status.runs, status.status, len(status.completed_steps)) == (
             request + 1,
@@ -557,5 +559,5 @@ def test_a_sessions_manifest_lags_its_log_by_at_most_lag_and_readers_see_every_r
             request + 1,
         )
     assert len(calls) == 40
-    assert manifest["runs"] < 40  # it did lag
+    assert any(lagged)  # closes that did not rewrite it (a slow run may also rewrite it midway)
     assert pipe.sessions()[0].runs == 40
