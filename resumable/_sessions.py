@@ -78,21 +78,33 @@ class SessionInfo:
 
     @classmethod
     def of(cls, summary: Mapping[str, Any]) -> SessionInfo:
-        """From an index summary (what it leaves out is None, 0 or empty)."""
-        get = summary.get
-        created = get("created_at") or ""
+        """
+        From an index summary (what it leaves out is None, 0 or empty). The index is a cache
+        any writer may have damaged: a field of the wrong type reads as left out.
+        """
+
+        def text(key: str) -> str | None:
+            value = summary.get(key)
+            return value if isinstance(value, str) and value else None
+
+        def count(key: str) -> int:
+            value = summary.get(key)
+            return value if type(value) is int else 0
+
+        created = text("created_at") or ""
+        metadata = summary.get("metadata")
         return cls(
             summary["id"],
-            get("status") or "new",
+            text("status") or "new",
             created,
-            get("updated_at") or created,
-            get("runs") or 0,
-            get("completed") or 0,
-            get("current_step"),
-            get("error"),
-            get("bytes") or 0,
-            get("parent"),
-            get("metadata") or {},
+            text("updated_at") or created,
+            count("runs"),
+            count("completed"),
+            text("current_step"),
+            text("error"),
+            count("bytes"),
+            text("parent"),
+            metadata if isinstance(metadata, dict) else {},
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -212,7 +224,7 @@ def newest_first(summaries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Index summaries, the last updated first."""
     return sorted(
         summaries,
-        key=lambda s: (s.get("updated_at") or "", s["id"]),
+        key=lambda s: (u if isinstance(u := s.get("updated_at"), str) else "", s["id"]),
         reverse=True,
     )
 

@@ -28,7 +28,7 @@ def summary(root: Store) -> dict[str, Any] | None:
     found = index_of(root).read()
     if not found:
         return None
-    statuses = Counter(s.get("status") or "new" for s in found.values())
+    statuses = Counter(str(s.get("status") or "new") for s in found.values())
     latest = _sessions.SessionInfo.of(max(found.values(), key=lambda s: str(s.get("updated_at") or "")))
     failed = [
         s["id"] for s in _sessions.newest_first(s for s in found.values() if s.get("status") == "failed")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -480,6 +481,31 @@ def test_processes_on_sessions_of_one_directory(tmp_path: Path) -> None:
     infos = pipe.sessions()
     assert sorted(s.id for s in infos) == [f"s{n}" for n in range(8)]
     assert all(s.completed == 20 and s.runs == 3 for s in infos)
+
+
+def test_an_open_session_is_listed_as_running(state_dir: Path) -> None:
+    """docs/sessions.md: on a local store the index says running as a run opens, and how it ended at its close."""
+    pipe, _calls, turn = _chat(state_dir)
+    with pipe.session("open"):
+        turn(0, "hi")
+        assert [(s.id, s.status) for s in pipe.sessions()] == [("open", "running")]
+    assert [(s.id, s.status) for s in pipe.sessions()] == [("open", "completed")]
+
+
+def test_index_lines_with_fields_of_the_wrong_type_still_list(state_dir: Path) -> None:
+    """The index is a cache: a summary with odd field types lists with those fields left out."""
+    pipe, _calls, turn = _chat(state_dir)
+    with pipe.session("good"):
+        turn(0, "hi")
+    index = state_dir / ".sessions" / ".index.jsonl"
+    bad = {"id": "odd", "updated_at": 5, "status": ["x"], "runs": "3", "metadata": [1], "bytes": 1.5}
+    with index.open("a") as f:
+        f.write(json.dumps(bad) + "\n")
+    listed = {s.id: s for s in pipe.sessions()}
+    assert listed["good"].status == "completed"
+    odd = listed["odd"]
+    assert (odd.status, odd.updated_at, odd.runs, odd.bytes, odd.metadata) == ("new", "", 0, 0, {})
+    assert [s.id for s in pipe.sessions()] == ["good", "odd"]  # newest first; no date sorts last
 
 
 def test_a_failed_session_is_listed_with_its_error(state_dir: Path) -> None:
