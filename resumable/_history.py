@@ -21,9 +21,19 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 import attrs
 
 from ._codec import DamagedFileError, encode, frame, read_verified
-from ._journal import header_authentic, parse_event, parse_manifest, read_header, state_error
+from ._journal import header_authentic, parse_event, parse_manifest, parse_records, read_header, state_error
 from ._manifest import Fold, Manifest, StepRecord
-from ._slots import EVENTS, INTERNAL_DIR, MANIFEST, OBJECTS, OUTPUT_SUFFIX, is_output_file, slot_file, step_of
+from ._slots import (
+    EVENTS,
+    INTERNAL_DIR,
+    MANIFEST,
+    OBJECTS,
+    OUTPUT_SUFFIX,
+    RECORDS,
+    is_output_file,
+    slot_file,
+    step_of,
+)
 from ._stores import Store
 from .exceptions import DamagedStateError, ResumableError, StateFormatError, UsageError
 
@@ -630,6 +640,9 @@ def _file_problem(key: str, data: bytes, secret: bytes | None) -> str | None:
     if key == MANIFEST:
         parsed = parse_manifest(data, secret, MANIFEST)
         return f"{MANIFEST}: {parsed}" if isinstance(parsed, str) else None
+    if key.endswith(RECORDS):
+        _records, problem = parse_records(key.removesuffix(RECORDS), data, secret)
+        return None if problem is None else f"{key}: {problem}"
     # (damaged lines of the log are skipped with a warning when replayed, like on disk)
     problem = check_bytes(data, key, secret) if key.endswith(OUTPUT_SUFFIX) else None
     return None if problem is None else f"{key}: {problem}"

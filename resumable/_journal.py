@@ -279,20 +279,12 @@ class Journal:
         """The records of keyed *step* in its file, or what is wrong with that file."""
         key = records_file(step)
         try:
-            data = msgpack.unpackb(self.store.read(key))
+            data = self.store.read(key)
         except FileNotFoundError:
             return None, "missing"
         except OSError as exc:
             raise state_error(exc, self.store, key) from exc
-        except (ValueError, TypeError):  # msgpack's errors: FormatError, StackError, ExtraData ...
-            return None, "damaged (not msgpack)"
-        mac = data.pop("mac", None) if type(data) is dict else None
-        if self.secret is not None and not (
-            isinstance(mac, str) and hmac.compare_digest(mac, _mac(self.secret, msgpack.packb(data)))
-        ):
-            return None, LINE_PROBLEMS["forged"]
-        records = records_of(step, data)
-        return (records, None) if records is not None else (None, "damaged (a missing or wrong field)")
+        return parse_records(step, data, self.secret)
 
     def _keyed_records(self, manifest: Manifest, step: str) -> dict[str, StepRecord]:
         """The records of keyed *step*: from its file, or rebuilt from its outputs if that is damaged."""
@@ -560,6 +552,23 @@ LARGE_MANIFEST = 1 << 20  # bytes (about 3,000 slots): not rewritten just to say
 def _rewrite_interval(size: int) -> float:
     """How long a manifest of *size* bytes is left unwritten: 0.2 s per 64 KB, at most 10 s."""
     return min(_MAX_INTERVAL, FLUSH_INTERVAL * max(1.0, size / 65536))
+
+
+def parse_records(
+    step: str, data: bytes | bytearray, secret: bytes | None
+) -> tuple[dict[str, StepRecord] | None, str | None]:
+    """The records of keyed *step* in the bytes of its records file, or what is wrong with them."""
+    try:
+        unpacked = msgpack.unpackb(data)
+    except (ValueError, TypeError):  # msgpack's errors: FormatError, StackError, ExtraData ...
+        return None, "damaged (not msgpack)"
+    mac = unpacked.pop("mac", None) if type(unpacked) is dict else None
+    if secret is not None and not (
+        isinstance(mac, str) and hmac.compare_digest(mac, _mac(secret, msgpack.packb(unpacked)))
+    ):
+        return None, LINE_PROBLEMS["forged"]
+    records = records_of(step, unpacked)
+    return (records, None) if records is not None else (None, "damaged (a missing or wrong field)")
 
 
 def read_head(store: Store) -> dict[str, bytes]:

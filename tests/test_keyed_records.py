@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from resumable import Pipeline, ResumableWarning
+from resumable import DamagedStateError, Pipeline, ResumableWarning
 from resumable._cli import main
 from resumable._journal import read_state
 from resumable._stores import LocalStore
@@ -292,3 +292,25 @@ def test_clean_removes_the_records_of_a_removed_step(state_dir: Path):
     assert 0 == main(["--state-dir", str(state_dir), "clean", "--older-than", "0s"])
     assert not (state_dir / "item.records").exists()
     assert "item" not in json.loads((state_dir / "manifest.json").read_text()).get("keyed", {})
+
+
+@pytest.mark.parametrize("secret", [None, "s3cret"])
+def test_load_state_refuses_a_damaged_or_forged_records_file(tmp_path: Path, secret: str | None):
+    """docs/history.md: every file of the state data is checked before anything changes, records files too."""
+    _build(tmp_path / "a", 5, secret=secret)
+    pipe, _item = _keyed(tmp_path / "a", secret=secret)
+    state = pipe.save_state()
+    assert "item.records" in state["files"]
+    target, _ = _keyed(tmp_path / "b", secret=secret)
+    _build(tmp_path / "b", 2, secret=secret)
+    before = (tmp_path / "b" / "item.records").read_bytes()
+    forged = msgpack.unpackb(state["files"]["item.records"])
+    forged["status"][0] = "failed"
+    cases = [(b"\xc1garbage", "not msgpack")]
+    if secret is not None:  # without a secret a well-formed file cannot be told from a real one
+        cases.append((msgpack.packb(forged), "not authentic"))
+    for bad, problem in cases:
+        files = dict(state["files"], **{"item.records": bad})
+        with pytest.raises(DamagedStateError, match=f"item.records: .*{problem}"):
+            target.load_state(dict(state, files=files))
+        assert before == (tmp_path / "b" / "item.records").read_bytes()
