@@ -439,10 +439,12 @@ def unneeded_versions(
 
 def _unneeded(kept: set[str], manifest: Manifest, points: Iterable[_Point]) -> list[str]:
     """The keys of the *kept* versions that the current state and the *points* asked for do not need."""
-    needed = set(current_versions(manifest).values())  # a rollback may have put kept versions back
+    candidates = set(kept)
     for _, versions in _each_versions(points):
-        needed.update(versions.values())
-    return [object_key(v) for v in sorted(kept - needed)]
+        candidates.difference_update(versions.values())
+    if candidates:  # (the current records are read only then: a run that only skips reads none)
+        candidates.difference_update(current_versions(manifest).values())  # a rollback may have put some back
+    return [object_key(v) for v in sorted(candidates)]
 
 
 def prune(store: Store, secret: bytes | None, keep: int, manifest: Manifest, *, durable: bool) -> int:

@@ -134,8 +134,13 @@ class Steps(MutableMapping[str, StepRecord]):
         return read + sum(int(d.summary["bytes"]) for d in self._deferred.values())
 
     def completed_files(self) -> dict[str, str]:
-        """The output version (``file``) of every completed slot."""
-        return {s: r.file for s, r in self.items() if r.status == "completed" and r.file is not None}
+        """
+        The output version (``file``) of every completed slot. A keyed step's records not
+        read yet are read but stay unread for :meth:`Manifest.dump` (its file is left as it is).
+        """
+        unread = [d.read().items() for d in list(self._deferred.values())]
+        records = itertools.chain(self.parsed(), *unread)
+        return {s: r.file for s, r in records if r.status == "completed" and r.file is not None}
 
     def __getitem__(self, slot: str) -> StepRecord:
         group = self._group(slot)

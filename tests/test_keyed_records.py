@@ -76,11 +76,25 @@ def test_the_layout(state_dir: Path):
     assert 4 == len(status.steps)
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["", "with-a-kept-version"])
 def test_a_run_that_only_skips_does_not_read_or_write_the_records(
-    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch, kept: bool
 ):
     """Opening a state and skipping its keyed slots reads no records file; the file is left as it is."""
     _build(state_dir)
+    if kept:  # other outputs, then these again: history keeps the replaced ones, which a close may prune
+        other = Pipeline(state_dir=state_dir)
+
+        @other.step(key="{i}", name="item", version="other")
+        def item_other(i: int) -> dict[str, int]:
+            return {"i": -i}
+
+        with other:
+            for i in range(30):
+                item_other(i)
+        _build(state_dir)
+        assert list((state_dir / ".resumable" / "objects").iterdir())
+    runs = json.loads((state_dir / "manifest.json").read_text())["runs"]
     path = state_dir / "item.records"
     before = (path.stat().st_ino, path.read_bytes())
     reads: list[str] = []
@@ -99,7 +113,7 @@ def test_a_run_that_only_skips_does_not_read_or_write_the_records(
     assert [] == calls
     assert "item.records" not in reads
     assert before == (path.stat().st_ino, path.read_bytes())
-    assert 2 == json.loads((state_dir / "manifest.json").read_text())["runs"]
+    assert runs + 1 == json.loads((state_dir / "manifest.json").read_text())["runs"]
 
 
 def test_a_new_slot_adds_to_the_records(state_dir: Path):
