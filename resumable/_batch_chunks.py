@@ -176,7 +176,7 @@ class ChunkStore:
                 msg = "the chunk log ends inside it"
                 raise DamagedFileError(msg)
         # a writable buffer, as from a file: arrays decoded from it are writable
-        checked = read_verified(bytearray(data), self.run.secret)
+        checked = read_verified(data if type(data) is bytearray else bytearray(data), self.run.secret)
         if (
             checked.header.get("rows") != [chunk.start, chunk.end]
             or checked.header.get("digest") != chunk.digest
