@@ -39,6 +39,7 @@ from ._manifest import (
     Manifest,
     StepRecord,
     dumps,
+    is_step_name,
     records_of,
     valid_event,
 )
@@ -584,7 +585,8 @@ def read_head(store: Store) -> dict[str, bytes]:
         manifest = None
     keys = []
     with contextlib.suppress(ValueError, RecursionError, TypeError, AttributeError):
-        keys = [records_file(step) for step in json.loads(manifest or b"{}").get("keyed", {})]
+        # names from a file that may be damaged: only plain step names (the others are skipped)
+        keys = [records_file(s) for s in json.loads(manifest or b"{}").get("keyed", {}) if is_step_name(s)]
     files: dict[str, bytes] = {}
     for key in keys:
         with contextlib.suppress(FileNotFoundError):

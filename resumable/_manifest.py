@@ -391,6 +391,11 @@ def _slot(value: object) -> bool:
     return type(value) is str and _SLOT.fullmatch(value) is not None
 
 
+def is_step_name(value: object) -> bool:
+    """True if *value* could name a step (a slot with no key)."""
+    return _slot(value) and "/" not in value  # type: ignore[operator]  # _slot: a str
+
+
 def _all_slots(values: Iterable[Any]) -> bool:
     """
     True if every one of *values* is a slot: the same as ``_slot`` for each, a few C-speed

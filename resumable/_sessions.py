@@ -35,8 +35,8 @@ from ._sessions_index import index_of
 from ._slots import (
     INTERNAL_DIR,
     OBJECTS,
+    decode_key,
     is_output_file,
-    session_of_prefix,
     session_prefix,
     slot_file,
     step_of,
@@ -444,7 +444,7 @@ def outputs(
 
 def _original_key(store: Store, slot: str) -> str | None:
     encoded = slot.split("/", 1)[1]
-    key = session_of_prefix(encoded) if encoded != "%" else ""
+    key = decode_key(encoded)
     if key is not None:
         return key
     try:  # a long key is shortened in its file name: the header has it

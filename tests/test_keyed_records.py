@@ -328,3 +328,18 @@ def test_load_state_refuses_a_damaged_or_forged_records_file(tmp_path: Path, sec
         with pytest.raises(DamagedStateError, match=f"item.records: .*{problem}"):
             target.load_state(dict(state, files=files))
         assert before == (tmp_path / "b" / "item.records").read_bytes()
+
+
+def test_a_manifest_naming_a_records_file_outside_the_state_is_damage(state_dir: Path):
+    """A damaged manifest.json whose `keyed` names no step (a path, a NUL): `resumable export` still works."""
+    _build(state_dir, 3)
+    path = state_dir / "manifest.json"
+    data = json.loads(path.read_text())
+    data["keyed"]["../../outside"] = data["keyed"]["item"]
+    data["keyed"]["nul\x00"] = data["keyed"]["item"]
+    path.write_text(json.dumps(data))
+    out = state_dir.parent / "export.msgpack"
+    assert 0 == main(["--state-dir", str(state_dir), "export", "-o", str(out)])
+    files = msgpack.unpackb(out.read_bytes())["files"]
+    assert {"item.records", "manifest.json"} <= set(files)
+    assert not any("outside" in key or "\x00" in key for key in files)
