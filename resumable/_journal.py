@@ -604,8 +604,8 @@ def read_state(
 ) -> Manifest:
     """
     The current manifest of a store, without locking it or writing anything. Without
-    *records*, keyed steps' records are read when used, not now (what only lists history
-    needs none of them); either way, damage is handled quietly.
+    *records*, keyed steps' records are read when used, not now (what only needs the
+    completed slots, as ``resumable diff``); either way, damage is handled quietly.
     """
     journal = Journal(store, pipeline=pipeline, secret=secret, readonly=True)
     journal.quiet = True

@@ -705,7 +705,7 @@ def read_checkpoints(store: Store, *, secret: bytes | None, newest: int) -> list
     """
     from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
 
-    manifest = read_state(store, secret=secret, records=False)  # only output versions are read
+    manifest = read_state(store, secret=secret)  # the records with the manifest and log they go with
     return _history.checkpoints(store, secret, newest, manifest)
 
 
