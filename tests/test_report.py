@@ -641,3 +641,24 @@ def test_a_rollback_restores_the_versions_compared(tmp_path):
     assert ["inputs changed"] == [r["verdict"] for r in after_run_2 if r["slot"] == "value"]
     after_run_1 = collect(pipe.store, None, compare=1)["compare"]["rows"]
     assert {"same"} == {r["verdict"] for r in after_run_1}
+
+
+def test_pipe_report_takes_a_run_number_as_an_int_or_a_string(tmp_path: Path):
+    """CHANGELOG: pipe.report(run="2") works as run=2 does; a run the log does not hold is a UsageError."""
+    from resumable import UsageError
+
+    pipe = Pipeline(state_dir=tmp_path / "state")
+
+    @pipe.step
+    def only(x: int) -> int:
+        return x
+
+    for x in (1, 2):
+        with pipe:
+            only(x)
+    as_int = Path(pipe.report(tmp_path / "int.html", run=2)).read_text()
+    as_text = Path(pipe.report(tmp_path / "text.html", run="2")).read_text()
+    assert "run 2" in as_int.lower()
+    assert as_int.count("<section") == as_text.count("<section")
+    with pytest.raises(UsageError):
+        pipe.report(tmp_path / "none.html", run="9")
