@@ -23,6 +23,8 @@ from resumable import (
     checkpointed,
     checkpointed_map,
 )
+from resumable._batch_input import Digester
+from resumable._fingerprint import digest_value
 from resumable._stores._local import LocalStore
 
 BATCHES = Path(".resumable") / "batches"
@@ -396,6 +398,21 @@ def test_named_batch_with_changed_input_raises(pipe: Pipeline, new_rows: list[in
         assert [r * 2 for r in new_rows] == checkpointed_map(
             lambda r: r * 2, new_rows, every=10, name="scores"
         )
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        list(range(100)),
+        [None, True, 1, -(2**63), 2**64 - 1, 1.5, "a", b"b"],
+        [2**64, 1],  # beyond msgpack's ints
+        ["\udcff", "x"],  # a lone surrogate (a name from os.listdir)
+        [(1, 2), 3],  # not only scalars
+        list(range(20_000)),
+    ],
+)
+def test_row_digests_are_the_rows_argument_fingerprints(rows: list[Any]):
+    assert Digester("b").digest(rows) == "f" + digest_value(rows)[:24]
 
 
 def test_iterator_input_resumes_and_detects_changes(pipe: Pipeline):
