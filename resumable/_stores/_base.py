@@ -115,6 +115,9 @@ def as_store(obj: object) -> Store:
     raise UsageError(msg)
 
 
+_NO_DIR = frozenset({"", ".", ".."})  # components a key's directories cannot be
+
+
 def check_key(key: str, location: str) -> str:
     """
     Return *key* if it is a relative path inside the store; raise otherwise.
@@ -128,7 +131,7 @@ def check_key(key: str, location: str) -> str:
         UsageError: it is not such a key.
     """
     *dirs, name = key.split("/")
-    if key.startswith("/") or "\x00" in key or name in {".", ".."} or any(p in {"", ".", ".."} for p in dirs):
+    if key.startswith("/") or "\x00" in key or name in {".", ".."} or not _NO_DIR.isdisjoint(dirs):
         msg = (
             f"{key!r} is not a key inside the store {location}: keys are relative paths with no "
             "'.' or '..' component"
