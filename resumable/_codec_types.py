@@ -111,6 +111,8 @@ class Encoder:
             packed = packer.pack(obj)
         finally:
             self._depth = depth
+            if not depth:  # the value is packed: the packers (which hold self.default) and
+                self._packers.clear()  # their buffers go now, not at the next garbage collection
         return packed
 
     def ext(self, code: int, payload: object) -> msgpack.ExtType:

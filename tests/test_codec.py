@@ -9,6 +9,7 @@ import collections
 import dataclasses
 import datetime as dt
 import enum
+import gc
 import hashlib
 import hmac
 import logging
@@ -25,6 +26,7 @@ import threading
 import types
 import uuid
 import warnings
+import weakref
 from decimal import Decimal
 from pathlib import Path, PosixPath, PurePosixPath
 from typing import Any
@@ -1266,3 +1268,16 @@ def test_timestamps_are_the_utc_time_to_the_millisecond(moments: list[int]) -> N
             got = _codec.utcnow()
         moment = epoch + dt.timedelta(microseconds=ns // 1000)
         assert moment.isoformat(timespec="milliseconds").replace("+00:00", "Z") == got
+
+
+def test_an_encoder_is_freed_once_its_value_is_packed():
+    """Its packers (and their buffers) go at once, not at the next garbage collection."""
+    gc.disable()
+    try:
+        encoder = _codec_types.Encoder(allow_pickle=False)
+        gone = weakref.ref(encoder)
+        encoder.pack([1, (2, 3), {"a": dt.date(2024, 1, 1)}])  # ext payloads are packed one level down
+        del encoder
+        assert gone() is None
+    finally:
+        gc.enable()
