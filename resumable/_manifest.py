@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import itertools
 import json
 import operator
@@ -229,6 +230,8 @@ class Manifest:
     """Per step name, when a run last had it defined (``resumable clean`` uses it)."""
     events_offset: int = 0
     """How many bytes of ``events.jsonl`` this manifest includes."""
+    session: dict[str, Any] | None = None
+    """A named session's ``id``, ``created_at``, ``parent`` (forked from) and ``metadata``."""
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready data (a deep copy), every record included, keys in the documented order."""
@@ -253,6 +256,7 @@ class Manifest:
             "checkpoints": self.checkpoints,
             "defined": dict(self.defined),
             "events_offset": self.events_offset,
+            **({} if self.session is None else {"session": copy.deepcopy(self.session)}),
         }
 
     def dump(self) -> tuple[dict[str, Any], dict[str, dict[str, list[Any]]]]:
@@ -449,6 +453,13 @@ _ERROR_RECORD = _record(
     ("step", "type", "message", "traceback"),
 )
 _STR_MAP = _map_of(_STR)
+_SESSION_FIELDS: dict[str, _Check] = {
+    "id": _STR,
+    "created_at": _OPT_STR,
+    "parent": _OPT_STR,
+    "metadata": lambda v: type(v) is dict,
+}
+_SESSION = _record(_SESSION_FIELDS, ("id",))
 _CODE = _map_of(_STR_MAP)
 _STEPS = _map_of(_STEP_RECORD)
 # a keyed step's summary in manifest.json: how many of its slots have each status
@@ -481,6 +492,7 @@ _MANIFEST: dict[str, _Check] = {
     "checkpoints": _count,
     "defined": _STR_MAP,
     "events_offset": _count,
+    "session": lambda v: v is None or _SESSION(v),
 }
 
 
@@ -581,6 +593,8 @@ EVENT_SCHEMA: dict[str, tuple[tuple[tuple[str, _Check], ...], dict[str, _Check]]
     "rollback": ((("changes", _ROLLBACK_CHANGES),), {"to": _INT}),
     "batch": ((("batch", _STR), ("progress", _BATCH_RECORD)), {}),
     "batch_done": ((("batch", _STR),), {}),
+    # a named session's identity: when it was created (or forked), or its metadata changed
+    "session": ((("id", _STR),), {k: v for k, v in _SESSION_FIELDS.items() if k != "id"}),
 }
 
 
@@ -817,6 +831,14 @@ class Fold:
     def _batch_done(self, event: Mapping[str, Any]) -> None:
         self.manifest.batches.pop(event["batch"], None)
 
+    def _session(self, event: Mapping[str, Any]) -> None:
+        self.manifest.session = {
+            "id": event["id"],
+            "created_at": event.get("created_at"),
+            "parent": event.get("parent"),
+            "metadata": dict(event.get("metadata") or {}),
+        }
+
 
 _HANDLERS: dict[str, Callable[[Fold, Mapping[str, Any]], None]] = {
     "run_started": Fold._run_started,  # noqa: SLF001
@@ -834,6 +856,7 @@ _HANDLERS: dict[str, Callable[[Fold, Mapping[str, Any]], None]] = {
     "rollback": Fold._rollback,  # noqa: SLF001
     "batch": Fold._batch,  # noqa: SLF001
     "batch_done": Fold._batch_done,  # noqa: SLF001
+    "session": Fold._session,  # noqa: SLF001
 }
 EVENT_KINDS = frozenset(_HANDLERS)
 """The events the fold applies (others are ignored: written by a newer version)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import json
 import os
 import socket
 import sys
@@ -109,7 +110,6 @@ class Pipeline:
             session = os.environ.get("RESUMABLE_SESSION") or None
         self._session_id: str | None = None if session is None else check_session_id(session)
         self._root: Store | None = None
-        self._session_meta: dict[str, Any] | None = None
         self._metadata: Mapping[str, Any] | None = None
         self._steps: dict[str, StepSpec[Any, Any]] = {}
         self._store: Store | None = None
@@ -194,31 +194,32 @@ class Pipeline:
             keep_checkpoints=self.keep_checkpoints,
             lagging_manifest=self._session_id is not None,
         )
-        if prepare is None and self._session_id is not None:
-            prepare = self._prepare_session
+        sid = self._session_id
+        claim = prepare is None and sid is not None  # (a fork names its session itself)
+        if claim:
+            prepare = functools.partial(_sessions.prepare, self.store, durable=self.durable)
         try:
             run.open(maintenance=maintenance, prepare=prepare)
         except (PermissionError, NotADirectoryError, FileExistsError) as exc:
             raise _unusable(self.store, exc) from exc
         except StateLockedError as exc:
-            if self._session_id is None or isinstance(exc, SessionBusyError):
+            if sid is None or isinstance(exc, SessionBusyError):
                 raise
-            raise SessionBusyError(self._session_id, self.store.location, exc.holder) from None
+            raise SessionBusyError(sid, self.store.location, exc.holder) from None
+        if claim and sid is not None:
+            try:
+                _sessions.claim(run.journal, sid, metadata=self._metadata)
+            except BaseException as exc:
+                run.close("failed", exc)
+                raise
         _open_runs[run.token] = run
         if not (maintenance or self._root_store.slow_appends):  # (an object store's index changes at a close)
             self._index_session(run)  # running
         return run
 
-    def _prepare_session(self) -> None:
-        """Holding a named session's lock, before its state is read (see :func:`_sessions.prepare`)."""
-        assert self._session_id is not None  # noqa: S101 - only named sessions are prepared
-        self._session_meta = _sessions.prepare(
-            self.store, self._session_id, metadata=self._metadata, durable=self.durable
-        )
-
     def _index_session(self, run: RunState) -> None:
-        if self._session_meta is not None:
-            _sessions.record(self._root_store, self._session_meta, run.journal.manifest)
+        if self._session_id is not None:
+            _sessions.record(self._root_store, self._session_id, run.journal.manifest)
 
     def _defined(self) -> list[str]:
         """The steps this process defines for this pipeline (recorded when a run closes)."""
@@ -631,7 +632,10 @@ class Pipeline:
 
         files = _history.check_state(state, self._secret)
         with self._maintenance(tidy=True) as run:
+            known = run.journal.manifest.session
             _history.load_state(run, files)
+            if self._session_id is not None:  # it stays this session, whoever's state it was
+                _sessions.claim(run.journal, self._session_id, known=known)
 
     def _has_output(self, plan: Plan) -> bool:
         """True if *plan*'s slot holds a valid output with its fingerprint."""
@@ -771,7 +775,8 @@ class Session(Pipeline):
         self._steps = parent._steps  # noqa: SLF001 - the same step definitions
         self._parent = parent
         self._wait = wait
-        self._metadata = dict(metadata) if metadata is not None else None
+        # JSON values, as the event log keeps them (what JSON has not is kept as its str)
+        self._metadata = None if metadata is None else json.loads(json.dumps(dict(metadata), default=str))
         self._session_tokens: list[Any] = []
 
     def __repr__(self) -> str:
@@ -875,12 +880,13 @@ class Session(Pipeline):
                 point = run.journal.manifest.checkpoints if at is None else _history.rollback(run, at).id
                 # where it came from, in its history (and a label to roll back to)
                 run.journal.record("snapshot", label=f"forked from {src}@{point}")
+                metadata = (run.journal.manifest.session or {}).get("metadata") or {}  # src's
+                run.journal.record("session", id=self.id, created_at=utcnow(), parent=src, metadata=metadata)
                 # complete: from here the session is dst's (a failure above leaves the marker,
                 # and whoever opens the session next empties it)
                 store.delete(_sessions.INCOMPLETE, durable=True)
             finally:
                 run.close("completed")
-            self._session_meta = _sessions.read_meta(store)
             self._index_session(run)
 
 

@@ -5,7 +5,8 @@ A named session is a store of its own under ``.sessions/<id encoded as keys are>
 pipeline's store, in the default session's layout, with a lock of its own: the run
 machinery works on it unchanged. This module adds what is about sessions as a whole:
 
-- ``.resumable/session.json`` in each session: its id, creation time, parent and metadata;
+- a ``session`` event in each session's log, which its manifest folds into ``session``:
+  its id, creation time, parent and metadata;
 - ``.resumable/incomplete`` in a session being forked or deleted: whoever takes the
   session's lock next finds it and empties the session before anything reads it, so a
   kill at any instant never leaves a half-forked session or a deleted one's outputs;
@@ -20,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import json
 import os
 import socket
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -47,9 +47,9 @@ from ._stores._prefix import sub_store
 from .exceptions import ResumableError, SessionBusyError, StateLockedError, UsageError
 
 if TYPE_CHECKING:
+    from ._journal import Journal
     from ._manifest import Manifest
 
-META = f"{INTERNAL_DIR}/session.json"
 INCOMPLETE = f"{INTERNAL_DIR}/incomplete"
 _LOCK = f"{INTERNAL_DIR}/lock"
 
@@ -120,21 +120,6 @@ def session_store(root: Store, session: str) -> Store:
     return sub_store(root, session_prefix(session))
 
 
-def read_meta(store: Store) -> dict[str, Any] | None:
-    """A session's ``session.json``, or None if it has none (or it is unreadable)."""
-    try:
-        data = json.loads(bytes(store.read(META)))
-    except (FileNotFoundError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-def write_meta(store: Store, meta: Mapping[str, Any], *, durable: bool) -> None:
-    """Write a session's ``session.json``."""
-    text = json.dumps(dict(meta), ensure_ascii=False, default=str, sort_keys=True)
-    store.write(META, [text.encode()], durable=durable)
-
-
 def incomplete(store: Store) -> bool:
     """True if a fork or delete of the session did not finish (its files are garbage)."""
     try:
@@ -153,53 +138,64 @@ def wipe(store: Store, *, durable: bool) -> None:
     store.delete(INCOMPLETE, durable=durable)
 
 
-def prepare(
-    store: Store, session: str, *, metadata: Mapping[str, Any] | None, durable: bool
-) -> dict[str, Any]:
+def prepare(store: Store, *, durable: bool) -> None:
     """
     Called holding the session's lock, before its state is read: finish what a killed fork
-    or delete left (the session then starts empty), and create or update ``session.json``.
-    Returns it.
+    or delete left (the session then starts empty).
     """
     if incomplete(store):
         wipe(store, durable=durable)
-    meta = read_meta(store)
-    if meta is None or meta.get("id") != session:
-        meta = {"id": session, "created_at": utcnow(), "parent": None, "metadata": dict(metadata or {})}
-        write_meta(store, meta, durable=False)
-    elif metadata is not None and meta.get("metadata") != dict(metadata):
-        meta = {**meta, "metadata": dict(metadata)}
-        write_meta(store, meta, durable=False)
-    return meta
 
 
-def summary(meta: Mapping[str, Any], manifest: Manifest | None) -> dict[str, Any]:
-    """The index summary of a session from its ``session.json`` and manifest."""
-    out: dict[str, Any] = {
-        "id": meta["id"],
-        "created_at": meta.get("created_at"),
+def claim(
+    journal: Journal,
+    session: str,
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    known: Mapping[str, Any] | None = None,
+) -> None:
+    """
+    Make the manifest of *journal* (an open run's, state loaded) name *session*: a ``session``
+    event when it names none or another one (a new session, a directory copied from
+    another), keeping *known* if that was this session's (its state was replaced), and when
+    *metadata* is given and differs from what is kept.
+    """
+    meta: Mapping[str, Any] | None = journal.manifest.session
+    if meta is not None and meta.get("id") == session:
+        if metadata is None or meta.get("metadata") == metadata:
+            return  # (the common case: an open of a session that exists)
+    elif known is not None and known.get("id") == session:
+        meta = known
+    else:
+        meta = {"id": session, "created_at": utcnow(), "parent": None, "metadata": {}}
+    journal.record("session", **{**meta, **({} if metadata is None else {"metadata": dict(metadata)})})
+
+
+def summary(session: str, manifest: Manifest) -> dict[str, Any]:
+    """The index summary of a session from its manifest."""
+    meta = manifest.session or {}
+    created = meta.get("created_at")
+    return {
+        "id": session,
+        "created_at": created,
         "parent": meta.get("parent"),
         "metadata": meta.get("metadata") or {},
-        "updated_at": meta.get("created_at"),
-        "status": "new",
+        "status": manifest.status if manifest.runs or manifest.completed_steps else "new",
+        "updated_at": max(str(manifest.last_update or ""), str(created or "")),
+        "runs": manifest.runs,
+        "completed": len(manifest.completed_steps),
+        "current_step": manifest.current_step,
+        "error": f"{manifest.error.type}: {manifest.error.message}"[:500]
+        if manifest.error is not None and manifest.status == "failed"
+        else None,
+        "bytes": manifest.steps.completed_bytes(),
     }
-    if manifest is None:
-        return out
-    out["status"] = manifest.status if manifest.runs or manifest.completed_steps else "new"
-    out["updated_at"] = max(str(manifest.last_update or ""), str(meta.get("created_at") or ""))
-    out["runs"] = manifest.runs
-    out["completed"] = len(manifest.completed_steps)
-    out["current_step"] = manifest.current_step
-    if manifest.error is not None and manifest.status == "failed":
-        out["error"] = f"{manifest.error.type}: {manifest.error.message}"[:500]
-    out["bytes"] = manifest.steps.completed_bytes()
-    return out
 
 
-def record(root: Store, meta: Mapping[str, Any], manifest: Manifest | None) -> None:
+def record(root: Store, session: str, manifest: Manifest) -> None:
     """Put a session's summary in the index (a cache: a failure to write it is not an error)."""
     with contextlib.suppress(OSError):
-        index_of(root).put(summary(meta, manifest))
+        index_of(root).put(summary(session, manifest))
 
 
 # listing ---------------------------------------------------------------------------------
@@ -232,9 +228,7 @@ def newest_first(summaries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 def exists(root: Store, session: str) -> bool:
     """True if session *session* holds anything (and is not half deleted)."""
     store = session_store(root, session)
-    if incomplete(store):
-        return False
-    return any(k != META for k in store.list()) or read_meta(store) is not None
+    return not incomplete(store) and bool(store.list())
 
 
 # fork and delete -------------------------------------------------------------------------
@@ -315,11 +309,7 @@ def copy_state(  # noqa: PLR0913 - the two sessions, as stores and as prefixes
     firsts = read_head(src)
     for key in sorted(src.list()):
         name = key.rpartition("/")[2]
-        if (
-            key in firsts
-            or key in {META, INCOMPLETE, _LOCK}
-            or (name.startswith(".") and name.endswith(".tmp"))
-        ):
+        if key in firsts or key in {INCOMPLETE, _LOCK} or (name.startswith(".") and name.endswith(".tmp")):
             continue
         try:
             if _linked(key):
@@ -379,7 +369,7 @@ def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
     Raises:
         UsageError: *dst* holds a session already.
     """
-    if any(k not in {META, INCOMPLETE} for k in store.list()) and not incomplete(store):
+    if any(k != INCOMPLETE for k in store.list()) and not incomplete(store):
         msg = f"session {dst!r} already exists in {root.location}: delete it first, or fork into a new id"
         raise UsageError(msg)
     store.write(INCOMPLETE, [b"fork\n"], durable=True)
@@ -389,12 +379,6 @@ def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
     source = session_store(root, src)
     copy_state(
         root, source, store, src_prefix=session_prefix(src), dst_prefix=session_prefix(dst), durable=False
-    )
-    meta = read_meta(source) or {}
-    write_meta(
-        store,
-        {"id": dst, "created_at": utcnow(), "parent": src, "metadata": meta.get("metadata") or {}},
-        durable=False,
     )
 
 

@@ -1,7 +1,7 @@
 """
 The index of a store's named sessions: one summary per session, for ``sessions`` and ``status``.
 
-It is a cache: each session's own files (its ``session.json`` and manifest) are the truth,
+It is a cache: each session's own files (its manifest and event log) are the truth,
 and a summary lost to a crash is read from them again. Two forms:
 
 - a local directory keeps ``.sessions/.index.jsonl``: one JSON line per change (a session's

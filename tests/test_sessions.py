@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import gc
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,6 +21,7 @@ import pytest
 import resumable
 from resumable import (
     Pipeline,
+    ResumableWarning,
     SessionBusyError,
     SessionInfo,
     StateLockedError,
@@ -334,6 +337,70 @@ def test_fork_shares_files_and_reruns_exactly_what_changed(state_dir: Path) -> N
         pipe.fork("src", "dst")
     with pytest.raises(UsageError, match="no session"):
         pipe.fork("nope", "dst2")
+
+
+def test_a_sessions_id_creation_parent_and_metadata_live_in_its_manifest_and_log(state_dir: Path) -> None:
+    """No file of their own: a session event in the log, folded into the manifest's ``session``."""
+    pipe, calls, turn = _chat(state_dir)
+    folder = state_dir / ".sessions" / "a"
+    with pipe.session("a", metadata={"user": 7, "when": dt.date(2026, 1, 2)}):
+        turn(1, "one")
+    assert sorted(p.name for p in folder.rglob("*") if p.is_file()) == [
+        "1.msgpack", "events.jsonl", "lock", "manifest.json", "turn.records"
+    ]  # fmt: skip
+    created = json.loads((folder / "manifest.json").read_bytes())["session"]
+    assert created == {
+        "id": "a", "created_at": created["created_at"], "parent": None,
+        "metadata": {"user": 7, "when": "2026-01-02"},  # JSON values: a date as its str
+    }  # fmt: skip
+    log = (folder / "events.jsonl").read_bytes()
+    with pipe.session("a"):  # metadata not given: kept, and nothing is written for it
+        turn(1, "one")
+    assert (folder / "events.jsonl").read_bytes().count(b'"event":"session"') == 1
+    assert log.count(b'"event":"session"') == 1
+    with pipe.session("a", metadata={"user": 8}):  # given: replaces it, in the log at once
+        turn(1, "one")
+    (folder / "manifest.json").unlink()  # lost: rebuilt from the log, identity included
+    with pytest.warns(ResumableWarning, match="rebuilt"), pipe.session("a") as s:
+        assert s.status().session == {**created, "metadata": {"user": 8}}
+    (info,) = pipe.sessions()
+    assert (info.created_at, info.parent, info.metadata) == (created["created_at"], None, {"user": 8})
+    assert calls == [("one", 1)]
+
+    pipe.fork("a", "b")  # the fork: a new creation time, its parent, the source's metadata
+    forked = {s.id: s for s in pipe.sessions()}["b"]
+    assert (forked.parent, forked.metadata) == ("a", {"user": 8})
+    assert forked.created_at > created["created_at"]
+    with pipe.session("b") as s:
+        assert s.status().session == {
+            "id": "b", "created_at": forked.created_at, "parent": "a", "metadata": {"user": 8}
+        }  # fmt: skip
+
+    state = pipe.session("a").save_state()
+    pipe.session("b").load_state(state)  # another session's state: b stays b
+    with pipe.session("b") as s:
+        assert s.status().session == {
+            "id": "b", "created_at": forked.created_at, "parent": "a", "metadata": {"user": 8}
+        }  # fmt: skip
+        assert list(s.outputs("turn")) == ["1"]
+    assert {s.id: s.parent for s in pipe.sessions()} == {"a": None, "b": "a"}
+    with pipe:
+        turn(1, "one")
+    assert "session" not in json.loads((state_dir / "manifest.json").read_bytes())  # the default's
+
+
+def test_a_session_directory_copied_under_another_id_is_that_session(state_dir: Path) -> None:
+    pipe, calls, turn = _chat(state_dir)
+    with pipe.session("orig", metadata={"k": 1}):
+        turn(1, "one")
+    shutil.copytree(state_dir / ".sessions" / "orig", state_dir / ".sessions" / "copy")
+    with pipe.session("copy") as s:
+        turn(1, "one")  # its outputs came with it
+        meta = s.status().session
+    assert calls == [("one", 1)]
+    assert meta is not None
+    assert (meta["id"], meta["parent"], meta["metadata"]) == ("copy", None, {})
+    assert {s.id for s in pipe.sessions()} == {"orig", "copy"}
 
 
 def test_fork_at_a_checkpoint(state_dir: Path) -> None:

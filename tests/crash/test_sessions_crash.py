@@ -155,8 +155,8 @@ def test_killed_fork_is_all_or_nothing(tmp_path: Path, at: str | None) -> None:
                 turn(i)
         assert len(calls) == SLOTS - len(got)  # what was forked runs no step again
         _check_clean(pipe, dst)
-        listed = {s.id for s in pipe.sessions()}
-        assert dst in listed
+        listed = {s.id: s for s in pipe.sessions()}
+        assert listed[dst].parent == ("src" if got else None)  # a fork's identity comes with it, or none
     assert killed > _trials(60) // 2
     assert _tree(tmp_path / "state" / ".sessions" / "src") == src
 
@@ -170,6 +170,7 @@ def test_killed_delete_leaves_all_or_nothing_and_a_reused_id_starts_empty(tmp_pa
         sid = f"gone{n}"
         _fill(pipe, turn, sid)
         whole = _tree(tmp_path / "state" / ".sessions" / sid)
+        created = {s.id: s for s in pipe.sessions()}[sid].created_at
         if not _in_child(lambda sid=sid: pipe.delete_session(sid), rng.randint(1, length)):
             assert not (tmp_path / "state" / ".sessions" / sid).exists()
             continue
@@ -180,6 +181,7 @@ def test_killed_delete_leaves_all_or_nothing_and_a_reused_id_starts_empty(tmp_pa
             got = dict(s.outputs("turn"))
             if began:
                 assert got == {}, f"a deleted session's outputs were seen: {sorted(got)}"
+                assert s.status().session["created_at"] != created  # a new session of that id
             else:
                 assert len(got) in {0, SLOTS}
             turn(0)
