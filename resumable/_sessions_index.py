@@ -66,7 +66,11 @@ def index_of(store: Store) -> Index:
 def _line(record: Mapping[str, Any]) -> bytes:
     # what is None or empty is left out (read back as such): a smaller index reads faster
     kept = {k: v for k, v in record.items() if v is not None and v != {}}
-    return json.dumps(kept, separators=(",", ":"), ensure_ascii=False, default=str).encode() + b"\n"
+    return _encode(kept).encode() + b"\n"
+
+
+# one encoder for every line: json.dumps with options builds a new encoder at each call
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=str).encode
 
 
 def fold(lines: Iterator[bytes]) -> dict[str, dict[str, Any]]:
@@ -101,8 +105,11 @@ class LogIndex(Index):
         self.log = f"{root}/{INDEX_LOG}"
 
     @contextlib.contextmanager
-    def _locked(self) -> Iterator[int]:
-        """The log, open for appending under its ``flock`` (reopened if a compaction replaced it)."""
+    def _locked(self) -> Iterator[tuple[int, int]]:
+        """
+        The log, open for appending under its ``flock`` (reopened if a compaction replaced
+        it), and its size.
+        """
         while True:
             try:
                 fd = os.open(self.log, _APPEND, 0o600)
@@ -111,16 +118,16 @@ class LogIndex(Index):
                 fd = os.open(self.log, _APPEND, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
-                if os.fstat(fd).st_ino == os.stat(self.log).st_ino:
-                    yield fd
+                held = os.fstat(fd)
+                if held.st_ino == os.stat(self.log).st_ino:
+                    yield fd, held.st_size
                     return
             finally:
                 os.close(fd)  # drops the flock
 
     def _append(self, record: Mapping[str, Any], *, durable: bool) -> None:
         data = _line(record)
-        with self._locked() as fd:
-            size = os.fstat(fd).st_size
+        with self._locked() as (fd, size):
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 data = b"\n" + data  # the last append was cut by a kill: start a new line
             os.write(fd, data)
