@@ -3,12 +3,12 @@ The event log and the manifest it folds into.
 
 Every state change is an event appended to ``events.jsonl`` on the caller's thread, one
 ``write`` each (fsynced only when the change must survive a power loss before the step
-runs); on a store with slow appends (an object store) events wait for the next one that must
-be on disk, or for the next rewrite of the manifest. ``manifest.json`` is rewritten
-atomically by the thread recording an event when it is older than its interval, and durably
-when a run closes. A reader loads the manifest and replays the events written after it, so
-a killed process loses nothing the log holds, and a lost or damaged manifest is rebuilt
-from the log and the step files.
+runs; skips go with the next event written); on a store with slow appends (an object
+store) events wait for the next one that must be on disk, or for the next rewrite of the
+manifest. ``manifest.json`` is rewritten atomically by the thread recording an event when
+it is older than its interval, and durably when a run closes. A reader loads the manifest
+and replays the events written after it, so a killed process loses nothing the log holds,
+and a lost or damaged manifest is rebuilt from the log and the step files.
 """
 
 from __future__ import annotations
@@ -442,7 +442,7 @@ class Journal:
 
     # recording ---------------------------------------------------------------------------
 
-    def record(self, event: str, *, sync: bool = False, **fields: Any) -> None:
+    def record(self, event: str, *, sync: bool = False, defer: bool = False, **fields: Any) -> None:
         """
         Apply an event to the manifest and append it to the log; then, if ``manifest.json``
         is older than its interval, rewrite it.
@@ -450,7 +450,9 @@ class Journal:
         A *sync* event is in the log before this returns, with every event recorded before
         it, on every store, and fsynced unless the journal is not :attr:`durable`: what must
         happen before a side effect (a non-idempotent step's start). On a store with slow
-        appends, other events wait for the next sync event or manifest rewrite.
+        appends, other events wait for the next sync event or manifest rewrite; a *defer*
+        event (a skip, which a kill may lose: the files say the same) waits for the next
+        event written on every store.
 
         Raises:
             OSError: the log could not be written (naming it); the event stays pending.
@@ -460,7 +462,7 @@ class Journal:
             self.fold.apply(data)
             self.unsaved = True
             self._pending.append(data)
-            if sync or not self.store.slow_appends:
+            if sync or not (defer or self.store.slow_appends):
                 self._write_pending(durable=sync and self.durable)
         self._rewrite_if_due()
 

@@ -415,6 +415,7 @@ class RunState:
             if kept or plan.slot in self._recent or not self.journal.manifest.steps.is_completed(plan.slot):
                 self.journal.record(
                     "step_skipped",
+                    defer=True,  # written with the next event: a request's skips in one write
                     slot=plan.slot,
                     fingerprint=plan.fingerprint,
                     bytes=head_len + header["size"],
