@@ -471,7 +471,8 @@ def _rebase_at(store: Store, secret: bytes | None, keep: int, manifest: Manifest
     """The checkpoint just before the retained ones, if the log before them is long enough to fold."""
     retained = _newest(manifest, keep)
     first_kept = min(retained) if retained else manifest.checkpoints + 1
-    if first_kept - 1 - _base_id(store, secret) < BASE_AFTER:
+    # (the base is read only when the checkpoints before the retained ones could be enough)
+    if first_kept - 1 < BASE_AFTER or first_kept - 1 - _base_id(store, secret) < BASE_AFTER:
         return None
     return first_kept - 1
 
