@@ -209,8 +209,8 @@ class Pipeline:
         if claim and sid is not None:
             try:
                 _sessions.claim(run.journal, sid, metadata=self._metadata)
-            except BaseException as exc:
-                run.close("failed", exc)
+            except BaseException:
+                run.close("failed")  # (releases the lock)
                 raise
         _open_runs[run.token] = run
         if not (maintenance or self._root_store.slow_appends):  # (an object store's index changes at a close)

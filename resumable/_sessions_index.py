@@ -106,10 +106,7 @@ class LogIndex(Index):
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[tuple[int, int]]:
-        """
-        The log, open for appending under its ``flock`` (reopened if a compaction replaced
-        it), and its size.
-        """
+        """The log open for appending under its ``flock`` (reopened if compaction replaced it), its size."""
         while True:
             try:
                 fd = os.open(self.log, _APPEND, 0o600)
