@@ -30,6 +30,7 @@ from resumable import (
     step,
 )
 from resumable._exit import exit_hooks
+from resumable._stores._local import LocalStore
 from resumable._stores._memory import MemoryStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -401,6 +402,34 @@ def test_a_session_directory_copied_under_another_id_is_that_session(state_dir: 
     assert meta is not None
     assert (meta["id"], meta["parent"], meta["metadata"]) == ("copy", None, {})
     assert {s.id for s in pipe.sessions()} == {"orig", "copy"}
+
+
+def test_a_requests_skips_go_in_the_write_of_its_next_event(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Open a session, skip 10 slots, store one, close: four appends to its log, the skips in order."""
+    pipe, calls, turn = _chat(state_dir)
+    with pipe.session("c"):
+        for i in range(10):
+            turn(i, "x")
+    appends: list[bytes] = []
+    real = LocalStore.append
+
+    def append(self: LocalStore, key: str, data: bytes, *, durable: bool) -> None:
+        if key == "events.jsonl":
+            appends.append(data)
+        real(self, key, data, durable=durable)
+
+    monkeypatch.setattr(LocalStore, "append", append)
+    with pipe.session("c"):
+        for i in range(10):
+            turn(i, "x")
+        turn(10, "x")
+    events = [[json.loads(line)["event"] for line in chunk.splitlines()] for chunk in appends]
+    assert events == [
+        ["run_started"], ["step_skipped"] * 10 + ["step_started"], ["step_completed"], ["run_finished"]
+    ]  # fmt: skip
+    assert len(calls) == 11
 
 
 def test_fork_at_a_checkpoint(state_dir: Path) -> None:
