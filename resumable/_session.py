@@ -535,9 +535,10 @@ class RunState:
 
     def begin(self, spec: StepView, plan: Plan, found: Found) -> float:
         """Record that a step starts running (durably for non-idempotent steps)."""
-        rec = self.journal.manifest.steps.get(plan.slot)
-        if not spec.idempotent and rec is not None and rec.status in {"interrupted", "running"}:
-            raise StepInterruptedError(plan.slot, rec.started_at, step=spec.name)
+        if not spec.idempotent:
+            rec = self.journal.manifest.steps.get(plan.slot)
+            if rec is not None and rec.status in {"interrupted", "running"}:
+                raise StepInterruptedError(plan.slot, rec.started_at, step=spec.name)
         detail = f" ({found.detail})" if found.detail else ""
         log.info("step %r running: %s%s", plan.slot, found.reason, detail)
         self._record_code(spec, plan)
