@@ -224,6 +224,8 @@ class Journal:
         outputs a killed run wrote but had not recorded yet are recovered (see
         :meth:`_reconcile`).
         """
+        with self.lock:
+            self._pending = []  # events not written yet were of the state this load replaces
         manifest, problem = self._read_manifest()
         self.rebuilt = problem is not None
         tail = None if manifest is None else self._read_log(manifest.events_offset)

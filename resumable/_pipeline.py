@@ -883,7 +883,8 @@ class Session(Pipeline):
                 metadata = (run.journal.manifest.session or {}).get("metadata") or {}  # src's
                 run.journal.record("session", id=self.id, created_at=utcnow(), parent=src, metadata=metadata)
                 # complete: from here the session is dst's (a failure above leaves the marker,
-                # and whoever opens the session next empties it)
+                # and whoever opens the session next empties it); its events are in the log first
+                run.journal.write_pending(durable=True)
                 store.delete(_sessions.INCOMPLETE, durable=True)
             finally:
                 run.close("completed")

@@ -169,6 +169,8 @@ def claim(
     else:
         meta = {"id": session, "created_at": utcnow(), "parent": None, "metadata": {}}
     journal.record("session", **{**meta, **({} if metadata is None else {"metadata": dict(metadata)})})
+    # in the log at once, on every store: until a manifest or index is written, nothing else holds it
+    journal.write_pending(durable=False)
 
 
 def summary(session: str, manifest: Manifest) -> dict[str, Any]:

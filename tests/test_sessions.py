@@ -683,3 +683,99 @@ def test_a_sessions_manifest_lags_its_log_by_at_most_lag_and_readers_see_every_r
     assert len(calls) == 40
     assert any(lagged)  # closes that did not rewrite it (a slow run may also rewrite it midway)
     assert pipe.sessions()[0].runs == 40
+
+
+def _copy_without_leases(url: str) -> str:
+    """What an object store holds for the next process after a kill: the bucket without its leases."""
+    fsspec = pytest.importorskip("fsspec")
+    fs = fsspec.filesystem("memory")
+    src, dst = url.removeprefix("memory://"), f"sessions-kill/{os.urandom(6).hex()}"
+    for path in fs.find("/" + src):
+        if "lease" not in path:
+            fs.pipe("/" + dst + path[len("/" + src) :], fs.cat(path))
+    return f"memory://{dst}"
+
+
+def test_a_new_sessions_identity_is_stored_at_once_on_an_object_store() -> None:
+    """Killed during its first request, a new session keeps its metadata and creation time."""
+    from resumable._stores._fsspec import FsspecStore
+
+    url = f"memory://sessions-kill/{os.urandom(6).hex()}"
+    pipe = Pipeline("p", store=FsspecStore(url))
+
+    @pipe.step
+    def f(x: int) -> int:
+        return x * 2
+
+    with pipe.session("conv", metadata={"user": "alice"}):
+        f(1)
+        # a kill here: the events wait for the close on an object store, but not this one
+        after = Pipeline("p", store=FsspecStore(_copy_without_leases(url)))
+        with after.session("conv") as s:
+            assert {"user": "alice"} == s.status().session["metadata"]
+        created = pipe.session("conv").status().session["created_at"]
+        assert created == after.session("conv").status().session["created_at"]
+
+
+def test_a_fork_killed_after_it_completed_keeps_its_parent_and_metadata(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fork is complete only with its events in the log: a kill before its close loses neither."""
+    from resumable import _session
+    from resumable._stores._fsspec import FsspecStore
+
+    url = f"memory://sessions-kill/{os.urandom(6).hex()}"
+    pipe = Pipeline("p", store=FsspecStore(url))
+
+    @pipe.step
+    def f(x: int) -> int:
+        return x * 2
+
+    with pipe.session("a", metadata={"user": "alice"}):
+        f(1)
+
+    class Killed(BaseException):
+        pass
+
+    def killed(self: object, *args: object, **kwargs: object) -> None:
+        raise Killed  # a kill right after the fork removed its incomplete marker
+
+    monkeypatch.setattr(_session.RunState, "close", killed)
+    with pytest.raises(Killed):
+        pipe.fork("a", "b")
+    monkeypatch.undo()
+    after = Pipeline("p", store=FsspecStore(_copy_without_leases(url)))
+    with after.session("b") as b:
+        assert ("a", {"user": "alice"}) == (b.status().session["parent"], b.status().session["metadata"])
+        assert ["f"] == b.status().completed_steps
+
+
+def test_load_state_drops_the_replaced_states_unwritten_skips(state_dir: Path) -> None:
+    """A skip waiting for the next write belongs to the state load_state replaces: it is not logged into the new one."""
+    other = Pipeline("p", state_dir=state_dir / "other")
+
+    @other.step
+    def g(x: int) -> int:
+        return x + 1
+
+    with other:
+        g(1)
+    state = other.save_state()
+    pipe = Pipeline("p", state_dir=state_dir / "mine")
+
+    @pipe.step
+    def f(x: int) -> int:
+        return x * 2
+
+    with pipe:
+        f(2)
+    with pipe.session("s"):
+        f(2)
+    with pipe.session("s") as s:
+        f(2)  # a skip: its event waits for the next write
+        s.load_state(state)
+        assert ["g"] == s.status().completed_steps
+    logged = (state_dir / "mine" / ".sessions" / "s" / "events.jsonl").read_text()
+    assert "step_skipped" not in logged
+    with pipe.session("s") as s:
+        assert ["g"] == s.status().completed_steps
