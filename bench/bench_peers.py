@@ -1052,10 +1052,9 @@ def bench_lazy_store(base: Path, rounds: int) -> list[Row]:
         # root stays until the run ends: see "delete nothing while they measure" above
     library_s = res["library"]
     assert not isinstance(library_s, str)  # noqa: S101
-    lib = med(library_s)
     details = medians(res) | {"stores_per_block": n}
     name = "store a new ~1 KB step output, durable=False"
-    # The target is absolute: judged once, on the row of the naive write (always measured).
+    # The target (issue "A simple core"): at most 3x the naive write, which is always measured.
     return [
         versus(
             name,
@@ -1070,8 +1069,8 @@ def bench_lazy_store(base: Path, rounds: int) -> list[Row]:
             library_s,
             "naive msgpack write + rename (no fsync)",
             res["naive"],
-            target="≤ 100 µs (absolute)",
-            check=lambda _: lib <= 100e-6,
+            target="≤ 3.0",
+            check=lambda ratio: ratio <= 3.0,
             details=details,
         ),
         Row(
