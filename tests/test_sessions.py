@@ -15,6 +15,7 @@ import threading
 import time
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -696,8 +697,8 @@ def _copy_without_leases(url: str) -> str:
     return f"memory://{dst}"
 
 
-def test_a_new_sessions_identity_is_stored_at_once_on_an_object_store() -> None:
-    """Killed during its first request, a new session keeps its metadata and creation time."""
+def _on_an_object_store() -> tuple[str, Pipeline, Any]:
+    """A pipeline with one step on a new fsspec ``memory://`` store (appends wait there, as on S3)."""
     from resumable._stores._fsspec import FsspecStore
 
     url = f"memory://sessions-kill/{os.urandom(6).hex()}"
@@ -707,6 +708,14 @@ def test_a_new_sessions_identity_is_stored_at_once_on_an_object_store() -> None:
     def f(x: int) -> int:
         return x * 2
 
+    return url, pipe, f
+
+
+def test_a_new_sessions_identity_is_stored_at_once_on_an_object_store() -> None:
+    """Killed during its first request, a new session keeps its metadata and creation time."""
+    from resumable._stores._fsspec import FsspecStore
+
+    url, pipe, f = _on_an_object_store()
     with pipe.session("conv", metadata={"user": "alice"}):
         f(1)
         # a kill here: the events wait for the close on an object store, but not this one
@@ -724,13 +733,7 @@ def test_a_fork_killed_after_it_completed_keeps_its_parent_and_metadata(
     from resumable import _session
     from resumable._stores._fsspec import FsspecStore
 
-    url = f"memory://sessions-kill/{os.urandom(6).hex()}"
-    pipe = Pipeline("p", store=FsspecStore(url))
-
-    @pipe.step
-    def f(x: int) -> int:
-        return x * 2
-
+    url, pipe, f = _on_an_object_store()
     with pipe.session("a", metadata={"user": "alice"}):
         f(1)
 
