@@ -625,9 +625,9 @@ def test_a_session_is_reported_and_compared_with_another(tmp_path):
     assert 2 == cli(["--state-dir", str(state), *unknown])
 
 
-def test_a_rollback_restores_the_versions_compared(tmp_path):
-    """After a rollback, "now" holds the restored output, not the one the rollback replaced."""
-    pipe = Pipeline("rolled", store=tmp_path / "state")
+def _two_runs(state: Path) -> Pipeline:
+    """A pipeline whose step ``value`` ran twice, with 1 then 2."""
+    pipe = Pipeline("rolled", store=state)
 
     @pipe.step
     def value(x: int) -> int:
@@ -636,6 +636,12 @@ def test_a_rollback_restores_the_versions_compared(tmp_path):
     for x in (1, 2):
         with pipe:
             value(x)
+    return pipe
+
+
+def test_a_rollback_restores_the_versions_compared(tmp_path):
+    """After a rollback, "now" holds the restored output, not the one the rollback replaced."""
+    pipe = _two_runs(tmp_path / "state")
     pipe.rollback(1)
     after_run_2 = collect(pipe.store, None, compare=2)["compare"]["rows"]
     assert ["inputs changed"] == [r["verdict"] for r in after_run_2 if r["slot"] == "value"]
@@ -647,15 +653,7 @@ def test_pipe_report_takes_a_run_number_as_an_int_or_a_string(tmp_path: Path):
     """CHANGELOG: pipe.report(run="2") works as run=2 does; a run the log does not hold is a UsageError."""
     from resumable import UsageError
 
-    pipe = Pipeline(state_dir=tmp_path / "state")
-
-    @pipe.step
-    def only(x: int) -> int:
-        return x
-
-    for x in (1, 2):
-        with pipe:
-            only(x)
+    pipe = _two_runs(tmp_path / "state")
     as_int = Path(pipe.report(tmp_path / "int.html", run=2)).read_text()
     as_text = Path(pipe.report(tmp_path / "text.html", run="2")).read_text()
     assert "run 2" in as_int.lower()
