@@ -452,9 +452,10 @@ class Journal:
         A *sync* event is in the log before this returns, with every event recorded before
         it, on every store, and fsynced unless the journal is not :attr:`durable`: what must
         happen before a side effect (a non-idempotent step's start). On a store with slow
-        appends, other events wait for the next sync event or manifest rewrite; a *defer*
-        event (a skip, which a kill may lose: the files say the same) waits for the next
-        event written on every store.
+        appends, other events wait for the next sync event or manifest rewrite. A *defer*
+        event (the skip of a completed slot: a kill may lose it, the files say the same)
+        waits for the next event written on every store, and does not make the manifest due
+        for a rewrite.
 
         Raises:
             OSError: the log could not be written (naming it); the event stays pending.
@@ -462,9 +463,11 @@ class Journal:
         data = {"t": utcnow(), "event": event, **fields}
         with self.lock:
             self.fold.apply(data)
-            self.unsaved = True
             self._pending.append(data)
-            if sync or not (defer or self.store.slow_appends):
+            if defer:
+                return
+            self.unsaved = True
+            if sync or not self.store.slow_appends:
                 self._write_pending(durable=sync and self.durable)
         self._rewrite_if_due()
 

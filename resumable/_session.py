@@ -236,7 +236,8 @@ class RunState:
         try:
             if prepare is not None:
                 prepare()
-            file_digests.attach(self.store, self.secret)
+            if not maintenance:  # (only a run fingerprints Path arguments)
+                file_digests.attach(self.store, self.secret)
             manifest = self.journal.load()
             if manifest.runs and manifest.pipeline != self.journal.pipeline and not maintenance:
                 log.warning(
@@ -412,10 +413,11 @@ class RunState:
             # The skips of the slots completed last are logged (why and report show them);
             # older ones change nothing: a run replaying a conversation of 200 turns would
             # otherwise log 200 skips, and the log would grow with the square of its length.
-            if kept or plan.slot in self._recent or not self.journal.manifest.steps.is_completed(plan.slot):
+            completed = self.journal.manifest.steps.is_completed(plan.slot)
+            if kept or plan.slot in self._recent or not completed:
                 self.journal.record(
                     "step_skipped",
-                    defer=True,  # written with the next event: a request's skips in one write
+                    defer=completed,  # written with the next event: a request's skips in one write
                     slot=plan.slot,
                     fingerprint=plan.fingerprint,
                     bytes=head_len + header["size"],

@@ -397,6 +397,9 @@ class Outputs(Mapping[str, Any]):
         value = self._data[key]
         return value.get() if isinstance(value, StoredOutput) else value
 
+    def __contains__(self, key: object) -> bool:
+        return key in self._data  # (without loading the value, as Mapping's would)
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._data)
 

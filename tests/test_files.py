@@ -186,3 +186,23 @@ def test_runs_opened_again_and_again_keep_no_reference_to_their_store(tmp_path: 
     store = fifty_runs()
     gc.collect()
     assert store() is None
+
+
+def test_only_a_run_reads_the_file_digest_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reset, rollback and the other maintenance opens fingerprint nothing: they leave the cache unread."""
+    from resumable import _session
+
+    attached: list[object] = []
+    monkeypatch.setattr(_session.file_digests, "attach", lambda store, secret: attached.append(store))
+    pipe = Pipeline(state_dir=tmp_path / "state")
+
+    @pipe.step
+    def f(x: int) -> int:
+        return x
+
+    with pipe:
+        f(1)
+    assert 1 == len(attached)
+    pipe.reset("f")
+    pipe.snapshot("after reset")
+    assert 1 == len(attached)

@@ -435,3 +435,28 @@ def test_a_read_only_state_file_is_a_state_directory_error(state_dir: Path, monk
     monkeypatch.setattr(LocalStore, "write", read_only)
     with pytest.raises(StateDirectoryError, match=r"manifest\.json cannot be used \(Read-only"):
         pipe.run()
+
+
+def test_skips_of_completed_slots_do_not_make_the_manifest_due(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A logged skip changes nothing manifest.json says: however long the run, it is not rewritten for skips."""
+    import resumable._journal as journal_module
+
+    pipe = Pipeline(state_dir=state_dir)
+
+    @pipe.step(key="{i}")
+    def f(i: int) -> int:
+        return i
+
+    with pipe:
+        for i in range(3):
+            f(i)
+    monkeypatch.setattr(journal_module, "FLUSH_INTERVAL", 0.0)  # any change makes it due at once
+    with pipe:
+        written = (state_dir / "manifest.json").stat().st_ino
+        for i in range(3):
+            f(i)  # skips of the slots completed last: logged
+        assert written == (state_dir / "manifest.json").stat().st_ino
+    logged = (state_dir / "events.jsonl").read_text().splitlines()
+    assert 3 == sum(json.loads(line)["event"] == "step_skipped" for line in logged)

@@ -78,6 +78,18 @@ def test_a_lazy_output_removed_after_its_run_closed_is_an_error_not_a_write(tmp_
     assert [1, 2, 3] == run.outputs["a"]  # an output still there loads as before
 
 
+def test_asking_whether_run_outputs_holds_a_step_loads_nothing(tmp_path: Path):
+    """`"b" in run.outputs` answers from the names: no file read, so a removed file is no error."""
+    state = tmp_path / "state"
+    pipe = Pipeline("lazy", state_dir=state)
+    _two_steps(pipe, [])
+    pipe.run()
+    run = pipe.run()
+    pipe.reset("b")
+    assert "b" in run.outputs
+    assert "c" not in run.outputs
+
+
 def test_a_lazy_output_replaced_after_its_run_closed_is_not_returned(tmp_path: Path):
     """A later run that stored another value in the slot: the earlier run's outputs do not return it."""
     state = tmp_path / "state"
