@@ -299,7 +299,7 @@ def _base_point(
     """The point of the history base's checkpoint (see :func:`replay`)."""
     point = _point(first, fold.manifest, first.id in wanted or first.id == restore, None)
     if first.id in wanted:
-        point.versions = current_versions(fold.manifest)
+        point.versions = fold.manifest.steps.completed_files()
     if first.id == restore:
         _restoring(point, fold)
     return point
@@ -341,7 +341,7 @@ class _Versions:
         """
         changes: dict[str, str | None] | None = None
         if self._now is None:
-            self._now = current_versions(m)
+            self._now = m.steps.completed_files()
         else:
             changes = {}
             for slot in self._touched:
@@ -403,11 +403,6 @@ def _kept(store: Store) -> set[str]:
     }
 
 
-def current_versions(manifest: Manifest) -> dict[str, str]:
-    """The version of each completed slot's output file now."""
-    return manifest.steps.completed_files()
-
-
 def _newest(manifest: Manifest, count: int) -> set[int]:
     """The ids of the newest *count* checkpoints (ids are numbered 1, 2, 3 ... in order)."""
     last = manifest.checkpoints
@@ -416,7 +411,7 @@ def _newest(manifest: Manifest, count: int) -> set[int]:
 
 def checkpoints(store: Store, secret: bytes | None, newest: int, manifest: Manifest) -> list[Checkpoint]:
     """The checkpoints among the *newest* that can still be restored, oldest first."""
-    available = _kept(store) | set(current_versions(manifest).values())
+    available = _kept(store) | set(manifest.steps.completed_files().values())
     points = _each_versions(replay(store, secret, _newest(manifest, newest), only_asked=True))
     return [p.checkpoint for p, versions in points if available.issuperset(versions.values())]
 
@@ -443,7 +438,8 @@ def _unneeded(kept: set[str], manifest: Manifest, points: Iterable[_Point]) -> l
     for _, versions in _each_versions(points):
         candidates.difference_update(versions.values())
     if candidates:  # (the current records are read only then: a run that only skips reads none)
-        candidates.difference_update(current_versions(manifest).values())  # a rollback may have put some back
+        # a rollback may have put some back
+        candidates.difference_update(manifest.steps.completed_files().values())
     return [object_key(v) for v in sorted(candidates)]
 
 

@@ -858,5 +858,3 @@ _HANDLERS: dict[str, Callable[[Fold, Mapping[str, Any]], None]] = {
     "batch_done": Fold._batch_done,  # noqa: SLF001
     "session": Fold._session,  # noqa: SLF001
 }
-EVENT_KINDS = frozenset(_HANDLERS)
-"""The events the fold applies (others are ignored: written by a newer version)."""

@@ -206,7 +206,7 @@ class Pipeline:
             if sid is None or isinstance(exc, SessionBusyError):
                 raise
             raise SessionBusyError(sid, self.store.location, exc.holder) from None
-        if claim and sid is not None:
+        if claim and sid is not None:  # (sid: for mypy, claim implies it)
             try:
                 _sessions.claim(run.journal, sid, metadata=self._metadata)
             except BaseException:
