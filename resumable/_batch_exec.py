@@ -300,21 +300,24 @@ async def run_async(ledger: Ledger, source: Source, job: Job, progress: Progress
     max_open = max(2, -(-job.concurrency // ledger.every) + 1)
     open_: dict[int, tuple[list[Any], list[Any]]] = {}  # start -> (rows, results so far)
 
-    async def call(results: list[Any], i: int, row: Any, index: int) -> None:
-        async with in_flight:
-            try:
-                results[i] = await fn(row)
-            except Exception as exc:
-                if not record:
-                    raise
-                results[i] = RowFailure.of(index, exc)
-                progress.advance(0, failed=1)
-        progress.advance(1)
+    async def worker(start: int, rows: list[Any], results: list[Any], todo: Iterator[int]) -> None:
+        for i in todo:
+            async with in_flight:
+                try:
+                    results[i] = await fn(rows[i])
+                except Exception as exc:
+                    if not record:
+                        raise
+                    results[i] = RowFailure.of(start + i, exc)
+                    progress.advance(0, failed=1)
+            progress.advance(1)
 
     async def piece(start: int, rows: list[Any]) -> None:
         results = [_PENDING] * len(rows)
         open_[start] = (rows, results)
-        calls = [asyncio.ensure_future(call(results, i, row, start + i)) for i, row in enumerate(rows)]
+        todo = iter(range(len(rows)))
+        workers = min(job.concurrency, len(rows))  # each takes the next row when its call ends
+        calls = [asyncio.ensure_future(worker(start, rows, results, todo)) for _ in range(workers)]
         try:
             await asyncio.gather(*calls)
         finally:

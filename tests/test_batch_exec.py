@@ -217,6 +217,23 @@ def test_async_keeps_at_most_concurrency_calls_in_flight(pipe: Pipeline):
     assert sorted(fn.calls) == list(range(200))
 
 
+def test_async_tasks_grow_with_concurrency_not_with_every(pipe: Pipeline):
+    """A piece of 1,000 rows runs its calls from `concurrency` tasks, not a task per row waiting its turn."""
+    most = 0
+
+    async def fn(x: int) -> int:
+        nonlocal most
+        most = max(most, len(asyncio.all_tasks()))
+        await asyncio.sleep(0)
+        return x
+
+    with pipe:
+        assert list(range(3000)) == asyncio.run(
+            checkpointed_map(fn, range(3000), every=1000, name="wide", concurrency=4)
+        )
+    assert most <= 1 + 2 * (1 + 4)  # the main task, and at most two open pieces with their calls
+
+
 def test_async_error_commits_finished_rows_and_resumes(pipe: Pipeline, state_dir: Path):
     """A failing call commits every finished row (also inside open pieces); the rerun does the rest."""
     fn = AsyncRows(fail_at=57)
