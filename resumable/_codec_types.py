@@ -346,12 +346,12 @@ class StandInDecoder(Decoder):
 
     def ext_hook(self, code: int, payload: bytes) -> Any:
         if code in {OBJECT, ENUM}:
+            fields = self.unpack(payload)  # once: its items are decoded with it
             try:
-                return super().ext_hook(code, payload)
+                return (_enum_from if code == ENUM else _object_from)(fields)
             except Refused:
                 raise
             except Undecodable:  # its fields have the right shape: they were checked first
-                fields = self.unpack(payload)
                 if code == ENUM:
                     return {"__enum__": f"{fields[0]}.{fields[1]}", "value": fields[2]}
                 return {"__class__": f"{fields[1]}.{fields[2]}", **fields[3]}
@@ -432,7 +432,11 @@ def _decode_path(dec: Decoder, payload: bytes) -> pathlib.PurePath:
 
 
 def _decode_enum(dec: Decoder, payload: bytes) -> Any:
-    module, qualname, value = _fields(dec, payload, (str, str, object))
+    return _enum_from(dec.unpack(payload))
+
+
+def _enum_from(fields: Any) -> Any:
+    module, qualname, value = _checked(fields, (str, str, object))
     cls = _find_class(module, qualname, "Enum", lambda c: issubclass(c, enum.Enum))
     try:
         return cls(value)
@@ -444,7 +448,11 @@ _OBJECT_KINDS = frozenset({"attrs", "dataclass", "pydantic"})
 
 
 def _decode_object(dec: Decoder, payload: bytes) -> Any:
-    kind, module, qualname, state = _fields(dec, payload, (str, str, str, dict))
+    return _object_from(dec.unpack(payload))
+
+
+def _object_from(fields: Any) -> Any:
+    kind, module, qualname, state = _checked(fields, (str, str, str, dict))
     if kind not in _OBJECT_KINDS:
         _damage(f"unknown kind of object {kind!r}")
     cls = _find_class(module, qualname, kind, lambda c: object_kind(c) == kind)

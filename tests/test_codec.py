@@ -1281,3 +1281,31 @@ def test_an_encoder_is_freed_once_its_value_is_packed():
         assert gone() is None
     finally:
         gc.enable()
+
+
+def test_stand_ins_decode_nested_objects_once(tmp_path, monkeypatch):
+    """Objects of a module not imported (the CLI's show and verify) are unpacked once each, however deep."""
+    from resumable import _codec_types
+    from resumable._codec import encode, frame, read_verified
+
+    (tmp_path / "nested_nodes.py").write_text(
+        "import dataclasses\n\n@dataclasses.dataclass\nclass Node:\n    v: int\n    child: object\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import nested_nodes  # type: ignore[import-not-found]
+
+    node = None
+    for i in range(12):
+        node = nested_nodes.Node(i, node)
+    data = bytearray(b"".join(frame(encode(node, allow_pickle=False), {"slot": "x"}).chunks()))
+    monkeypatch.delitem(sys.modules, "nested_nodes")  # as in the CLI: the user's module is not imported
+    unpacked = []
+    real = _codec_types.Decoder.unpack
+
+    def counting(self, body):
+        unpacked.append(len(body))
+        return real(self, body)
+
+    monkeypatch.setattr(_codec_types.Decoder, "unpack", counting)
+    read_verified(data, None).check_decodes()
+    assert len(unpacked) <= 13 + 1  # the value, and each object's fields once (it was 2**12)
