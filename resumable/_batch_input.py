@@ -13,10 +13,9 @@ from collections.abc import Iterable, Iterator, Sequence, Sized
 from typing import Any
 
 import blake3
-import msgpack
 
 from ._codec_types import qualified_name
-from ._fingerprint import _LEAVES, _LIST, _Unhashable, digest_value
+from ._fingerprint import _Unhashable, digest_value
 from .exceptions import UsageError
 
 log = logging.getLogger("resumable")
@@ -65,13 +64,11 @@ class Digester:
 
     def digest(self, rows: list[Any]) -> str:
         """A digest of a chunk's input rows: their argument fingerprint (dict order does not count)."""
-        if _LEAVES.issuperset(map(type, rows)):  # plain scalars: what digest_value() hashes, at once
-            try:
-                return "f" + blake3.blake3(_LIST + msgpack.packb(rows)).hexdigest()[: 2 * DIGEST_BYTES]
-            except (OverflowError, UnicodeEncodeError):  # an int beyond 64 bits, a lone surrogate
-                pass
+        return "f" + self._fingerprint(rows)
+
+    def _fingerprint(self, rows: list[Any]) -> str:
         try:
-            return "f" + digest_value(rows)[: 2 * DIGEST_BYTES]
+            return digest_value(rows)[: 2 * DIGEST_BYTES]
         except (_Unhashable, RecursionError):
             pass
         # Rows without a stable digest are compared by their type only: a change inside
@@ -89,4 +86,4 @@ class Digester:
                         "between runs is not detected (give the class a __resumable_fingerprint__() method)",
                         self.batch, qualified_name(type(row)),
                     )  # fmt: skip
-        return "f" + blake3.blake3("\n".join(parts).encode()).hexdigest()[: 2 * DIGEST_BYTES]
+        return blake3.blake3("\n".join(parts).encode()).hexdigest()[: 2 * DIGEST_BYTES]
