@@ -91,6 +91,16 @@ def test_lease_ttl_from_environment(monkeypatch):
         memory_store()
 
 
+def test_lease_ttl_argument_must_be_positive():
+    """lease_ttl=0 (or less) is refused, naming the store."""
+    from resumable._stores._fsspec import FsspecStore
+
+    with pytest.raises(
+        ResumableError, match=r"lease_ttl must be a number of seconds > 0, got '0' \(store memory://ttl\)"
+    ):
+        FsspecStore("memory://ttl", lease_ttl=0)
+
+
 # segmented appends -----------------------------------------------------------------------
 
 

@@ -95,7 +95,7 @@ class FsspecStore(SegmentedLogs, Store):
         self._s3 = bool(protocols & {"s3", "s3a"})
         self._one_request: dict[str, Any] = {"max_concurrency": 1} if self._s3 else {}
         self._fresh: dict[str, Any] = {"refresh": True} if self._s3 else {}  # not from s3fs's cache
-        self.lease_ttl = ttl_seconds(lease_ttl)
+        self.lease_ttl = ttl_seconds(lease_ttl, self.location)
         self._mutex = threading.RLock()
         self._append_lock = threading.Lock()
         self._lease: Lease | None = None

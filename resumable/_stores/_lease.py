@@ -57,8 +57,11 @@ class LeaseIO(Protocol):
     def lease_released(self, lease: Lease) -> None: ...
 
 
-def ttl_seconds(value: float | None) -> float:
-    """The lease time to live: *value*, else ``$RESUMABLE_LEASE_TTL``, else :data:`DEFAULT_TTL` seconds."""
+def ttl_seconds(value: float | None, location: str) -> float:
+    """
+    The lease time to live of the store at *location*: *value*, else
+    ``$RESUMABLE_LEASE_TTL``, else :data:`DEFAULT_TTL` seconds.
+    """
     text = os.environ.get(TTL_VARIABLE) if value is None else str(value)
     if not text:
         return DEFAULT_TTL
@@ -68,7 +71,7 @@ def ttl_seconds(value: float | None) -> float:
         ttl = 0.0
     if not ttl > 0:
         what = f"${TTL_VARIABLE}" if value is None else "lease_ttl"
-        msg = f"{what} must be a number of seconds > 0, got {text!r}"
+        msg = f"{what} must be a number of seconds > 0, got {text!r} (store {location})"
         raise ResumableError(msg)
     return ttl
 
