@@ -651,6 +651,8 @@ def _compare(
     first = None
     for slot in order:
         a, b = other.get(slot), now.get(slot)
+        if a is None and b is None:  # (a slot completed after both)
+            continue
         verdict = _verdict(a, b)
         row = {"slot": slot, "verdict": verdict, "a": _side(a), "b": _side(b), "changes": []}
         if verdict == "code changed" and a is not None and b is not None:
@@ -667,9 +669,7 @@ def _side(v: _Version | None) -> dict[str, Any] | None:
     return {"fingerprint": str(v.fingerprint or "")[:12], "file": str(v.file or "")[:12], "run": v.run}
 
 
-def _verdict(a: _Version | None, b: _Version | None) -> str:  # noqa: PLR0911 - one verdict each
-    if a is None and b is None:
-        return "same"
+def _verdict(a: _Version | None, b: _Version | None) -> str:
     if a is None:
         return "added"
     if b is None:
