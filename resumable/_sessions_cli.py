@@ -28,11 +28,11 @@ def summary(root: Store) -> dict[str, Any] | None:
     found = index_of(root).read()
     if not found:
         return None
-    statuses = Counter(str(s.get("status") or "new") for s in found.values())
-    latest = _sessions.SessionInfo.of(max(found.values(), key=lambda s: str(s.get("updated_at") or "")))
-    failed = [
-        s["id"] for s in _sessions.newest_first(s for s in found.values() if s.get("status") == "failed")
-    ]
+    # as `resumable sessions` lists them (a damaged line too)
+    infos = [_sessions.SessionInfo.of(s) for s in _sessions.newest_first(found.values())]
+    statuses = Counter(i.status for i in infos)
+    latest = infos[0]
+    failed = [i.id for i in infos if i.status == "failed"]
     return {
         "count": len(found),
         "by_status": dict(statuses.most_common()),

@@ -603,6 +603,12 @@ def test_index_lines_with_fields_of_the_wrong_type_still_list(state_dir: Path) -
     odd = listed["odd"]
     assert (odd.status, odd.updated_at, odd.runs, odd.bytes, odd.metadata) == ("new", "", 0, 0, {})
     assert [s.id for s in pipe.sessions()] == ["good", "odd"]  # newest first; no date sorts last
+    # and `resumable status` summarises the sessions as `resumable sessions` lists them
+    from resumable._sessions_cli import summary
+
+    info = summary(LocalStore(state_dir))
+    assert info is not None
+    assert ({"completed": 1, "new": 1}, "good") == (info["by_status"], info["latest"]["id"])
 
 
 def test_a_failed_session_is_listed_with_its_error(state_dir: Path) -> None:
