@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -460,3 +462,23 @@ def test_skips_of_completed_slots_do_not_make_the_manifest_due(
         assert written == (state_dir / "manifest.json").stat().st_ino
     logged = (state_dir / "events.jsonl").read_text().splitlines()
     assert 3 == sum(json.loads(line)["event"] == "step_skipped" for line in logged)
+
+
+def test_the_skip_of_a_slot_the_manifest_did_not_know_is_logged(tmp_path: Path):
+    """An output file the manifest has no record of (copied in) is logged as skipped when a run uses it."""
+
+    def item_step(pipe: Pipeline) -> Any:
+        return pipe.step(name="item", key="{i}")(lambda i: [i])
+
+    a, b = Pipeline(state_dir=tmp_path / "a"), Pipeline(state_dir=tmp_path / "b")
+    item_a, item_b = item_step(a), item_step(b)
+    with a:
+        for i in range(3):
+            item_a(i)
+    with b:
+        item_b(0)
+    shutil.copy(tmp_path / "a" / "item" / "1.msgpack", tmp_path / "b" / "item" / "1.msgpack")
+    with b:
+        assert [1] == item_b(1)
+    logged = [json.loads(line) for line in (tmp_path / "b" / "events.jsonl").read_text().splitlines()]
+    assert ["item/1"] == [e["slot"] for e in logged if e["event"] == "step_skipped"]
