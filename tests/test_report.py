@@ -402,6 +402,9 @@ def test_run_and_compare_arguments(shop, tmp_path, capsys):
     assert 2 == cli(["--state-dir", str(shop), "report", "-o", str(tmp_path / "x.html"), "--run", "9"])
     assert "no run 9" in capsys.readouterr().err
     assert 2 == cli(["--state-dir", str(shop), "report", "-o", str(tmp_path / "x.html"), "--compare", "nope"])
+    capsys.readouterr()
+    assert 2 == cli(["--state-dir", str(shop), "report", "-o", str(tmp_path / "x.html"), "--compare", "9"])
+    assert "run 9 has not finished in this log" in capsys.readouterr().err
     assert 3 == cli(["--state-dir", str(tmp_path / "none"), "report", "-o", str(tmp_path / "x.html")])
     assert not (tmp_path / "none").exists()
 

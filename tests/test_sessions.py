@@ -788,3 +788,16 @@ def test_load_state_drops_the_replaced_states_unwritten_skips(state_dir: Path) -
     assert "step_skipped" not in logged
     with pipe.session("s") as s:
         assert ["g"] == s.status().completed_steps
+
+
+def test_the_cli_reads_nothing_of_a_session_a_killed_fork_or_delete_left(state_dir: Path, capsys) -> None:
+    """A session holding the incomplete marker is empty to the command line, as to the next run."""
+    from resumable._cli import main
+
+    pipe, _calls, turn = _chat(state_dir)
+    with pipe.session("x"):
+        turn(0, "hi")
+    assert 0 == main(["--state-dir", str(state_dir), "--session", "x", "status"])
+    (state_dir / ".sessions" / "x" / ".resumable" / "incomplete").write_bytes(b"delete\n")
+    capsys.readouterr()
+    assert 3 == main(["--state-dir", str(state_dir), "--session", "x", "status"])
