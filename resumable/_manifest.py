@@ -19,7 +19,7 @@ import operator
 import re
 import threading
 from collections.abc import Callable, ItemsView, Iterable, Iterator, Mapping, MutableMapping
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import attrs
 
@@ -188,8 +188,7 @@ class Steps(MutableMapping[str, StepRecord]):
         return f"{dict(self.items())!r}"
 
 
-@attrs.frozen
-class Deferred:
+class Deferred(NamedTuple):
     """A keyed step's records not read yet: how to read them, and what manifest.json says of them."""
 
     read: Callable[[], Mapping[str, StepRecord]]

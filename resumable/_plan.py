@@ -10,8 +10,6 @@ import inspect
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import attrs
-
 
 class StepView(Protocol):
     """What running and looking up a step needs of it (a ``StepSpec`` is one)."""
@@ -24,17 +22,29 @@ class StepView(Protocol):
     signature: inspect.Signature
 
 
-@attrs.define(eq=False)
 class Identity:
-    """What a step's outputs are tied to: its version, or else its code (as of one call)."""
+    """
+    What a step's outputs are tied to: its version, or else its code (as of one call); and
+    the names the code reads that cannot be fingerprinted (``left_out``).
+    """
 
-    identity: str
-    code: str
-    components: dict[str, str]
-    _sources: dict[str, str] | Callable[[], dict[str, str]] = attrs.field(factory=dict)
-    left_out: dict[str, str] = attrs.field(factory=dict)
-    """Names the code reads that cannot be fingerprinted."""
-    _reads: list[tuple[str, Callable[[], object]]] = attrs.field(factory=list)
+    __slots__ = ("_reads", "_sources", "code", "components", "identity", "left_out")
+
+    def __init__(  # noqa: PLR0913, PLR0917 - made by StepSpec from a code shape
+        self,
+        identity: str,
+        code: str,
+        components: dict[str, str],
+        sources: dict[str, str] | Callable[[], dict[str, str]],
+        left_out: dict[str, str],
+        reads: list[tuple[str, Callable[[], object]]],
+    ) -> None:
+        self.identity = identity
+        self.code = code
+        self.components = components
+        self._sources = sources
+        self.left_out = left_out
+        self._reads = reads
 
     @property
     def sources(self) -> dict[str, str]:
@@ -47,22 +57,44 @@ class Identity:
         return {label: read() for label, read in self._reads if label in self.components}
 
 
-@attrs.define(eq=False)
 class Plan:
-    """One call of a step, resolved: its slot and fingerprint."""
+    """
+    One call of a step, resolved: its slot, fingerprint, a short digest per parameter (to
+    tell which ones changed), the step's identity as of this call and the arguments by name
+    (None for a memoized call). Once the output is stored: its digest (and plain digest for
+    a plain value) and the version of the output a rerun replaced.
+    """
 
-    slot: str
-    key: str | None
-    fingerprint: str
-    args: str
-    params: dict[str, str]
-    """A short digest per parameter, to tell which ones changed."""
-    identity: Identity
-    """The step's identity as of this call."""
-    bound: dict[str, Any] | None = None
-    """The arguments by name (None for a memoized call)."""
-    output_digest: str | None = attrs.field(default=None, init=False)
-    """Set once the output is stored (and ``output_plain_digest`` for a plain value)."""
-    output_plain_digest: str | None = attrs.field(default=None, init=False)
-    replaces: str | None = attrs.field(default=None, init=False)
-    """The version of the output a rerun replaces."""
+    __slots__ = (
+        "args",
+        "bound",
+        "fingerprint",
+        "identity",
+        "key",
+        "output_digest",
+        "output_plain_digest",
+        "params",
+        "replaces",
+        "slot",
+    )
+
+    def __init__(  # noqa: PLR0913, PLR0917 - made by StepSpec from a resolved call
+        self,
+        slot: str,
+        key: str | None,
+        fingerprint: str,
+        args: str,
+        params: dict[str, str],
+        identity: Identity,
+        bound: dict[str, Any] | None = None,
+    ) -> None:
+        self.slot = slot
+        self.key = key
+        self.fingerprint = fingerprint
+        self.args = args
+        self.params = params
+        self.identity = identity
+        self.bound = bound
+        self.output_digest: str | None = None
+        self.output_plain_digest: str | None = None
+        self.replaces: str | None = None
