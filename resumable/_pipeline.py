@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import importlib
 import json
 import os
 import socket
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar, overload
 
-from . import _context, _sessions
+from . import _context
 from ._codec import DamagedFileError, parse_header, secret_bytes, utcnow, verify
 from ._exit import exit_hooks, status_for
 from ._journal import read_head, read_state
@@ -29,7 +30,6 @@ from ._manifest import Manifest
 from ._plan import Plan
 from ._runner import Run, run_steps, run_without_state
 from ._session import RunState
-from ._sessions import SessionInfo
 from ._slots import (
     BATCHES,
     INTERNAL_DIR,
@@ -49,9 +49,26 @@ from .exceptions import (
     UsageError,
 )
 
+
+class _Later:
+    """A module of this package, imported when first used."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(importlib.import_module(self._name, __package__), attr)
+
+
+# History, reports and sessions are not needed to run steps, and importing them would make
+# `import resumable` take half as long again.
 if TYPE_CHECKING:
+    from . import _history, _report, _sessions, _why
     from ._history import Checkpoint
+    from ._sessions import SessionInfo
     from ._why import Decision
+else:
+    _history, _report, _sessions, _why = map(_Later, ("._history", "._report", "._sessions", "._why"))
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -493,8 +510,6 @@ class Pipeline:
         return {s for s in slots if is_output_file(slot_file(s))}, batches
 
     def _forget(self, run: RunState, slots: list[str]) -> list[str]:
-        from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
-
         # the run's store, not this pipeline's: the run may be another pipeline's (_maintenance)
         store = run.store
         for slot in slots:
@@ -524,12 +539,10 @@ class Pipeline:
         Raises:
             UsageError: *run* or *compare* names something the event log does not hold.
         """
-        from ._report import report  # noqa: PLC0415 - lazy: it loads history and why (see above)
-
         active = self._run
         if active is not None and not active.closed:
             active.journal.write_pending(durable=False)
-        return report(
+        return _report.report(
             self.store, self._secret, path, run=run, compare=compare,
             root=self._root_store, session=self._session_id,
         )  # fmt: skip
@@ -545,8 +558,6 @@ class Pipeline:
         Raises:
             UsageError: no run has called *step* (or that slot).
         """
-        from . import _history, _why  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
-
         run = self._run
         if run is not None and not run.closed:
             run.journal.write_pending(durable=False)
@@ -569,8 +580,6 @@ class Pipeline:
             StateLockedError: another process is running the pipeline (the command line's
                 ``resumable history`` reads them without the lock: :func:`read_checkpoints`).
         """
-        from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
-
         with self._maintenance() as run, run.journal.lock:
             run.journal.write_pending(durable=False)
             manifest = Manifest.from_dict(run.journal.manifest.to_dict())
@@ -578,8 +587,6 @@ class Pipeline:
 
     def snapshot(self, label: str) -> Checkpoint:
         """Add a checkpoint labelled *label* (``rollback(label)`` returns to it)."""
-        from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
-
         if not isinstance(label, str) or not label or label.isdigit():
             msg = f"a snapshot label must be a non-empty str that is not a number, got {label!r}"
             raise UsageError(msg)
@@ -601,8 +608,6 @@ class Pipeline:
             ResumableError: the checkpoint can no longer be restored (pruned, or damaged).
             StateLockedError: another process is running the pipeline.
         """
-        from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
-
         with self._maintenance(tidy=True) as run:
             return _history.rollback(run, to)
 
@@ -628,8 +633,6 @@ class Pipeline:
             DamagedStateError: *state* is not state data, or something in it is damaged.
             StateFormatError: *state* comes from a newer version of resumable.
         """
-        from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
-
         files = _history.check_state(state, self._secret)
         with self._maintenance(tidy=True) as run:
             known = run.journal.manifest.session
@@ -707,8 +710,6 @@ def read_checkpoints(store: Store, *, secret: bytes | None, newest: int) -> list
     The restorable checkpoints among the *newest*, read without the lock and writing nothing:
     it works while another process runs the pipeline, and on a read-only directory.
     """
-    from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
-
     manifest = read_state(store, secret=secret)  # the records with the manifest and log they go with
     return _history.checkpoints(store, secret, newest, manifest)
 
@@ -720,8 +721,6 @@ def snapshot(store: Store) -> dict[str, Any]:
     listing and the files. Outputs are written before the events that name them, so the copy
     is a state a kill at some instant could have left, which every run knows how to resume.
     """
-    from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
-
     files = read_head(store)
     for key in sorted(store.list()):
         name = key.rsplit("/", 1)[-1]
@@ -870,8 +869,6 @@ class Session(Pipeline):
 
     def _fork_from(self, src: str, at: int | str | None) -> None:
         """Fill this (new) session with *src*'s state at *at* (see :meth:`Pipeline.fork`)."""
-        from . import _history  # noqa: PLC0415 - imported when history is first used
-
         store = self.store
         with self._lock:
             fill = functools.partial(_sessions.fill_fork, self._root_store, src, self.id, store)
