@@ -16,7 +16,6 @@ and a summary lost to a crash is read from them again. Two forms:
 
 from __future__ import annotations
 
-import abc
 import base64
 import contextlib
 import fcntl
@@ -37,26 +36,7 @@ _MAX_NAME = 240  # characters of an index object's name (file systems allow 255 
 _APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
 
 
-class Index(abc.ABC):
-    """Summaries of sessions by id: :meth:`put`, :meth:`drop`, :meth:`read`."""
-
-    @abc.abstractmethod
-    def put(self, summary: Mapping[str, Any], *, durable: bool = False) -> None:
-        """Record *summary* (a dict with an ``id``) as the session's current one."""
-
-    @abc.abstractmethod
-    def drop(self, session: str, *, durable: bool = False) -> None:
-        """Forget *session* (deleted)."""
-
-    @abc.abstractmethod
-    def read(self) -> dict[str, dict[str, Any]]:
-        """Every session's summary, by id; reads only, takes no lock."""
-
-    def compact(self, *, durable: bool = False) -> None:  # noqa: B027 - a no-op where there is no log
-        """Rewrite the index as its fold (the log form only)."""
-
-
-def index_of(store: Store) -> Index:
+def index_of(store: Store) -> LogIndex | ObjectIndex:
     """The index of *store*'s sessions (*store* is the root: the default session's store)."""
     if isinstance(store, LocalStore):
         return LogIndex(store.root)
@@ -98,7 +78,7 @@ def _parsed(text: bytes) -> Any:
         return None  # a line a kill cut short
 
 
-class LogIndex(Index):
+class LogIndex:
     """The local form: an appended JSON-lines log, compacted in place."""
 
     def __init__(self, root: str) -> None:
@@ -137,9 +117,11 @@ class LogIndex(Index):
                     self._compact(durable=durable)
 
     def put(self, summary: Mapping[str, Any], *, durable: bool = False) -> None:
+        """Record *summary* (a dict with an ``id``) as the session's current one."""
         self._append(summary, durable=durable)
 
     def drop(self, session: str, *, durable: bool = False) -> None:
+        """Forget *session* (deleted)."""
         self._append({"id": session, "deleted": True}, durable=durable)
 
     def _lines(self) -> Iterator[bytes]:
@@ -151,13 +133,14 @@ class LogIndex(Index):
         return iter(data.splitlines())
 
     def read(self) -> dict[str, dict[str, Any]]:
+        """Every session's summary, by id; reads only, takes no lock."""
         return fold(self._lines())
 
     def compact(self, *, durable: bool = False) -> None:
-        if not os.path.exists(self.log):
-            return
-        with self._locked():
-            self._compact(durable=durable)
+        """Rewrite the log as its fold."""
+        if os.path.exists(self.log):
+            with self._locked():
+                self._compact(durable=durable)
 
     def _compact(self, *, durable: bool) -> None:
         summaries = self.read()
@@ -183,7 +166,7 @@ def _folded_size(first: bytes) -> int:
     return 0
 
 
-class ObjectIndex(Index):
+class ObjectIndex:
     """
     Other stores: an object per session, ``.sessions/.index/<id encoded>/<name>``, written by
     the holder of the session's lock (the new one, then the old one deleted). Its name is its
@@ -209,6 +192,9 @@ class ObjectIndex(Index):
     def drop(self, session: str, *, durable: bool = False) -> None:
         for key in self.store.list(f"{encode_key(session)}/"):
             self.store.delete(key, durable=durable)
+
+    def compact(self, *, durable: bool = False) -> None:
+        """Nothing to do: no log."""
 
     def read(self) -> dict[str, dict[str, Any]]:
         return self._summaries(self.store.list())
