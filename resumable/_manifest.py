@@ -762,7 +762,7 @@ class Fold:
         for row in event["skips"]:  # skips logged together by 0.1.0: a row per slot
             self._step_skipped(skip_fields(row))
 
-    def _step_ended(self, event: Mapping[str, Any]) -> None:
+    def _step_failed(self, event: Mapping[str, Any]) -> None:
         slot = event["slot"]
         failed = event["event"] == "step_failed"
         rec = self._record(slot)
@@ -812,6 +812,8 @@ class Fold:
         self._completed = set(m.completed_steps)
         self._running = []
 
+    _step_interrupted = _step_failed
+
     def _steps_removed(self, event: Mapping[str, Any]) -> None:
         # outputs of steps that no longer exist, dropped by `resumable clean`
         m = self.manifest
@@ -839,21 +841,7 @@ class Fold:
         }
 
 
+# per event, its handler: Fold._<event name>
 _HANDLERS: dict[str, Callable[[Fold, Mapping[str, Any]], None]] = {
-    "run_started": Fold._run_started,  # noqa: SLF001
-    "run_finished": Fold._run_finished,  # noqa: SLF001
-    "step_started": Fold._step_started,  # noqa: SLF001
-    "step_retry": Fold._step_retry,  # noqa: SLF001
-    "step_completed": Fold._step_completed,  # noqa: SLF001
-    "step_skipped": Fold._step_skipped,  # noqa: SLF001
-    "steps_skipped": Fold._steps_skipped,  # noqa: SLF001
-    "step_failed": Fold._step_ended,  # noqa: SLF001
-    "step_interrupted": Fold._step_ended,  # noqa: SLF001
-    "steps_reset": Fold._steps_reset,  # noqa: SLF001
-    "snapshot": Fold._snapshot,  # noqa: SLF001
-    "steps_removed": Fold._steps_removed,  # noqa: SLF001
-    "rollback": Fold._rollback,  # noqa: SLF001
-    "batch": Fold._batch,  # noqa: SLF001
-    "batch_done": Fold._batch_done,  # noqa: SLF001
-    "session": Fold._session,  # noqa: SLF001
+    name: getattr(Fold, f"_{name}") for name in EVENT_SCHEMA if hasattr(Fold, f"_{name}")
 }
