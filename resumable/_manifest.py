@@ -19,7 +19,7 @@ import operator
 import re
 import threading
 from collections.abc import Callable, ItemsView, Iterable, Iterator, Mapping, MutableMapping
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, ClassVar, Literal, NamedTuple, get_args
 
 import attrs
 
@@ -31,8 +31,29 @@ StepStatus = Literal["new", "running", "completed", "failed", "interrupted", "re
 RUN_STATUSES: tuple[RunStatus, ...] = get_args(RunStatus)
 
 
-@attrs.define
-class StepRecord:
+class Record:
+    """
+    The equality and repr of the public records, as attrs would generate them: attrs compiles
+    the methods it generates for each class when resumable is imported.
+    """
+
+    __slots__ = ()
+    __attrs_attrs__: ClassVar[tuple[attrs.Attribute[Any], ...]]
+    __hash__ = None  # type: ignore[assignment]  # they are mutable, or hold a dict
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        names = [a.name for a in self.__attrs_attrs__]
+        return [getattr(self, n) for n in names] == [getattr(other, n) for n in names]
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{a.name}={getattr(self, a.name)!r}" for a in self.__attrs_attrs__)
+        return f"{type(self).__qualname__}({fields})"
+
+
+@attrs.define(eq=False, repr=False)
+class StepRecord(Record):
     """What the manifest knows of one slot."""
 
     status: StepStatus
@@ -50,8 +71,8 @@ class StepRecord:
     refer to outputs by it."""
 
 
-@attrs.define
-class ErrorRecord:
+@attrs.define(eq=False, repr=False)
+class ErrorRecord(Record):
     """The last error that escaped a step (``step`` is None for an error outside steps)."""
 
     step: str | None
@@ -60,8 +81,8 @@ class ErrorRecord:
     traceback: str
 
 
-@attrs.define
-class BatchRecord:
+@attrs.define(eq=False, repr=False)
+class BatchRecord(Record):
     """Progress of one batch of rows committed in chunks."""
 
     done: int
@@ -205,8 +226,10 @@ def _as_steps(records: Mapping[str, StepRecord]) -> Steps:
     return records if isinstance(records, Steps) else Steps(records)
 
 
-@attrs.define(on_setattr=attrs.setters.NO_OP)  # converters at init only: the fold sets fields often
-class Manifest:
+@attrs.define(
+    eq=False, repr=False, on_setattr=attrs.setters.NO_OP
+)  # converters at init only: the fold sets fields often
+class Manifest(Record):
     """The state of a pipeline: returned by ``Pipeline.status()``."""
 
     workflow_id: str

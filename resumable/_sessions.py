@@ -31,6 +31,7 @@ import attrs
 from ._codec import DamagedFileError, parse_header, read_verified, utcnow
 from ._fingerprint import StoredOutput
 from ._journal import read_head
+from ._manifest import Record
 from ._sessions_index import index_of
 from ._slots import (
     INTERNAL_DIR,
@@ -54,8 +55,8 @@ INCOMPLETE = f"{INTERNAL_DIR}/incomplete"
 _LOCK = f"{INTERNAL_DIR}/lock"
 
 
-@attrs.frozen
-class SessionInfo:
+@attrs.frozen(eq=False, repr=False)
+class SessionInfo(Record):
     """One session, as ``pipe.sessions()`` and ``resumable sessions`` list it."""
 
     id: str
