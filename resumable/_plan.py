@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 
 class StepView(Protocol):
@@ -22,39 +22,28 @@ class StepView(Protocol):
     signature: inspect.Signature
 
 
-class Identity:
+class Identity(NamedTuple):
     """
-    What a step's outputs are tied to: its version, or else its code (as of one call); and
-    the names the code reads that cannot be fingerprinted (``left_out``).
+    What a step's outputs are tied to: its version, or else its code (as of one call); the
+    names the code reads that cannot be fingerprinted (``left_out``).
     """
 
-    __slots__ = ("_reads", "_sources", "code", "components", "identity", "left_out")
-
-    def __init__(  # noqa: PLR0913, PLR0917 - made by StepSpec from a code shape
-        self,
-        identity: str,
-        code: str,
-        components: dict[str, str],
-        sources: dict[str, str] | Callable[[], dict[str, str]],
-        left_out: dict[str, str],
-        reads: list[tuple[str, Callable[[], object]]],
-    ) -> None:
-        self.identity = identity
-        self.code = code
-        self.components = components
-        self._sources = sources
-        self.left_out = left_out
-        self._reads = reads
+    identity: str
+    code: str
+    components: dict[str, str]
+    all_sources: dict[str, str] | Callable[[], dict[str, str]]
+    left_out: dict[str, str]
+    reads: list[tuple[str, Callable[[], object]]]
 
     @property
     def sources(self) -> dict[str, str]:
         """Component -> normalized source, for `resumable why` (made when first asked for)."""
-        sources = self._sources
+        sources = self.all_sources
         return sources() if callable(sources) else sources
 
     def values(self) -> dict[str, object]:
         """The values this identity's ``const`` components stand for, as they are now."""
-        return {label: read() for label, read in self._reads if label in self.components}
+        return {label: read() for label, read in self.reads if label in self.components}
 
 
 class Plan:
