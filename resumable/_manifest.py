@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal, NamedTuple, get_args
 
 import attrs
 
+from ._slots import step_of
 from .exceptions import StateFormatError
 
 FORMAT = 2
@@ -105,7 +106,7 @@ class Steps(MutableMapping[str, StepRecord]):
     def __init__(self, records: Mapping[str, StepRecord] | None = None) -> None:
         self._steps: dict[str, dict[str, StepRecord]] = {}  # per step name, its slots' records
         for slot, record in (records or {}).items():
-            self._steps.setdefault(_step_of(slot), {})[slot] = record
+            self._steps.setdefault(step_of(slot), {})[slot] = record
         self._deferred: dict[str, Deferred] = {}  # per keyed step not read yet
         # held while a step's records are read (the journal's lock: they are read once)
         self.lock: threading.RLock | contextlib.nullcontext[None] = contextlib.nullcontext()
@@ -116,7 +117,7 @@ class Steps(MutableMapping[str, StepRecord]):
 
     def _group(self, slot: str) -> dict[str, StepRecord] | None:
         """The records of *slot*'s step, read first if they were not."""
-        step = _step_of(slot)
+        step = step_of(slot)
         if step in self._deferred:
             with self.lock:
                 deferred = self._deferred.get(step)
@@ -132,10 +133,10 @@ class Steps(MutableMapping[str, StepRecord]):
 
     def is_completed(self, slot: str) -> bool:
         """True if *slot*'s record says completed (without reading a keyed step's records)."""
-        deferred = self._deferred.get(_step_of(slot)) if self._deferred else None
+        deferred = self._deferred.get(step_of(slot)) if self._deferred else None
         if deferred is not None:
             return slot in deferred.completed
-        record = self._steps.get(_step_of(slot), {}).get(slot)
+        record = self._steps.get(step_of(slot), {}).get(slot)
         return record is not None and record.status == "completed"
 
     def deferred(self) -> dict[str, dict[str, Any]]:
@@ -176,7 +177,7 @@ class Steps(MutableMapping[str, StepRecord]):
 
     def __setitem__(self, slot: str, record: StepRecord) -> None:
         self._group(slot)
-        self._steps.setdefault(_step_of(slot), {})[slot] = record
+        self._steps.setdefault(step_of(slot), {})[slot] = record
 
     def __delitem__(self, slot: str) -> None:
         group = self._group(slot)
@@ -216,10 +217,6 @@ class Deferred(NamedTuple):
     completed: frozenset[str]
     """Its completed slots (``completed_steps`` lists them)."""
     summary: dict[str, Any]
-
-
-def _step_of(slot: str) -> str:
-    return slot.partition("/")[0]
 
 
 def _as_steps(records: Mapping[str, StepRecord]) -> Steps:

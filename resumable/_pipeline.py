@@ -32,7 +32,7 @@ from ._runner import Run, run_steps, run_without_state
 from ._session import RunState
 from ._slots import (
     BATCHES,
-    INTERNAL_DIR,
+    LOCK,
     OUTPUT_SUFFIX,
     check_session_id,
     is_output_file,
@@ -702,9 +702,6 @@ def _some(items: list[str], limit: int = 20) -> str:
     return ", ".join(items[:limit]) + more
 
 
-_LOCK_KEY = f"{INTERNAL_DIR}/lock"
-
-
 def read_checkpoints(store: Store, *, secret: bytes | None, newest: int) -> list[Checkpoint]:
     """
     The restorable checkpoints among the *newest*, read without the lock and writing nothing:
@@ -724,7 +721,7 @@ def snapshot(store: Store) -> dict[str, Any]:
     files = read_head(store)
     for key in sorted(store.list()):
         name = key.rsplit("/", 1)[-1]
-        if key in files or key == _LOCK_KEY or (name.startswith(".") and name.endswith(".tmp")):
+        if key in files or key == LOCK or (name.startswith(".") and name.endswith(".tmp")):
             continue
         try:
             files[key] = bytes(store.read(key))

@@ -35,6 +35,7 @@ from ._manifest import Record
 from ._sessions_index import index_of
 from ._slots import (
     INTERNAL_DIR,
+    LOCK,
     OBJECTS,
     decode_key,
     is_output_file,
@@ -52,7 +53,6 @@ if TYPE_CHECKING:
     from ._manifest import Manifest
 
 INCOMPLETE = f"{INTERNAL_DIR}/incomplete"
-_LOCK = f"{INTERNAL_DIR}/lock"
 
 
 @attrs.frozen(eq=False, repr=False)
@@ -134,7 +134,7 @@ def wipe(store: Store, *, durable: bool) -> None:
     """Delete every file of a session but its lock, and last the ``incomplete`` marker."""
     store.remove_temp_files()
     for key in sorted(store.list(), key=lambda k: -k.count("/")):  # deepest first
-        if key not in {INCOMPLETE, _LOCK}:
+        if key not in {INCOMPLETE, LOCK}:
             store.delete(key, durable=False)
     store.delete(INCOMPLETE, durable=durable)
 
@@ -278,7 +278,7 @@ def _remove_dirs(store: Store) -> None:
     root = _local_root(store)
     if root is None or not os.path.isdir(root):
         return
-    lock = f"{root}/{_LOCK}"
+    lock = f"{root}/{LOCK}"
     for directory, _dirs, files in os.walk(root, topdown=False):
         for name in files:
             if f"{directory}/{name}" != lock:
@@ -312,7 +312,7 @@ def copy_state(  # noqa: PLR0913 - the two sessions, as stores and as prefixes
     firsts = read_head(src)
     for key in sorted(src.list()):
         name = key.rpartition("/")[2]
-        if key in firsts or key in {INCOMPLETE, _LOCK} or (name.startswith(".") and name.endswith(".tmp")):
+        if key in firsts or key in {INCOMPLETE, LOCK} or (name.startswith(".") and name.endswith(".tmp")):
             continue
         try:
             if _linked(key):

@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ._slots import SESSIONS_DIR, encode_key, session_of_prefix
+from ._slots import SESSIONS_DIR, decode_key, encode_key
 from ._stores import Store
 from ._stores._local import LocalStore
 from ._stores._prefix import sub_store
@@ -205,7 +205,7 @@ class ObjectIndex:
         unread: list[str] = []
         for key in keys:
             folder, _, name = key.partition("/")
-            sid = session_of_prefix(folder)
+            sid = decode_key(folder) or None  # (no session has the empty id)
             summary = _named(name)
             if sid is not None and isinstance(summary, dict):
                 found.append({**summary, "id": sid})

@@ -11,6 +11,7 @@ from .exceptions import StepDefinitionError, UsageError
 OUTPUT_SUFFIX = ".msgpack"
 # Internal files live under this directory, which no step name can collide with.
 INTERNAL_DIR = ".resumable"
+LOCK = f"{INTERNAL_DIR}/lock"
 MANIFEST = "manifest.json"
 EVENTS = "events.jsonl"
 # Named sessions live under this directory, each in the default session's layout.
@@ -89,7 +90,7 @@ def slot_file(slot: str) -> str:
 
 def step_of(slot: str) -> str:
     """The step name a slot belongs to."""
-    return slot.split("/", 1)[0]
+    return slot.partition("/")[0]
 
 
 BATCHES = f"{INTERNAL_DIR}/batches"
@@ -135,11 +136,6 @@ def decode_key(encoded: str) -> str | None:
     except (UnicodeError, ValueError):
         return None
     return decoded if "~" not in encoded and encode_key(decoded) == encoded else None
-
-
-def session_of_prefix(name: str) -> str | None:
-    """The session id a ``.sessions/`` directory name encodes (None if none does)."""
-    return decode_key(name) or None
 
 
 def records_file(step: str) -> str:
