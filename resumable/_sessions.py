@@ -255,14 +255,16 @@ def delete(root: Store, session: str, *, durable: bool) -> None:
     """
     store = session_store(root, session)
     if not exists(root, session) and not incomplete(store):
-        index_of(root).drop(session)
+        with contextlib.suppress(OSError):  # the index is a cache (see record)
+            index_of(root).drop(session)
         msg = f"no session {session!r} in {root.location} (see `resumable sessions`)"
         raise UsageError(msg)
     lock = _lock(store, session, "delete")
     try:
         store.write(INCOMPLETE, [b"delete\n"], durable=True)
         wipe(store, durable=durable)
-        index_of(root).drop(session, durable=durable)
+        with contextlib.suppress(OSError):
+            index_of(root).drop(session, durable=durable)
         _remove_dirs(store)
     finally:
         lock.release()

@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -33,7 +34,7 @@ INDEX_LOG = f"{SESSIONS_DIR}/.index.jsonl"
 INDEX_DIR = f"{SESSIONS_DIR}/.index"
 _MIN_COMPACT = 64 * 1024  # a log smaller than this is never compacted
 _MAX_NAME = 240  # characters of an index object's name (file systems allow 255 bytes)
-_APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
+_APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 def index_of(store: Store) -> LogIndex | ObjectIndex:
@@ -57,9 +58,8 @@ def fold(lines: Iterator[bytes]) -> dict[str, dict[str, Any]]:
     """The summaries a log's lines leave, by id."""
     found: dict[str, dict[str, Any]] = {}
     texts = [line for line in lines if line]
-    try:  # one parse for all lines: a line cut short by a kill makes it fail
-        records = json.loads(b"[" + b",".join(texts) + b"]")
-    except ValueError:
+    records = _parsed(b"[" + b",".join(texts) + b"]")  # one parse for all lines
+    if records is None:  # a line cut short by a kill, or damaged
         records = [_parsed(t) for t in texts]
     for rec in records:
         if type(rec) is not dict or type(sid := rec.get("id")) is not str:
@@ -72,10 +72,11 @@ def fold(lines: Iterator[bytes]) -> dict[str, dict[str, Any]]:
 
 
 def _parsed(text: bytes) -> Any:
+    """The JSON value of *text*, or None if it is not JSON (a kill cut it short, or it is damaged)."""
     try:
         return json.loads(text)
-    except ValueError:
-        return None  # a line a kill cut short
+    except (ValueError, RecursionError):
+        return None
 
 
 class LogIndex:
@@ -126,10 +127,11 @@ class LogIndex:
 
     def _lines(self) -> Iterator[bytes]:
         try:
-            with open(self.log, "rb") as f:
-                data = f.read()
+            fd = os.open(self.log, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block
         except (FileNotFoundError, NotADirectoryError):
             return iter(())
+        with open(fd, "rb") as f:
+            data = f.read() if stat.S_ISREG(os.fstat(fd).st_mode) else b""  # not a file: no summaries
         return iter(data.splitlines())
 
     def read(self) -> dict[str, dict[str, Any]]:
@@ -158,11 +160,9 @@ class LogIndex:
 
 
 def _folded_size(first: bytes) -> int:
-    line = first.split(b"\n", 1)[0]
-    with contextlib.suppress(ValueError, AttributeError):
-        rec = json.loads(line)
-        if isinstance(rec, dict) and rec.get("id") == "" and isinstance(rec.get("folded"), int):
-            return int(rec["folded"])
+    rec = _parsed(first.split(b"\n", 1)[0])
+    if isinstance(rec, dict) and rec.get("id") == "" and isinstance(rec.get("folded"), int):
+        return int(rec["folded"])
     return 0
 
 
@@ -236,6 +236,6 @@ def _named(name: str) -> Any:
     if not name or name.startswith("~"):
         return None
     try:
-        return json.loads(base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)))
-    except ValueError:
+        return _parsed(base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)))
+    except ValueError:  # not base64
         return None

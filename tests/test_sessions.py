@@ -611,6 +611,28 @@ def test_index_lines_with_fields_of_the_wrong_type_still_list(state_dir: Path) -
     assert ({"completed": 1, "new": 1}, "good") == (info["by_status"], info["latest"]["id"])
 
 
+def test_a_damaged_index_is_no_index(state_dir: Path) -> None:
+    """A deeply nested line or a FIFO in place of the index: nothing listed, nothing hangs."""
+    pipe, _calls, turn = _chat(state_dir)
+    with pipe.session("a"):
+        turn(0, "hi")
+    index = state_dir / ".sessions" / ".index.jsonl"
+    with index.open("a") as f:
+        f.write("[" * 100_000 + "\n")
+    assert [s.id for s in pipe.sessions()] == ["a"]
+    index.unlink()
+    os.mkfifo(index)
+    code = f"""
+import resumable
+pipe = resumable.Pipeline("p", state_dir={str(state_dir)!r})
+assert pipe.sessions() == []
+with pipe.session("b"):
+    pass
+pipe.delete_session("a")
+"""
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def test_a_failed_session_is_listed_with_its_error(state_dir: Path) -> None:
     pipe = Pipeline("p", state_dir=state_dir)
 
