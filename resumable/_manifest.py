@@ -199,13 +199,6 @@ class Steps(MutableMapping[str, StepRecord]):
         group = self._group(slot)
         return group is not None and slot in group
 
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Mapping):
-            return NotImplemented
-        return dict(self.items()) == dict(other.items())
-
-    __hash__ = None  # type: ignore[assignment]
-
     def __repr__(self) -> str:
         return f"{dict(self.items())!r}"
 
@@ -669,11 +662,6 @@ class Fold:
         self._running: list[str] = [slot for slot, rec in manifest.steps.parsed() if rec.status == "running"]
         # mirrors completed_steps so that completing a slot costs O(1), not O(slots)
         self._completed: set[str] = set(manifest.completed_steps)
-
-    @property
-    def running(self) -> list[str]:
-        """The slots running at this point of the log."""
-        return list(self._running)
 
     def _record(self, slot: str) -> StepRecord:
         rec = self.manifest.steps.get(slot)
