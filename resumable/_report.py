@@ -197,17 +197,12 @@ def _header(data: dict[str, Any]) -> str:
         f'<div class="card" data-count="{k}"><b>{e(v)}</b><span>{e(label)}</span></div>'
         for k, v, label in cards
     )
-    folded = (
-        '<p class="note">Older history was folded into a checkpoint base: runs before it are not in the log.</p>'
-        if data["folded"]
-        else ""
-    )
     return (
         f'<header><h1>{e(data["pipeline"])}<span class="badge {e(data["status"])}" id="status">'
         f"{e(data['status'])}</span></h1>"
         f'<p class="sub">{e(data["location"])} · {data["runs_total"]:,} run(s) · {_clock(first, date=True)} → '
         f"{_clock(last, date=True)} · counts over {e(which)}</p>"
-        f'<div class="cards">{card_html}</div>{folded}</header>'
+        f'<div class="cards">{card_html}</div></header>'
     )
 
 

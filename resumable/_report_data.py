@@ -1,16 +1,16 @@
 """
 What ``resumable report`` shows, gathered from a state root as plain data.
 
-One pass over the event log (read through the Store API, no lock, nothing written) gives,
-per run, what each slot did: ran (why), skipped, failed, retried, killed; batches' progress
-over time; and the state of every slot after each run, for comparisons with a run (a
-checkpoint or another session is compared as ``resumable diff`` does). Values are read only
-to be summarised, never unpickled. A session (SPEC §13) is read through its own store.
+One pass over the event log (no lock, nothing written) gives, per run, what each slot did,
+batches' progress over time, and the state of every slot after each run, for comparisons with
+a run (a checkpoint or another session is compared as ``resumable diff`` does). Values are
+read only to be summarised, never unpickled.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import re
 from collections import Counter
 from typing import Any, NamedTuple
 
@@ -19,7 +19,6 @@ import attrs
 from . import _diff, _history, _render, _why
 from ._codec import DamagedFileError, read_verified
 from ._journal import read_state
-from ._manifest import skip_fields
 from ._slots import decode_key, slot_file, step_of
 from ._stores import Store
 from .exceptions import UsageError
@@ -32,12 +31,10 @@ TIMELINES = 12  # runs drawn as timelines (the newest)
 SERIES = 200  # points of a batch's rate chart per run
 
 
-def when(stamp: str | None) -> float | None:
+def when(stamp: object) -> float | None:
     """Seconds since the epoch of an ISO 8601 stamp (None if there is none)."""
-    if not stamp:
-        return None
     try:
-        return dt.datetime.fromisoformat(stamp).timestamp()
+        return dt.datetime.fromisoformat(stamp).timestamp() if isinstance(stamp, str) else None
     except ValueError:
         return None
 
@@ -58,6 +55,10 @@ class _Run:
         self.bars: dict[str, dict[str, Any]] = {}  # slot -> what it did in this run
         self.skips: dict[str, dict[str, Any]] = {}
         self.batches: dict[str, dict[str, Any]] = {}
+
+    def bar(self, slot: str) -> dict[str, Any]:
+        """What *slot* did in this run (a bar with no start if its start was not logged)."""
+        return self.bars.get(slot) or self.bars.setdefault(slot, _bar(slot, None, {}))
 
 
 class _Version(NamedTuple):
@@ -82,14 +83,7 @@ class _Scan:
         self.started: dict[str, object] = {}  # slot -> the code it is running
         self.keys: dict[str, str] = {}
         self.parents: dict[str, str] = {}
-        self.folded = False  # events before the first run_started (older history folded away)
         self.last_error: dict[str, Any] | None = None
-
-    def run(self, t: float | None) -> _Run:
-        if not self.runs:
-            self.folded = True
-            self.runs.append(_Run(0, t))
-        return self.runs[-1]
 
     def feed(self, event: dict[str, Any]) -> None:  # noqa: C901, PLR0912 - one dispatch
         kind = event["event"]
@@ -100,7 +94,9 @@ class _Scan:
             number = number if isinstance(number, int) else (self.runs[-1].number + 1 if self.runs else 1)
             self.runs.append(_Run(number, t))
             return
-        run = self.run(t)
+        if not self.runs:  # a damaged log whose first run_started is gone
+            self.runs.append(_Run(0, t))
+        run = self.runs[-1]
         if kind == "run_finished":
             self._finish(run, event, t)
             return
@@ -109,28 +105,13 @@ class _Scan:
         if kind == "step_started":
             self._started(run, event, t)
         elif kind == "step_retry":
-            bar = run.bars.get(event["slot"])
-            if bar is not None:
-                bar["retries"].append([t, *_error_text(event.get("error"))])
+            run.bar(event["slot"])["retries"].append([t, *_error_text(event.get("error"))])
         elif kind == "step_completed":
             self._completed(run, event, t)
         elif kind in {"step_failed", "step_interrupted"}:
-            bar = run.bars.get(event["slot"])
-            if bar is not None:
-                bar["outcome"] = "failed" if kind == "step_failed" else "interrupted"
-                bar["end"] = t
-                bar["attempts"] = event.get("attempts", bar["attempts"])
-                bar["error"] = list(_error_text(event.get("error")))
-                if kind == "step_failed":
-                    kind_, message, trace = bar["error"]
-                    self.last_error = {
-                        "step": event["slot"], "type": kind_, "message": message, "traceback": trace,
-                        "run": run.number,
-                    }  # fmt: skip
-        elif kind in {"step_skipped", "steps_skipped"}:
-            skips = [skip_fields(row) for row in event["skips"]] if kind == "steps_skipped" else [event]
-            for skip in skips:
-                self._skipped(run, skip, t)
+            self._failed(run, event, t)
+        elif kind == "step_skipped":
+            self._skipped(run, event, t)
         elif kind == "batch":
             self._batch(run, event, t)
         elif kind in {"steps_reset", "steps_removed"}:
@@ -172,26 +153,34 @@ class _Scan:
 
     def _completed(self, run: _Run, event: dict[str, Any], t: float | None) -> None:
         slot = event["slot"]
-        code = self.started.pop(slot, None)
         file = event.get("file")
-        self.versions[slot] = _Version(event.get("fingerprint"), file, code, run.number)
+        self.versions[slot] = _Version(
+            event.get("fingerprint"), file, self.started.pop(slot, None), run.number
+        )
         self.computed_in[slot, file] = run.number
         took = event.get("duration_s")
         if took is not None:
             self.durations[slot, file] = float(took)
-        bar = run.bars.get(slot)
-        if bar is None:  # its start was not logged before a kill
-            bar = run.bars[slot] = _bar(slot, None, {})
-        bar["outcome"] = "ran"
+        bar = run.bar(slot)
+        bar.update(outcome="ran", file=file, bytes=event.get("bytes"))
         bar["attempts"] = event.get("attempts", bar["attempts"])
-        bar["file"] = file
-        bar["bytes"] = event.get("bytes")
-        if event.get("recovered"):
-            bar["end"] = None  # it finished before the kill; when is learnt from its file (below)
-            bar["recovered"] = True
+        if event.get("recovered"):  # it finished before the kill; when is learnt from its file
+            bar.update(end=None, recovered=True)
         else:
-            bar["end"] = t
-            bar["duration"] = took
+            bar.update(end=t, duration=took)
+
+    def _failed(self, run: _Run, event: dict[str, Any], t: float | None) -> None:
+        bar = run.bar(event["slot"])
+        failed = event["event"] == "step_failed"
+        bar.update(
+            outcome="failed" if failed else "interrupted", end=t, error=list(_error_text(event.get("error")))
+        )
+        bar["attempts"] = event.get("attempts", bar["attempts"])
+        if failed:
+            kind, message, trace = bar["error"]
+            self.last_error = {
+                "step": event["slot"], "type": kind, "message": message, "traceback": trace, "run": run.number
+            }  # fmt: skip
 
     def _skipped(self, run: _Run, skip: dict[str, Any], t: float | None) -> None:
         slot = skip["slot"]
@@ -205,9 +194,7 @@ class _Scan:
 
     def _batch(self, run: _Run, event: dict[str, Any], t: float | None) -> None:
         progress = event["progress"]
-        batch = run.batches.setdefault(
-            event["batch"], {"points": [], "resumed": None, "failure": None, "total": None, "every": None}
-        )
+        batch = run.batches.setdefault(event["batch"], {"points": [], "resumed": None, "failure": None})
         batch["points"].append([t, progress.get("done", 0), progress.get("failures", 0)])
         batch["total"] = progress.get("total")
         batch["every"] = progress.get("every")
@@ -222,11 +209,8 @@ class _Scan:
             run.end = run.last_seen  # still going (or died and nothing has noticed yet)
         for run in self.runs:
             for bar in run.bars.values():
-                if bar.get("recovered"):
-                    made = self.created.get((bar["slot"], bar.get("file")))
-                    if made is not None:
-                        bar["end"] = made
-                        del bar["recovered"]
+                if bar.pop("recovered", False):
+                    bar["end"] = self.created.get((bar["slot"], bar.get("file")))
                 if run.end is not None and bar["end"] is not None and run.end_max is not None:
                     run.end = min(max(run.end, bar["end"]), run.end_max)
 
@@ -282,9 +266,8 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
     session of *root* (``ID``, ``ID@CHECKPOINT``, ``.`` for the default session).
     """
     manifest = read_state(store, secret=secret)
-    target = _compare_target(compare, sessions=root is not None)
     scan = _Scan()
-    for event in _history.events(store, secret):
+    for event in _why.one_per_slot(_history.events(store, secret)):
         scan.feed(event)
     scan.finish()
     chosen = _selected(scan.runs, run)
@@ -294,7 +277,6 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
         "status": manifest.status if scan.runs or manifest.runs else "empty",
         "runs_total": manifest.runs,
         "which": run if run in {"all", "last"} else f"run {run}",
-        "folded": scan.folded,
         "state": {"slots": len(manifest.steps), "completed": len(manifest.completed_steps)},
         "runs": [_run_row(scan, r) for r in scan.runs],
         "selected": [r.number for r in chosen],
@@ -305,20 +287,9 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
     data["slots"], data["groups"] = _slots(store, secret, scan, chosen, manifest)
     data["batches"] = _batches(chosen)
     against = None if run in {"all", "last"} else chosen[0].number  # --run N: compare with after it
-    kind, number = target
-    if kind == "run":
-        data["compare"] = _compare(store, scan, manifest, number, against)
-    elif kind == "none":
-        data["compare"] = None
-    else:  # a checkpoint or a session: what their output files say, as `resumable diff` reads them
-        name = "." if session is None else session
-        this = _diff.side_now(name, store, secret)
-        if kind == "checkpoint":
-            other = _diff.side_at(name, store, secret, number or 0)
-            data["compare"] = _compare_sides(other, this, f"checkpoint {number}", "now")
-        else:
-            other = _diff.side(root or store, str(compare), secret)
-            data["compare"] = _compare_sides(other, this, f"session {compare}", f"session {name}")
+    data["compare"] = _comparison(
+        store, secret, scan, manifest, compare=compare, against=against, root=root, session=session
+    )
     error = manifest.error
     if error is not None:
         data["error"] = {
@@ -582,41 +553,56 @@ def _batches(chosen: list[_Run]) -> list[dict[str, Any]]:
     return [out[k] for k in sorted(out)]
 
 
-def _compare_target(compare: int | str | None, *, sessions: bool = False) -> tuple[str, int | None]:
+def _comparison(  # noqa: PLR0913 - the state, what to compare, and where the other side is
+    store: Store,
+    secret: bytes | None,
+    scan: _Scan,
+    manifest: Any,
+    *,
+    compare: int | str | None,
+    against: int | None,
+    root: Store | None,
+    session: str | None,
+) -> dict[str, Any] | None:
+    """
+    The state now (or after run *against*) against what *compare* names: run N (``3``,
+    ``run3``), checkpoint N (``checkpoint12``) or, with *root*, another session.
+    """
     if compare is None:
-        return ("none", None)
-    if isinstance(compare, int):
-        return ("run", compare)
-    text = compare.strip().lower()
-    for prefix, kind in (("run", "run"), ("checkpoint", "checkpoint"), ("cp", "checkpoint")):
-        if text.startswith(prefix) and text[len(prefix) :].strip(" :=").isdigit():
-            return (kind, int(text[len(prefix) :].strip(" :=")))
-    if text.isdigit():
-        return ("run", int(text))
-    if sessions:
-        return ("session", None)
-    msg = f"--compare {compare!r}: pass a run number (3 or run3) or a checkpoint (checkpoint12)"
-    raise UsageError(msg)
-
-
-def _compare_sides(other: _diff.Side, this: _diff.Side, a: str, b: str) -> dict[str, Any]:
-    """Another state (*a*) against this one (*b*), slot by slot, as ``resumable diff``."""
+        return None
+    number = re.fullmatch(r"(run|checkpoint)?[\s:=]*(\d+)", str(compare).strip().lower())
+    if number is not None and number[1] != "checkpoint":
+        return _against_run(store, scan, manifest, int(number[2]), against)
+    if number is None and root is None:
+        msg = f"--compare {compare!r}: pass a run number (3 or run3) or a checkpoint (checkpoint12)"
+        raise UsageError(msg)
+    name = "." if session is None else session  # checkpoints and sessions are read as `resumable diff` does
+    this = _diff.side_now(name, store, secret)
+    if number is not None:
+        other = _diff.side_at(name, store, secret, int(number[2]))
+        a, b = f"checkpoint {number[2]}", "now"
+    else:
+        other = _diff.side(root or store, str(compare), secret)
+        a, b = f"session {compare}", f"session {name}"
     diffs, first = _diff.compare(other, this)
-    rows = []
-    for d in diffs:
-        verdict = d.verdict
-        if d.slot not in this.files:
-            verdict = "removed"
-        elif d.slot not in other.files:
-            verdict = "added"
-        rows.append({
-            "slot": d.slot, "verdict": verdict, "a": _header_side(other, d.slot),
-            "b": _header_side(this, d.slot), "changes": [_change_row(c) for c in d.changes],
-        })  # fmt: skip
-    return _comparison(a, b, first, rows)
+    rows = [
+        {
+            "slot": d.slot,
+            "verdict": "removed"
+            if d.slot not in this.files
+            else "added"
+            if d.slot not in other.files
+            else d.verdict,
+            "a": _header_side(other, d.slot),
+            "b": _header_side(this, d.slot),
+            "changes": [_change_row(c) for c in d.changes],
+        }
+        for d in diffs
+    ]
+    return _rows(a, b, first, rows)
 
 
-def _comparison(a: str, b: str, first: str | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
+def _rows(a: str, b: str, first: str | None, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The comparison of states *a* and *b*: the first rows that differ and 50 that do not, in order."""
     same = [r for r in rows if r["verdict"] == "same"]
     shown = {r["slot"] for r in [r for r in rows if r["verdict"] != "same"][:SLOT_ROWS] + same[:50]}
@@ -626,30 +612,22 @@ def _comparison(a: str, b: str, first: str | None, rows: list[dict[str, Any]]) -
 
 def _header_side(side: _diff.Side, slot: str) -> dict[str, Any] | None:
     header = _diff.header(side, slot)
-    if header is None:
-        return None
-    return {
-        "fingerprint": str(header.get("fingerprint") or "")[:12],
-        "file": str(header.get("hsum") or "")[:12],
-        "run": None,
-    }
+    return None if header is None else {"fingerprint": str(header.get("fingerprint") or "")[:12], "run": None}
 
 
-def _compare(
-    store: Store, scan: _Scan, manifest: Any, number: int | None, against: int | None
+def _against_run(
+    store: Store, scan: _Scan, manifest: Any, number: int, against: int | None
 ) -> dict[str, Any]:
-    """The state now (or after run *against*) against the state after run *number*, slot by slot."""
-    other = scan.after_run.get(number or 0)
+    other = scan.after_run.get(number)
     if other is None:
         msg = f"--compare: run {number} has not finished in this log (runs: {len(scan.runs)})"
         raise UsageError(msg)
     now, now_label = scan.versions, "now"
     if against is not None and against in scan.after_run:
         now, now_label = scan.after_run[against], f"after run {against}"
-    order = list(dict.fromkeys([*manifest.completed_steps, *now, *other]))
     rows = []
     first = None
-    for slot in order:
+    for slot in dict.fromkeys([*manifest.completed_steps, *now, *other]):
         a, b = other.get(slot), now.get(slot)
         if a is None and b is None:  # (a slot completed after both)
             continue
@@ -660,13 +638,11 @@ def _compare(
         if first is None and verdict != "same":
             first = slot
         rows.append(row)
-    return _comparison(f"after run {number}", now_label, first, rows)
+    return _rows(f"after run {number}", now_label, first, rows)
 
 
 def _side(v: _Version | None) -> dict[str, Any] | None:
-    if v is None:
-        return None
-    return {"fingerprint": str(v.fingerprint or "")[:12], "file": str(v.file or "")[:12], "run": v.run}
+    return None if v is None else {"fingerprint": str(v.fingerprint or "")[:12], "run": v.run}
 
 
 def _verdict(a: _Version | None, b: _Version | None) -> str:

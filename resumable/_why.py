@@ -135,7 +135,7 @@ def _slot_matches(slot: str, step: str, key: str | None) -> bool:
     return slot == step or slot.startswith(step + "/")
 
 
-def _one_per_slot(events: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+def one_per_slot(events: Iterable[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """The events, with skips logged together (``steps_skipped``) as one ``step_skipped`` each."""
     for event in events:
         if event.get("event") != "steps_skipped":
@@ -152,7 +152,7 @@ def explain(
     run = 0
     last: dict[str, tuple[int, dict[str, Any]]] = {}
     kept: dict[str, tuple[int, dict[str, Any]]] = {}
-    for event in _one_per_slot(events):
+    for event in one_per_slot(events):
         kind = event.get("event")
         if kind == "run_started":
             number = event.get("run")

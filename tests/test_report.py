@@ -682,3 +682,11 @@ def test_pipe_report_takes_a_run_number_as_an_int_or_a_string(tmp_path: Path):
     assert 1 == as_text.count('class="panel run-timeline"')  # run 2 alone
     with pytest.raises(UsageError):
         pipe.report(tmp_path / "none.html", run="9")
+
+
+def test_a_reset_slot_is_removed_from_now(tmp_path: Path):
+    """A slot forgotten by `reset` is no longer in the state compared as "now"."""
+    pipe = _two_runs(tmp_path / "state")
+    pipe.reset("value")
+    rows = collect(pipe.store, None, compare=2)["compare"]["rows"]
+    assert [("value", "removed")] == [(r["slot"], r["verdict"]) for r in rows]
