@@ -304,34 +304,22 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
 
 
 def _run_row(scan: _Scan, run: _Run) -> dict[str, Any]:
-    ran = sum(1 for b in run.bars.values() if b["outcome"] == "ran")
-    failed = sum(1 for b in run.bars.values() if b["outcome"] in {"failed", "interrupted"})
-    retried = sum(1 for b in run.bars.values() if b["retries"] or (b["attempts"] or 1) > 1)
-    saved = 0.0
-    unknown = 0
-    from_runs: set[int] = set()
-    for slot, skip in run.skips.items():
-        took = scan.durations.get((slot, skip["file"]))
-        if took is None:
-            unknown += 1
-        else:
-            saved += took
-        made = scan.computed_in.get((slot, skip["file"]))
-        if made is not None:
-            from_runs.add(made)
+    bars = run.bars.values()
+    took = [scan.durations.get((slot, skip["file"])) for slot, skip in run.skips.items()]
+    made = {scan.computed_in.get((slot, skip["file"])) for slot, skip in run.skips.items()}
     return {
         "run": run.number,
         "start": run.start,
         "end": run.end,
         "end_max": run.end_max,
         "status": run.status,
-        "ran": ran,
+        "ran": sum(b["outcome"] == "ran" for b in bars),
         "skipped": len(run.skips),
-        "failed": failed,
-        "retried": retried,
-        "saved_s": round(saved, 6),
-        "saved_unknown": unknown,
-        "skipped_from": sorted(from_runs),
+        "failed": sum(b["outcome"] in {"failed", "interrupted"} for b in bars),
+        "retried": sum(bool(b["retries"]) or (b["attempts"] or 1) > 1 for b in bars),
+        "saved_s": round(sum(t for t in took if t is not None), 6),
+        "saved_unknown": took.count(None),
+        "skipped_from": sorted(n for n in made if n is not None),
     }
 
 
@@ -343,12 +331,9 @@ def _sum_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def _timeline(scan: _Scan, run: _Run) -> dict[str, Any]:
     """The bars of one run, grouped by step (a keyed step's slots share a row)."""
-    start = run.start
     times = [t for b in run.bars.values() for t in (b["start"], b["end"]) if t is not None]
-    if start is None:
-        start = min(times) if times else 0.0
-    end = run.end if run.end is not None else (max(times) if times else start)
-    end = max(end, *times) if times else end
+    start = run.start if run.start is not None else min(times, default=0.0)
+    end = max([start, *times, *([] if run.end is None else [run.end])])
     by_step: dict[str, list[dict[str, Any]]] = {}
     for slot, bar in run.bars.items():
         by_step.setdefault(step_of(slot), []).append(bar)
@@ -356,25 +341,16 @@ def _timeline(scan: _Scan, run: _Run) -> dict[str, Any]:
     for step, bars in by_step.items():
         row: dict[str, Any] = {"step": step, "keyed": "/" in bars[0]["slot"], "count": len(bars)}
         kept = bars
-        if row["keyed"]:  # one row: its shape over time, and the slots worth a look (a sample)
-            last = run.end if run.end is not None else end  # where a bar with no end stops
-            ends = [(b["end"] if b["end"] is not None else last) - start for b in bars]
+        if row["keyed"]:  # one row: its shape over time, and a sample of its slots (notable ones first)
+            ends = [(end if b["end"] is None else b["end"]) - start for b in bars]
+            starts = [b["start"] for b in bars if b["start"] is not None]
             row["hist"] = _histogram(ends, end - start)
-            row["span"] = [
-                round(min((b["start"] for b in bars if b["start"] is not None), default=start) - start, 6),
-                round(max(ends), 6),
-            ]
-            row["failed"] = sum(1 for b in bars if b["outcome"] in {"failed", "interrupted"})
-            row["retried"] = sum(1 for b in bars if b["retries"])
-            notable = [b for b in bars if b["outcome"] != "ran" or b["retries"]]
-            kept = (notable + [b for b in bars if b["outcome"] == "ran" and not b["retries"]])[:GROUP_SLOTS]
-        row["bars"] = sorted(
-            (_drawn(scan, b, start, end, run) for b in kept), key=lambda b: (b["s"], b["slot"])
-        )
+            row["span"] = [round(min(starts, default=start) - start, 6), round(max(ends), 6)]
+            row["failed"] = sum(b["outcome"] in {"failed", "interrupted"} for b in bars)
+            row["retried"] = sum(bool(b["retries"]) for b in bars)
+            kept = sorted(bars, key=lambda b: b["outcome"] == "ran" and not b["retries"])[:GROUP_SLOTS]
+        row["bars"] = sorted((_drawn(scan, b, start, end) for b in kept), key=lambda b: (b["s"], b["slot"]))
         rows.append(row)
-    skipped: dict[str, int] = {}
-    for slot in run.skips:
-        skipped[step_of(slot)] = skipped.get(step_of(slot), 0) + 1
     return {
         "run": run.number,
         "status": run.status,
@@ -382,29 +358,31 @@ def _timeline(scan: _Scan, run: _Run) -> dict[str, Any]:
         "span": round(max(end - start, 1e-6), 6),
         "unknown_until": (round(run.end_max - start, 6) if run.end_max is not None else None),
         "rows": rows,
-        "skipped": skipped,
+        "skipped": dict(Counter(step_of(slot) for slot in run.skips)),
     }
 
 
-def _drawn(scan: _Scan, bar: dict[str, Any], start: float, end: float, run: _Run) -> dict[str, Any]:
-    b0 = bar["start"] if bar["start"] is not None else start
-    b1 = bar["end"]
-    open_end = b1 is None
-    if b1 is None:  # killed while running, or still running: ends somewhere after
-        b1 = run.end if run.end is not None else end
+def _drawn(scan: _Scan, bar: dict[str, Any], start: float, end: float) -> dict[str, Any]:
+    b0 = start if bar["start"] is None else bar["start"]
+    b1 = end if bar["end"] is None else max(bar["end"], b0)  # no end: killed while running, or running
     return {
         "slot": bar["slot"],
         "s": round(b0 - start, 6),
-        "e": round(max(b1, b0) - start, 6),
-        "open": open_end,
+        "e": round(b1 - start, 6),
+        "open": bar["end"] is None,
         "outcome": bar["outcome"],
         "reason": bar["reason"],
         "detail": bar["detail"],
         "attempts": bar["attempts"],
         "retries": [[round((r[0] or b0) - start, 6), r[1], _clip(r[2], 300)] for r in bar["retries"]],
-        "error": [bar["error"][0], _clip(bar["error"][1], 300)] if bar.get("error") else None,
+        "error": _error_pair(bar),
         "parent": scan.parents.get(bar["slot"]),
     }
+
+
+def _error_pair(info: dict[str, Any]) -> list[str] | None:
+    """The type and (clipped) message of the error a slot failed with."""
+    return [info["error"][0], _clip(info["error"][1], 300)] if info.get("error") else None
 
 
 HIST_BINS = 80
@@ -469,7 +447,7 @@ def _slots(
             "duration": took,
             "bytes": info.get("bytes") if info.get("bytes") is not None else (rec.bytes if rec else None),
             "attempts": info.get("attempts", 1) if outcome != "skipped" else None,
-            "error": [info["error"][0], _clip(info["error"][1], 300)] if info.get("error") else None,
+            "error": _error_pair(info),
             "parent": scan.parents.get(slot),
             "value": None,
         }
@@ -485,27 +463,20 @@ def _listed(last: dict[str, Any], groups: dict[str, dict[str, Any]]) -> list[str
     slots = list(last)
     if len(slots) <= SLOT_ROWS:
         return slots
-    notable = [s for s in slots if "/" not in s or last[s][1] not in {"skipped", "ran"}]
-    seen = set(notable)
-    rest = [s for s in slots if s not in seen]
-    per_step: dict[str, int] = {}
-    picked = set(notable[:SLOT_ROWS])
-    room = max(0, SLOT_ROWS - len(picked))
-    share = max(1, room // max(1, len(groups)))
-    for slot in rest:
-        step = step_of(slot)
-        if per_step.get(step, 0) < share and room > 0:
-            per_step[step] = per_step.get(step, 0) + 1
+    picked = {s for s in slots if "/" not in s or last[s][1] not in {"skipped", "ran"}}
+    picked = set([s for s in slots if s in picked][:SLOT_ROWS])
+    room = SLOT_ROWS - len(picked)
+    share, taken = max(1, room // len(groups)), Counter[str]()
+    for slot in slots:
+        if room > 0 and slot not in picked and taken[step_of(slot)] < share:
+            taken[step_of(slot)] += 1
             picked.add(slot)
             room -= 1
     return [s for s in slots if s in picked]
 
 
 def _code_diff(store: Store, was: object, code: object) -> list[dict[str, Any]]:
-    old, new = _why.read_code(store, was), _why.read_code(store, code)
-    if old is None or new is None:
-        return []
-    return [_change_row(c) for c in _why.code_changes(old, new)]
+    return [_change_row(c) for c in _why.code_diff(store, was, code)]
 
 
 def _change_row(c: _why.Change) -> dict[str, Any]:
@@ -533,12 +504,8 @@ def _batches(chosen: list[_Run]) -> list[dict[str, Any]]:
             (_, done, failures), resumed = points[-1], batch["resumed"]
             entry["total"] = batch["total"]
             entry["every"] = batch["every"]
-            step = len(points) / SERIES
-            kept = (
-                points
-                if len(points) <= SERIES
-                else [points[int(i * step)] for i in range(SERIES)] + [points[-1]]
-            )
+            n = len(points)
+            kept = points if n <= SERIES else [points[i * n // SERIES] for i in range(SERIES)] + points[-1:]
             entry["runs"].append(
                 {
                     "run": run.number,

@@ -92,6 +92,12 @@ def code_components(store: Store, code: object) -> dict[str, str] | None:
     return record["components"] if record is not None else None
 
 
+def code_diff(store: Store, was: object, code: object) -> list[Change]:
+    """What differs between the recorded codes *was* and *code* ([] if either is not recorded)."""
+    old, new = read_code(store, was), read_code(store, code)
+    return code_changes(old, new) if old is not None and new is not None else []
+
+
 @attrs.frozen
 class Decision:
     """
@@ -99,13 +105,11 @@ class Decision:
 
     ``outcome`` is ``"ran"``, ``"skipped"`` or ``"not called"`` (in the last run; ``run`` then
     says which run last decided it). A run logs the skips of the 32 slots completed last
-    (and of any the manifest did not know), not of older ones, so that a replayed
-    conversation's log grows with its length, not its square: such an older slot reused as
-    it was is ``"not called"`` since the run that last logged it. For a step that ran,
-    ``reason`` is one of ``new``, ``inputs changed``, ``code changed``, ``version changed``,
-    ``reset``, ``corrupt``; ``changes`` lists what differs from the stored output it
-    replaced: code components with a unified diff of their source, values (old -> new) and
-    parameters.
+    (and of any the manifest did not know), so an older slot reused as it was is ``"not
+    called"`` since the run that last logged it. For a step that ran, ``reason`` is one of
+    ``new``, ``inputs changed``, ``code changed``, ``version changed``, ``reset``,
+    ``corrupt``; ``changes`` lists what differs from the stored output it replaced: code
+    components with a unified diff of their source, values (old -> new) and parameters.
     """
 
     slot: str
@@ -179,22 +183,18 @@ def explain(
 
 def _kept(store: Store, decision: Decision, event: dict[str, Any]) -> Decision:
     """A skip of an output other code made, kept because the step's version is pinned."""
-    new, old = read_code(store, event.get("code")), read_code(store, event.get("was"))
-    changes = code_changes(old, new) if old is not None and new is not None else []
+    changes = code_diff(store, event.get("was"), event.get("code"))
     return attrs.evolve(decision, reason="kept: version pinned", changes=changes)
 
 
 def _ran(store: Store, slot: str, run: int | None, at: str | None, event: dict[str, Any]) -> Decision:
     reason = event.get("reason") if isinstance(event.get("reason"), str) else None
     detail = event.get("detail") if isinstance(event.get("detail"), str) else None
-    changes: list[Change] = []
-    new = read_code(store, event.get("code"))
-    old = read_code(store, event.get("was"))
-    if reason == "code changed" and old is not None and new is not None:
-        changes = code_changes(old, new)
+    changes = code_diff(store, event.get("was"), event.get("code")) if reason == "code changed" else []
     params = event.get("params")
     if isinstance(params, list):
         changes += [Change("parameter", str(p)) for p in params]
+    new = read_code(store, event.get("code"))
     left_out = new["left_out"] if new is not None else {}
     return Decision(slot, "ran", run, at, reason, detail, changes, left_out)
 
