@@ -1,13 +1,8 @@
 """
-The ``resumable`` command: look at and manage a state directory from the shell.
+The ``resumable`` command: look at and manage a state directory from the shell (docs/cli.md).
 
-Every command works on ``--state-dir`` (a directory or a store URL, given before or after
-the command), else ``$RESUMABLE_STATE_DIR``, else ``./state``. Commands that change state
-take the run lock and refuse, naming the holder, while a run is using the directory. Commands
-that only read it take no lock and create nothing: they work on a read-only directory and
-while a run is going on.
-Exit codes: :data:`EXIT_OK`, :data:`EXIT_FAILED` (also ``verify`` finding damage),
-:data:`EXIT_USAGE`, :data:`EXIT_NO_STATE`.
+Commands that change state take the run lock; commands that only read it take no lock and
+create nothing.
 """
 
 from __future__ import annotations
@@ -47,15 +42,19 @@ from ._verify import find_damage
 from .exceptions import DamagedStateError, ResumableError, StateDirectoryError, StateLockedError, UsageError
 
 EXIT_OK = 0
-EXIT_FAILED = 1
-"""The command failed (the reason is on stderr), or ``verify`` found damage."""
-EXIT_USAGE = 2
-"""Bad arguments, or a step, slot or checkpoint the state does not hold."""
-EXIT_NO_STATE = 3
-"""There is no state where the command looked (nothing has run with that directory)."""
+EXIT_FAILED = 1  # the reason is on stderr; also: verify found damage
+EXIT_USAGE = 2  # bad arguments, or a step, slot or checkpoint the state does not hold
+EXIT_NO_STATE = 3  # nothing has run with that state directory
 
 _AGE = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        msg = f"invalid count {text!r}: use a whole number, 0 or more"
+        raise argparse.ArgumentTypeError(msg)
+    return int(text)
 
 
 def _age(text: str) -> dt.timedelta:
@@ -115,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement per o
     history = commands.add_parser("history", help="list the checkpoints rollback can restore")
     history.add_argument("--json", action="store_true", help="print the checkpoints as JSON")
     history.add_argument(
-        "--limit", type=int, default=20, metavar="N", help="look at the N newest checkpoints (default 20)"
+        "--limit", type=_count, default=20, metavar="N", help="look at the N newest checkpoints (default 20)"
     )
 
     rollback = commands.add_parser("rollback", help="restore the state of a checkpoint")
@@ -149,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement per o
         help="history older than this goes, and outputs of steps no run defined since (default 7d)",
     )
     clean.add_argument(
-        "--keep", type=int, default=None, metavar="N", help="always keep the N newest checkpoints"
+        "--keep", type=_count, default=20, metavar="N", help="always keep the N newest checkpoints"
     )
     clean.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
     clean.add_argument(
@@ -162,7 +161,7 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement per o
     sessions = commands.add_parser("sessions", help="list the sessions (or fork, delete them)")
     sessions.add_argument("--status", default=None, metavar="S", help="only sessions with this status")
     sessions.add_argument("--prefix", default=None, metavar="P", help="only ids starting with P")
-    sessions.add_argument("--limit", type=int, default=None, metavar="N", help="at most N, newest first")
+    sessions.add_argument("--limit", type=_count, default=None, metavar="N", help="at most N, newest first")
     sessions.add_argument("--json", action="store_true", help="print the sessions as JSON")
     actions = sessions.add_subparsers(dest="action", metavar="ACTION")
     fork = actions.add_parser("fork", help="create session DST from SRC's state, sharing its files")
@@ -321,8 +320,6 @@ def _reset(args: argparse.Namespace) -> int:
 
 
 def _history_cmd(args: argparse.Namespace) -> int:
-    if args.limit < 0:
-        raise UsageError(f"--limit must be 0 or more, got {args.limit}")
     store = _state(args)
     points = read_checkpoints(store, secret=secret_bytes(None), newest=args.limit)
     if args.json:
@@ -398,10 +395,7 @@ def _clean(args: argparse.Namespace) -> int:
             )
         return _sessions_cli.clean_sessions(_root(args), args.idle, dry_run=args.dry_run, out=_out)
 
-    keep = args.keep if args.keep is not None else 20
-    if keep < 0:
-        raise UsageError(f"--keep must be 0 or more, got {keep}")
-    pipe = _pipeline(args, _state(args), keep_checkpoints=keep)
+    pipe = _pipeline(args, _state(args), keep_checkpoints=args.keep)
     report = clean_state(pipe, older_than=args.older_than, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for line in report.lines:

@@ -18,7 +18,6 @@ from ._pipeline import Pipeline
 from ._sessions_index import index_of
 from ._stores import Store
 from ._units import human_size
-from .exceptions import UsageError
 
 Out = Callable[[str], None]
 
@@ -76,8 +75,6 @@ def sessions_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:
             pipe.delete_session(sid)
             out(f"deleted session {sid!r}")
         return 0
-    if args.limit is not None and args.limit < 0:
-        raise UsageError(f"--limit must be 0 or more, got {args.limit}")
     infos = _sessions.list_sessions(root, status=args.status, prefix=args.prefix, limit=args.limit)
     if args.json:
         out(json.dumps([s.as_dict() for s in infos], indent=2, ensure_ascii=False))

@@ -118,8 +118,8 @@ def test_verify_newer_manifest(filled: Path, capsys: pytest.CaptureFixture[str])
 
 
 def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]):
-    """Unknown commands and missing commands are usage errors (exit 2)."""
-    for argv in ([], ["frobnicate"]):
+    """Unknown commands, missing commands and bad counts are usage errors (exit 2)."""
+    for argv in ([], ["frobnicate"], ["history", "--limit", "-1"], ["clean", "--keep", "x"]):
         with pytest.raises(SystemExit) as info:
             main(argv)
         assert 2 == info.value.code
