@@ -12,6 +12,7 @@ with the unified diff ``why`` shows), or exist on one side only. Reads only.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from itertools import zip_longest
 from typing import Any
 
 import attrs
@@ -123,13 +124,9 @@ def compare(a: Side, b: Side) -> tuple[list[SlotDiff], str | None]:
             found[slot] = SlotDiff(slot, f"only in {b.name}")
         else:
             found[slot] = _slot(slot, a, b)
-    first = None
-    for i in range(max(len(a.order), len(b.order))):
-        x = a.order[i] if i < len(a.order) else None
-        y = b.order[i] if i < len(b.order) else None
-        if x != y or (x is not None and found[x].verdict != "same"):
-            first = x if x is not None and found[x].verdict != "same" else (x or y)
-            break
+    first = next(
+        (x or y for x, y in zip_longest(a.order, b.order) if x != y or found[x].verdict != "same"), None
+    )
     return [found[s] for s in slots], first
 
 

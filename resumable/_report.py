@@ -207,24 +207,14 @@ def _header(data: dict[str, Any]) -> str:
 
 
 def _nav(data: dict[str, Any]) -> str:
-    links = [("timeline", "Timeline"), ("runs", "Runs"), ("steps", "Steps")]
-    if data["batches"]:
-        links.append(("batches", "Batches"))
-    if data["compare"] is not None:
-        links.append(("compare", "Comparison"))
-    if data["error"] is not None:
-        links.append(("error", "Last error"))
-    return "<nav>" + "".join(f'<a href="#{k}">{label}</a>' for k, label in links) + "</nav>"
+    links = {"timeline": "Timeline", "runs": "Runs", "steps": "Steps"}
+    optional = {"batches": "Batches", "compare": "Comparison", "error": "Last error"}
+    links |= {k: label for k, label in optional.items() if data[k]}
+    return "<nav>" + "".join(f'<a href="#{k}">{label}</a>' for k, label in links.items()) + "</nav>"
 
 
-_LEGEND = (
-    ("ran", "ran"),
-    ("failed", "failed"),
-    ("interrupted", "interrupted"),
-    ("running", "running"),
-    ("retry", "retried attempt"),
-    ("unknown", "killed: end unknown"),
-)
+_LEGEND = [(k, k) for k in ("ran", "failed", "interrupted", "running")]
+_LEGEND += [("retry", "retried attempt"), ("unknown", "killed: end unknown")]
 
 
 def _timelines(data: dict[str, Any]) -> str:
@@ -689,22 +679,21 @@ def _side(version: dict[str, Any] | None) -> str:
     return f"run {version['run'] or '?'} · {e(version['fingerprint'])}"
 
 
+_VERDICTS = {
+    "added": "it was computed only after the earlier state",
+    "removed": "it was forgotten (reset or rolled back) since",
+    "unreadable": "its output is missing or damaged on one side",
+    "output differs": "the same code and arguments gave a different output",
+}
+
+
 def _verdict_text(row: dict[str, Any]) -> str:
-    verdict = row["verdict"]
-    if verdict == "code changed":
+    if row["verdict"] == "code changed":
         names = ", ".join(c["name"] for c in row["changes"]) or "its code"
         return f"its code changed ({names}), so it ran again"
-    if verdict == "inputs changed":
-        return "its arguments changed (fingerprint {} → {})".format(
-            row["a"]["fingerprint"], row["b"]["fingerprint"]
-        )
-    if verdict == "added":
-        return "it was computed only after the earlier state"
-    if verdict == "removed":
-        return "it was forgotten (reset or rolled back) since"
-    if verdict == "unreadable":
-        return "its output is missing or damaged on one side"
-    return "the same code and arguments gave a different output"
+    if row["verdict"] == "inputs changed":
+        return f"its arguments changed (fingerprint {row['a']['fingerprint']} → {row['b']['fingerprint']})"
+    return _VERDICTS[row["verdict"]]
 
 
 def _error(data: dict[str, Any]) -> str:
