@@ -33,7 +33,6 @@ from ._slots import (
     is_output_file,
     slot_file,
     slot_id,
-    step_of,
 )
 from ._stores import Store, open_store
 from ._stores._local import LocalStore
@@ -294,12 +293,8 @@ def _show(args: argparse.Namespace) -> int:
 
 def _why_cmd(args: argparse.Namespace) -> int:
     store = _state(args)
-    step, key = args.step, args.key
-    events = _history.events(store, secret_bytes(None))
-    if key is None and "/" in step:  # a slot such as fetch_page/3
-        decisions = [d for d in _why.explain(events, store, step_of(step)) if d.slot == step]
-    else:
-        decisions = _why.explain(events, store, step, key)
+    step, key = args.step, args.key  # the step may be a slot such as fetch_page/3
+    decisions = _why.explain(_history.events(store, secret_bytes(None)), store, step, key)
     if not decisions:
         where = f"{step!r} with key {key!r}" if key is not None else repr(args.step)
         msg = f"no run has called {where} in {store.location}: nothing to explain (see `resumable status`)"

@@ -10,6 +10,7 @@ the explanation of a rerun is a diff between two such records, whatever happened
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import logging
@@ -43,11 +44,8 @@ def record_code(store: Store, step: str, identity: Identity) -> bool:
     """
     store = root_of(store)
     key = f"{CODE_DIR}{identity.code}.json"
-    try:  # written once: a record is named by the digest of what it holds
+    with contextlib.suppress(OSError):  # written once: a record is named by the digest of what it holds
         store.read(key, 0, 0)
-    except (FileNotFoundError, OSError):
-        pass
-    else:
         return True
     record = {
         "step": step,
@@ -75,15 +73,11 @@ def read_code(store: Store, code: object) -> dict[str, Any] | None:
         return None
     if not isinstance(record, dict):
         return None
-    return {key: _strings(record.get(key)) for key in ("components", "sources", "values", "left_out")} | {
-        "step": str(record.get("step", ""))
-    }
+    return {key: _strings(record.get(key)) for key in ("components", "sources", "values", "left_out")}
 
 
 def _strings(value: object) -> dict[str, str]:
-    if not isinstance(value, dict):
-        return {}
-    return {str(k): v for k, v in value.items() if isinstance(v, str)}
+    return {str(k): v for k, v in value.items() if isinstance(v, str)} if isinstance(value, dict) else {}
 
 
 def code_components(store: Store, code: object) -> dict[str, str] | None:
