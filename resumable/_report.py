@@ -15,6 +15,7 @@ import datetime as dt
 import hashlib
 import html
 import os
+from collections.abc import Sequence
 from typing import Any
 
 from ._render import duration
@@ -455,17 +456,20 @@ def _story(data: dict[str, Any]) -> str:
             f'<td class="num">{r["failed"]:,}</td><td class="num">{r["retried"]:,}</td>'
             f'<td class="num" data-v="{r["saved_s"]}">{duration(r["saved_s"])}</td><td>{e("; ".join(story))}</td></tr>'
         )
-    head = (
-        '<th class="num">Run</th><th>Started</th><th>Ended</th><th class="num">Took</th>'
-        '<th>Status</th><th class="num">Ran</th><th class="num">Skipped</th><th class="num">Failed</th>'
-        '<th class="num">Retried</th><th class="num">Saved</th><th>What happened</th>'
-    )
+    numeric = ["Run", "Took", "Ran", "Skipped", "Failed", "Retried", "Saved"]
+    heads = ["Run", "Started", "Ended", "Took", "Status", *numeric[2:], "What happened"]
     return (
         '<section id="runs"><h2>Runs: the resume story</h2><p class="note">Each rerun skips the slots whose '
         "stored output matches their code and arguments; the time saved is what those slots took when "
-        f'they ran.</p><table class="sortable" id="runs-table"><thead><tr>{head}</tr></thead>'
-        f"<tbody>{''.join(rows)}</tbody></table></section>"
+        f"they ran.</p>{_table('runs-table', heads, rows, numeric)}</section>"
     )
+
+
+def _table(table_id: str | None, heads: list[str], rows: list[str], numeric: Sequence[str] = ()) -> str:
+    """A table (sortable if it has an id); the columns named in *numeric* are right-aligned."""
+    th = "".join(f'<th class="num">{h}</th>' if h in numeric else f"<th>{h}</th>" for h in heads)
+    table = f'<table class="sortable" id="{table_id}">' if table_id else "<table>"
+    return f"{table}<thead><tr>{th}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
 def _why_cell(row: dict[str, Any]) -> str:
@@ -522,12 +526,8 @@ def _steps(data: dict[str, Any]) -> str:
             f'<td class="num" data-v="{r["attempts"] or 0}">{r["attempts"] or ""}</td>'
             f'<td><div class="value" title="{e(value)}">{e(value[:80])}</div></td></tr>'
         )
-    head = (
-        "<th>Slot</th><th>Outcome</th><th>Why</th>"
-        '<th class="num">Run</th><th class="num">Computed in</th>'
-        '<th class="num">Duration</th><th class="num">Size</th>'
-        '<th class="num">Tries</th><th>Output (summary)</th>'
-    )
+    numeric = ["Run", "Computed in", "Duration", "Size", "Tries"]
+    heads = ["Slot", "Outcome", "Why", *numeric, "Output (summary)"]
     options = "".join(f'<option value="{o}">{o}</option>' for o in OUTCOMES)
     total = sum(g["slots"] for g in data["groups"])
     listed = len(data["slots"])
@@ -537,22 +537,20 @@ def _steps(data: dict[str, Any]) -> str:
         if listed < total
         else ""
     )
-    groups = "".join(
+    groups = [
         f'<tr data-step="{e(g["step"])}"><td class="slot">{e(g["step"])}</td><td class="num">{g["slots"]:,}</td>'
         + "".join(f'<td class="num">{g["outcomes"].get(o, 0):,}</td>' for o in OUTCOMES)
         + f"<td>{e(', '.join(f'{k} ×{v:,}' for k, v in sorted(g['reasons'].items())))}</td></tr>"
         for g in data["groups"]
-    )
-    group_head = "".join(f'<th class="num">{o}</th>' for o in OUTCOMES)
+    ]
     return (
         '<section id="steps"><h2>Steps</h2>'
         '<div class="tools" hidden><input id="steps-filter" type="search" placeholder="filter slots, reasons, errors…" '
         f'aria-label="filter"><select id="steps-outcome" aria-label="outcome"><option value="">any outcome</option>'
         f'{options}</select><span id="steps-shown" class="muted"></span></div>{note}'
-        f'<div class="scroll"><table class="sortable" id="steps-table"><thead><tr>{head}</tr></thead>'
-        f"<tbody>{''.join(rows)}</tbody></table></div>"
-        '<h3>Per step</h3><table class="sortable" id="groups-table"><thead><tr><th>Step</th><th class="num">Slots</th>'
-        f"{group_head}<th>Why they ran</th></tr></thead><tbody>{groups}</tbody></table></section>"
+        f'<div class="scroll">{_table("steps-table", heads, rows, numeric)}</div><h3>Per step</h3>'
+        f"{_table('groups-table', ['Step', 'Slots', *OUTCOMES, 'Why they ran'], groups, ['Slots', *OUTCOMES])}"
+        "</section>"
     )
 
 
@@ -560,6 +558,7 @@ def _batches(data: dict[str, Any]) -> str:
     if not data["batches"]:
         return ""
     out = ['<section id="batches"><h2>Batches</h2>']
+    numeric = ["Run", "Rows done", "Resumed", "Computed", "Failed rows"]
     for b in data["batches"]:
         total = f"{b['total']:,}" if b["total"] is not None else "unknown"
         rows = []
@@ -577,9 +576,7 @@ def _batches(data: dict[str, Any]) -> str:
         out.append(
             f'<div class="panel batch" data-batch="{e(b["batch"])}"><h3>{e(b["batch"])} '
             f'<span class="muted">{total} rows, committed every {e(b["every"])}</span></h3>'
-            f'{_rate_chart(b)}<table><thead><tr><th class="num">Run</th><th class="num">Rows done</th>'
-            '<th class="num">Resumed</th><th class="num">Computed</th><th class="num">Failed rows</th>'
-            f"<th>A failure</th></tr></thead><tbody>{''.join(rows)}</tbody></table></div>"
+            f"{_rate_chart(b)}{_table(None, [*numeric, 'A failure'], rows, numeric)}</div>"
         )
     out.append("</section>")
     return "".join(out)
@@ -667,9 +664,7 @@ def _compare(data: dict[str, Any]) -> str:
         '<section id="compare"><h2>Comparison</h2>'
         f'<p class="panel" id="first-divergence-text"><b>{e(cmp["a"])} → {e(cmp["b"])}</b>: '
         f"{cmp['same']:,} of {cmp['total']:,} slots hold the same output. {e(explain)}</p>"
-        '<table class="sortable" id="compare-table"><thead><tr><th>Slot</th>'
-        f"<th>{e(cmp['a'])}</th><th>{e(cmp['b'])}</th><th>Verdict</th></tr></thead>"
-        f"<tbody>{''.join(rows)}</tbody></table></section>"
+        f"{_table('compare-table', ['Slot', e(cmp['a']), e(cmp['b']), 'Verdict'], rows)}</section>"
     )
 
 

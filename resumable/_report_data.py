@@ -290,16 +290,11 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
     data["compare"] = _comparison(
         store, secret, scan, manifest, compare=compare, against=against, root=root, session=session
     )
-    error = manifest.error
-    if error is not None:
-        data["error"] = {
-            "step": error.step, "type": error.type, "message": error.message, "traceback": error.traceback,
-            "run": scan.runs[-1].number if scan.runs else None, "resolved": False,
-        }  # fmt: skip
-    elif scan.last_error is not None:  # a later run got past it
-        data["error"] = {**scan.last_error, "resolved": True}
-    else:
-        data["error"] = None
+    if manifest.error is not None:
+        run_number = scan.runs[-1].number if scan.runs else None
+        data["error"] = {**attrs.asdict(manifest.error), "run": run_number, "resolved": False}
+    else:  # the last a log holds: a later run got past it
+        data["error"] = scan.last_error and {**scan.last_error, "resolved": True}
     return data
 
 
@@ -317,7 +312,7 @@ def _run_row(scan: _Scan, run: _Run) -> dict[str, Any]:
         "skipped": len(run.skips),
         "failed": sum(b["outcome"] in {"failed", "interrupted"} for b in bars),
         "retried": sum(bool(b["retries"]) or (b["attempts"] or 1) > 1 for b in bars),
-        "saved_s": round(sum(t for t in took if t is not None), 6),
+        "saved_s": round(sum((t for t in took if t is not None), 0.0), 6),
         "saved_unknown": took.count(None),
         "skipped_from": sorted(n for n in made if n is not None),
     }
