@@ -51,12 +51,10 @@ def render_summary(info: dict[str, Any], *, default: bool) -> str:
         + _render.ago(latest["updated_at"]),
     ]
     if info["failed"]:
-        more = (
-            f" and {info['failed_count'] - len(info['failed'])} more"
-            if info["failed_count"] > len(info["failed"])
-            else ""
+        more = info["failed_count"] - len(info["failed"])
+        lines.append(
+            "failed: " + ", ".join(map(repr, info["failed"])) + (f" and {more} more" if more else "")
         )
-        lines.append("failed: " + ", ".join(repr(s) for s in info["failed"]) + more)
     lines.append("see `resumable sessions` (and `resumable --session ID status` for one)")
     return "\n".join(lines)
 
