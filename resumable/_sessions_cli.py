@@ -97,13 +97,9 @@ def sessions_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:
     return 0
 
 
-def _side(root: Store, text: str) -> _diff.Side:
-    return _diff.side(root, text, secret_bytes(None))
-
-
 def diff_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:
     """``resumable diff A B``."""
-    a, b = _side(root, args.a), _side(root, args.b)
+    a, b = (_diff.side(root, text, secret_bytes(None)) for text in (args.a, args.b))
     diffs, first = _diff.compare(a, b)
     if args.json:
         out(json.dumps(_diff.as_dict(a, b, diffs, first), indent=2, ensure_ascii=False))
