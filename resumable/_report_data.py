@@ -89,7 +89,8 @@ class _Scan:
         kind = event["event"]
         t = when(event.get("t"))
         if kind == "run_started":
-            self._close_previous(t)
+            if self.runs and self.runs[-1].status == "running":  # it died, and no run said so
+                self._finish(self.runs[-1], {"detected": True}, t)
             number = event.get("run")
             number = number if isinstance(number, int) else (self.runs[-1].number + 1 if self.runs else 1)
             self.runs.append(_Run(number, t))
@@ -100,7 +101,7 @@ class _Scan:
         if kind == "run_finished":
             self._finish(run, event, t)
             return
-        if not event.get("recovered") and t is not None:
+        if not event.get("recovered") and t is not None:  # (a recovery is logged by the next run)
             run.last_seen = t if run.last_seen is None else max(run.last_seen, t)
         if kind == "step_started":
             self._started(run, event, t)
@@ -123,12 +124,6 @@ class _Scan:
                     self.versions.pop(slot, None)
                 else:
                     self.versions[slot] = _Version(rec.get("fingerprint"), rec.get("file"), None, 0)
-
-    def _close_previous(self, t: float | None) -> None:
-        if self.runs and self.runs[-1].status == "running":
-            prev = self.runs[-1]  # no run_finished: it died, found out by this run
-            prev.status, prev.end, prev.end_max = "interrupted", prev.last_seen, t
-            self.after_run[prev.number] = dict(self.versions)
 
     def _finish(self, run: _Run, event: dict[str, Any], t: float | None) -> None:
         run.status = str(event.get("status") or "completed")

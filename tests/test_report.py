@@ -690,3 +690,46 @@ def test_a_reset_slot_is_removed_from_now(tmp_path: Path):
     pipe.reset("value")
     rows = collect(pipe.store, None, compare=2)["compare"]["rows"]
     assert [("value", "removed")] == [(r["slot"], r["verdict"]) for r in rows]
+
+
+KILLED_AFTER_STORE = """
+import os, signal, sys
+import resumable._journal
+from resumable import Pipeline
+
+record = resumable._journal.Journal.record
+
+def dying_record(self, event, **fields):
+    if event == "step_completed" and fields.get("slot") == "b" and os.environ.get("MODE") == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)  # b's output is stored, its completion not logged
+    return record(self, event, **fields)
+
+resumable._journal.Journal.record = dying_record
+pipe = Pipeline("recovered", state_dir=sys.argv[1])
+
+@pipe.step
+def a() -> int:
+    return 1
+
+@pipe.step
+def b(a: int) -> int:
+    return a + 1
+
+with pipe:
+    b(a())
+"""
+
+
+def test_an_output_recovered_after_a_kill_ends_its_bar_when_it_was_stored(tmp_path: Path):
+    """The next run logs b's completion as recovered: its bar, and the killed run, end when b's file was made."""
+    script, state = tmp_path / "killed.py", tmp_path / "state"
+    script.write_text(KILLED_AFTER_STORE)
+    assert -signal.SIGKILL == _run(script, state, "kill").returncode
+    assert 0 == _run(script, state).returncode
+    assert ["b"] == [e["slot"] for e in _events(state) if e.get("recovered")]
+    data = collect(LocalStore(state), None)
+    first = data["timelines"][0]
+    assert "killed" == first["status"]
+    bars = {bar["slot"]: bar for row in first["rows"] for bar in row["bars"]}
+    assert ("ran", False) == (bars["b"]["outcome"], bars["b"]["open"])
+    assert bars["a"]["e"] <= bars["b"]["e"] == first["span"] < first["unknown_until"]
