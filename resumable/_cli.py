@@ -240,23 +240,21 @@ def _out(text: str) -> None:
 
 def _status(args: argparse.Namespace) -> int:
     summary = None if _session_id(args) is not None else _sessions_cli.summary(_root(args))
+    manifest = None
     try:
         store = _state(args)
+        manifest = read_state(store, secret=secret_bytes(None))
     except _NoState:
         if not summary:
             raise
-        store = None
-    manifest = read_state(store, secret=secret_bytes(None)) if store is not None else None
     if args.json:
-        data = manifest.to_dict() if manifest is not None else {}
-        if summary:
-            data["sessions"] = summary
-        _out(json.dumps(data, indent=2, ensure_ascii=False))
+        data = {} if manifest is None else manifest.to_dict()
+        _out(json.dumps(data | ({"sessions": summary} if summary else {}), indent=2, ensure_ascii=False))
         return 0
-    if store is not None and manifest is not None:
+    if manifest is not None:
         _out(_render.status(manifest, store.location))
     if summary:
-        _out(_sessions_cli.render_summary(summary, default=store is not None))
+        _out(_sessions_cli.render_summary(summary, default=manifest is not None))
     return 0
 
 

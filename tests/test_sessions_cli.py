@@ -144,3 +144,15 @@ def test_clean_idle_sessions(state_dir: Path, capsys: pytest.CaptureFixture[str]
     assert sorted(os.listdir(state_dir / ".sessions")) == [".index.jsonl"]
     code, _, _err = _cli(capsys, state_dir, "clean", "--sessions")
     assert code == 2
+
+
+def test_status_of_a_store_with_sessions_only(state_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without a default state, status prints the sessions' summary alone (and --json only it)."""
+    pipe = Pipeline("solo", state_dir=state_dir)
+    one = pipe.step(name="one")(lambda: 1)
+    with pipe.session("solo"):
+        one()
+    code, out, _ = _cli(capsys, state_dir, "status")
+    assert (0, "sessions: 1 (1 completed); latest: 'solo'") == (code, out[: out.index(", completed ")])
+    code, out, _ = _cli(capsys, state_dir, "status", "--json")
+    assert (0, ["sessions"]) == (code, list(json.loads(out)))
