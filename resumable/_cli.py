@@ -272,12 +272,10 @@ def _show(args: argparse.Namespace) -> int:
         raise UsageError(msg)
     where = f"{store.location}/{slot_file(slot)}"
     try:
-        data = store.read(slot_file(slot))
+        checked = read_verified(store.read(slot_file(slot)), secret_bytes(None))
+        value = checked.decode(allow_pickle=args.allow_pickle, stand_ins=True)
     except FileNotFoundError:
         raise ResumableError(f"{where} was removed while it was being read") from None
-    try:
-        checked = read_verified(data, secret_bytes(None))
-        value = checked.decode(allow_pickle=args.allow_pickle, stand_ins=True)
     except DamagedFileError as exc:
         raise ResumableError(f"{where} is damaged: {exc}") from None
     if args.json:
