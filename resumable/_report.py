@@ -393,18 +393,13 @@ def _group(row: dict[str, Any], y: float, scale: float, span: float) -> str:
 
 def _expanded(row: dict[str, Any], tl: dict[str, Any], scale: float) -> str:
     """A keyed step's slots, one lane per slot running at the same time (a <details>)."""
-    bars = sorted(row["bars"], key=lambda b: (b["s"], b["slot"]))
-    lanes: list[float] = []
+    bars = row["bars"]  # in the order they started
+    lanes: list[float] = []  # where the last bar of each lane ends
     placed = []
     for b in bars:
-        for i, end in enumerate(lanes):
-            if end <= b["s"]:
-                lanes[i] = b["e"]
-                placed.append((i, b))
-                break
-        else:
-            lanes.append(b["e"])
-            placed.append((len(lanes) - 1, b))
+        i = next((i for i, end in enumerate(lanes) if end <= b["s"]), len(lanes))  # the first free lane
+        lanes[i : i + 1] = [b["e"]]
+        placed.append((i, b))
     lane_row = 18
     height = TOP + lane_row * max(1, len(lanes)) + 6
     parts = [_svg("timeline keyed", f"slots of {row['step']}", height, PLOT / scale if scale else 0.0)]
