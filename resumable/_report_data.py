@@ -149,9 +149,8 @@ class _Scan:
     def _completed(self, run: _Run, event: dict[str, Any], t: float | None) -> None:
         slot = event["slot"]
         file = event.get("file")
-        self.versions[slot] = _Version(
-            event.get("fingerprint"), file, self.started.pop(slot, None), run.number
-        )
+        code = self.started.pop(slot, None)
+        self.versions[slot] = _Version(event.get("fingerprint"), file, code, run.number)
         self.computed_in[slot, file] = run.number
         took = event.get("duration_s")
         if took is not None:
@@ -492,8 +491,7 @@ def _batches(chosen: list[_Run]) -> list[dict[str, Any]]:
             points = batch["points"]  # one at least: a batch is seen by its progress events
             t0 = run.start if run.start is not None else (points[0][0] or 0.0)
             (_, done, failures), resumed = points[-1], batch["resumed"]
-            entry["total"] = batch["total"]
-            entry["every"] = batch["every"]
+            entry.update(total=batch["total"], every=batch["every"])
             n = len(points)
             kept = points if n <= SERIES else [points[i * n // SERIES] for i in range(SERIES)] + points[-1:]
             entry["runs"].append(
