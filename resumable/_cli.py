@@ -83,8 +83,8 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement per o
             "Exit codes: 0 ok, 1 failed (or verify found damage), 2 usage, 3 no state."
         ),
     )
-    parser.add_argument("--state-dir", default=None, help="state directory or store URL")
-    parser.add_argument("--session", default=None, metavar="ID", help=_SESSION_HELP)
+    parser.add_argument("--state-dir", help="state directory or store URL")
+    parser.add_argument("--session", metavar="ID", help=_SESSION_HELP)
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     status = commands.add_parser("status", help="where the pipeline stands, step by step")
@@ -130,7 +130,6 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement per o
     report.add_argument("--run", default="all", metavar="N|last|all", help="the runs to show (default all)")
     report.add_argument(
         "--compare",
-        default=None,
         metavar="RUN|CHECKPOINT|SESSION[@CKPT]",
         help="compare now with run N, checkpointN, or another session ('.': the default one)",
     )
@@ -153,20 +152,18 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement per o
     clean.add_argument(
         "--sessions", action="store_true", help="delete completed and failed sessions idle for --idle"
     )
-    clean.add_argument(
-        "--idle", type=_age, default=None, metavar="AGE", help="with --sessions: idle this long"
-    )
+    clean.add_argument("--idle", type=_age, metavar="AGE", help="with --sessions: idle this long")
 
     sessions = commands.add_parser("sessions", help="list the sessions (or fork, delete them)")
-    sessions.add_argument("--status", default=None, metavar="S", help="only sessions with this status")
-    sessions.add_argument("--prefix", default=None, metavar="P", help="only ids starting with P")
-    sessions.add_argument("--limit", type=_count, default=None, metavar="N", help="at most N, newest first")
+    sessions.add_argument("--status", metavar="S", help="only sessions with this status")
+    sessions.add_argument("--prefix", metavar="P", help="only ids starting with P")
+    sessions.add_argument("--limit", type=_count, metavar="N", help="at most N, newest first")
     sessions.add_argument("--json", action="store_true", help="print the sessions as JSON")
     actions = sessions.add_subparsers(dest="action", metavar="ACTION")
     fork = actions.add_parser("fork", help="create session DST from SRC's state, sharing its files")
     fork.add_argument("src", metavar="SRC")
     fork.add_argument("dst", metavar="DST")
-    fork.add_argument("--at", default=None, metavar="ID|LABEL|STEP", help="SRC's state at this checkpoint")
+    fork.add_argument("--at", metavar="ID|LABEL|STEP", help="SRC's state at this checkpoint")
     delete = actions.add_parser("delete", help="delete sessions and all their files")
     delete.add_argument("ids", nargs="+", metavar="ID")
 
