@@ -273,9 +273,8 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
         "which": run if run in {"all", "last"} else f"run {run}",
         "state": {"slots": len(manifest.steps), "completed": len(manifest.completed_steps)},
         "runs": [_run_row(scan, r) for r in scan.runs],
-        "selected": [r.number for r in chosen],
     }
-    data["counts"] = _sum_counts([row for row in data["runs"] if row["run"] in data["selected"]])
+    data["counts"] = _sum_counts([row for row, r in zip(data["runs"], scan.runs, strict=True) if r in chosen])
     data["timelines"] = [_timeline(scan, r) for r in chosen[-TIMELINES:]]
     data["timelines_left_out"] = max(0, len(chosen) - TIMELINES)
     data["slots"], data["groups"] = _slots(store, secret, scan, chosen, manifest)
