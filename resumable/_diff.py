@@ -88,14 +88,11 @@ def side(root: Store, text: str, secret: bytes | None) -> Side:
     if "@" in text and not _sessions.exists(root, text):
         sid, _, point = text.rpartition("@")
         at = int(point) if point.isdigit() else point
-    if sid in {".", ""}:
-        store = root
-    else:
-        if not _sessions.exists(root, sid):
-            hint = "see `resumable sessions`; '.' is the default session"
-            msg = f"no session {sid!r} in {root.location} ({hint})"
-            raise UsageError(msg)
-        store = _sessions.session_store(root, sid)
+    default = sid in {".", ""}
+    if not default and not _sessions.exists(root, sid):
+        msg = f"no session {sid!r} in {root.location} (see `resumable sessions`; '.' is the default session)"
+        raise UsageError(msg)
+    store = root if default else _sessions.session_store(root, sid)
     return side_now(text, store, secret) if at is None else side_at(text, store, secret, at)
 
 
