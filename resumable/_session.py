@@ -636,6 +636,7 @@ class RunState:
             # Appended at once (after its output's directory fsync: nothing records a step as
             # done before its output is durable); a step that must not run twice is synced too.
             sync=not spec.idempotent,
+            t=header["created_at"],  # one time for the output and its completion
             slot=plan.slot,
             fingerprint=plan.fingerprint,
             file=header["hsum"],
