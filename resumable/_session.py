@@ -698,7 +698,7 @@ class RunState:
             execution = Execution(self, spec, plan)
             token = current_execution.set(execution)
             try:
-                if delay:  # a retry (an interrupt while it waits ends the step like one in the step)
+                if delay:  # a retry: an interrupt while it waits ends the step as one inside it would
                     time.sleep(delay)
                 value = call()
                 break
@@ -724,7 +724,7 @@ class RunState:
             execution = Execution(self, spec, plan)
             token = current_execution.set(execution)
             try:
-                if delay:  # a retry (an interrupt while it waits ends the step like one in the step)
+                if delay:  # a retry: an interrupt while it waits ends the step as one inside it would
                     await asyncio.sleep(delay)
                 value = await call()
                 break
