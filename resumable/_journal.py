@@ -455,12 +455,12 @@ class Journal:
         appends, other events wait for the next sync event or manifest rewrite. A *defer*
         event (the skip of a completed slot: a kill may lose it, the files say the same)
         waits for the next event written on every store, and does not make the manifest due
-        for a rewrite.
+        for a rewrite. Its field ``t``, when it happened, is now unless given.
 
         Raises:
             OSError: the log could not be written (naming it); the event stays pending.
         """
-        data = {"t": utcnow(), "event": event, **fields}
+        data = {"t": fields.pop("t", None) or utcnow(), "event": event, **fields}
         with self.lock:
             self.fold.apply(data)
             self._pending.append(data)

@@ -8,7 +8,6 @@ retries, its output encoded before anything is overwritten, written atomically, 
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 import itertools
@@ -22,7 +21,7 @@ import time
 import traceback
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, NamedTuple
 
 from . import _codehash
@@ -568,33 +567,24 @@ class RunState:
         )
         return time.perf_counter()
 
-    @contextlib.contextmanager
-    def _attempt(self, spec: StepView, plan: Plan, started: float, attempt: int) -> Iterator[_Retry]:
+    def _retry_delay(
+        self, spec: StepView, plan: Plan, exc: BaseException, started: float, attempt: int
+    ) -> float | None:
         """
-        One attempt of a step that missed: an exception worth a retry is swallowed (its delay
-        is in the ``_Retry``, with exponential backoff and jitter); any other one is recorded.
+        After a failed attempt: the delay before the next one (exponential backoff with
+        jitter); None, with the failure recorded, for an exception not worth a retry.
         """
-        execution = Execution(self, spec, plan)
-        token = current_execution.set(execution)
-        retry = _Retry()
-        try:
-            yield retry
-        except BaseException as exc:
-            execution.loops.close()
-            if not (
-                isinstance(exc, Exception) and isinstance(exc, spec.retry_on) and attempt <= spec.retries
-            ):
-                self._failed_noting(spec, plan, exc, started, attempt)
-                raise
-            delay = min(RETRY_BASE_DELAY * 2.0 ** (attempt - 1), RETRY_MAX_DELAY)
-            retry.delay = delay * random.uniform(0.5, 1.0)  # noqa: S311 - spreading retries, not secrets
-            log.warning(
-                "step %r attempt %d of %d failed (%s: %s); retrying in %.1fs",
-                plan.slot, attempt, spec.retries + 1, type(exc).__name__, exc, retry.delay,
-            )  # fmt: skip
-            self.journal.record("step_retry", slot=plan.slot, attempt=attempt + 1, error=_error_fields(exc))
-        finally:
-            current_execution.reset(token)
+        if not (isinstance(exc, Exception) and isinstance(exc, spec.retry_on) and attempt <= spec.retries):
+            self._failed_noting(spec, plan, exc, started, attempt)
+            return None
+        delay = min(RETRY_BASE_DELAY * 2.0 ** (attempt - 1), RETRY_MAX_DELAY)
+        delay *= random.uniform(0.5, 1.0)  # noqa: S311 - spreading retries, not secrets
+        log.warning(
+            "step %r attempt %d of %d failed (%s: %s); retrying in %.1fs",
+            plan.slot, attempt, spec.retries + 1, type(exc).__name__, exc, delay,
+        )  # fmt: skip
+        self.journal.record("step_retry", slot=plan.slot, attempt=attempt + 1, error=_error_fields(exc))
+        return delay
 
     def complete(self, spec: StepView, plan: Plan, value: Any, started: float, attempts: int) -> None:
         """Store the output atomically, then record the step as completed."""
@@ -646,6 +636,7 @@ class RunState:
             # Appended at once (after its output's directory fsync: nothing records a step as
             # done before its output is durable); a step that must not run twice is synced too.
             sync=not spec.idempotent,
+            t=header["created_at"],  # one time for the output and its completion
             slot=plan.slot,
             fingerprint=plan.fingerprint,
             file=header["hsum"],
@@ -702,19 +693,24 @@ class RunState:
     def execute(self, spec: StepView, plan: Plan, found: Found, call: Callable[[], Any]) -> Any:
         """Run a step that missed, with retries, and store its output."""
         started = self.begin(spec, plan, found)
-        attempt = 0
-        while True:
-            attempt += 1
-            with self._attempt(spec, plan, started, attempt) as retry:
-                value = call()
-            if retry.delay is None:
-                self.complete(spec, plan, value, started, attempt)
-                return value
+        delay: float | None = 0.0
+        for attempt in itertools.count(1):
+            execution = Execution(self, spec, plan)
+            token = current_execution.set(execution)
             try:
-                time.sleep(retry.delay)
+                if delay:  # a retry: an interrupt while it waits ends the step as one inside it would
+                    time.sleep(delay)
+                value = call()
+                break
             except BaseException as exc:
-                self._failed_noting(spec, plan, exc, started, attempt)
-                raise
+                execution.loops.close()
+                delay = self._retry_delay(spec, plan, exc, started, attempt)
+                if delay is None:
+                    raise
+            finally:
+                current_execution.reset(token)
+        self.complete(spec, plan, value, started, attempt)
+        return value
 
     async def execute_async(
         self, spec: StepView, plan: Plan, found: Found, call: Callable[[], Coroutine[Any, Any, Any]]
@@ -723,29 +719,27 @@ class RunState:
         import asyncio  # noqa: PLC0415 - loaded by the async caller already; slow to import
 
         started = self.begin(spec, plan, found)
-        attempt = 0
-        while True:
-            attempt += 1
-            with self._attempt(spec, plan, started, attempt) as retry:
-                value = await call()
-            if retry.delay is None:
-                if self.durable:  # an fsync takes milliseconds: keep the event loop serving others
-                    await asyncio.to_thread(self.complete, spec, plan, value, started, attempt)
-                else:
-                    self.complete(spec, plan, value, started, attempt)
-                return value
+        delay: float | None = 0.0
+        for attempt in itertools.count(1):
+            execution = Execution(self, spec, plan)
+            token = current_execution.set(execution)
             try:
-                await asyncio.sleep(retry.delay)
+                if delay:  # a retry: an interrupt while it waits ends the step as one inside it would
+                    await asyncio.sleep(delay)
+                value = await call()
+                break
             except BaseException as exc:
-                self._failed_noting(spec, plan, exc, started, attempt)
-                raise
-
-
-class _Retry:
-    __slots__ = ("delay",)
-
-    def __init__(self) -> None:
-        self.delay: float | None = None  # set when an attempt failed and another is due
+                execution.loops.close()
+                delay = self._retry_delay(spec, plan, exc, started, attempt)
+                if delay is None:
+                    raise
+            finally:
+                current_execution.reset(token)
+        if self.durable:  # an fsync takes milliseconds: keep the event loop serving others
+            await asyncio.to_thread(self.complete, spec, plan, value, started, attempt)
+        else:
+            self.complete(spec, plan, value, started, attempt)
+        return value
 
 
 def chunks_of_completed(store: Store, completed: Callable[[str], bool]) -> list[tuple[str, str]]:
