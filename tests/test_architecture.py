@@ -26,7 +26,6 @@ LAYERS: list[tuple[str, set[str]]] = [
             "_stores._local",
             "_stores._memory",
             "_stores._fsspec",
-            "_stores._segments",
             "_stores._lease",
             "_stores._prefix",
         },

@@ -14,10 +14,9 @@ from collections import Counter
 import pytest
 
 from resumable import Pipeline, ResumableError, StateLockedError
-from resumable._stores import open_store
-from resumable._stores._fsspec import FsspecStore
+from resumable._stores import _lease, open_store
+from resumable._stores._fsspec import FANOUT, SEGMENTS, FsspecStore, Segment, chain_of
 from resumable._stores._lease import LEASE_KEY
-from resumable._stores._segments import FANOUT, SEGMENTS, Segment, chain_of
 
 
 def memory_store(**kwargs) -> FsspecStore:
@@ -34,6 +33,12 @@ def raw_keys(store: FsspecStore) -> list[str]:
 
 def segments(store: FsspecStore, key: str) -> list[str]:
     return [k for k in raw_keys(store) if k.startswith(f"{SEGMENTS}/{key}/")]
+
+
+def stop_renewing(lock: _lease.Lease) -> None:
+    """The holder "dies" or stalls: the renewing thread leaves *lock* alone."""
+    with _lease._renewer.wake:
+        _lease._renewer.leases.discard(lock)
 
 
 # opening stores ------------------------------------------------------------------------
@@ -318,7 +323,7 @@ def test_expired_lease_is_taken_over(s3, caplog):
     """A lease nobody renews (its holder died) is taken over once expired, with a warning."""
     store = FsspecStore(s3.url(), lease_ttl=0.5)
     lock = store.lock({"pid": 1, "host": "crashed"})
-    lock._stop.set()  # the holder "dies": nobody renews the lease any more
+    stop_renewing(lock)  # the holder "dies": nobody renews the lease any more
     with pytest.raises(StateLockedError):
         FsspecStore(store.location).lock({"pid": 2})
     time.sleep(0.6)
@@ -331,7 +336,7 @@ def test_lost_lease_stops_writes(s3):
     """A holder whose lease was taken over stops writing, and leaves the new lease alone."""
     a = FsspecStore(s3.url(), lease_ttl=0.6)
     lock_a = a.lock({"pid": 1, "host": "a"})
-    lock_a._stop.set()  # a stalls (a long GC pause, a network partition): no renewals
+    stop_renewing(lock_a)  # a stalls (a long GC pause, a network partition): no renewals
     time.sleep(0.7)
     b = FsspecStore(a.location, lease_ttl=30)
     lock_b = b.lock({"pid": 2, "host": "b"})
@@ -352,7 +357,7 @@ def test_late_write_renews_a_lease_nobody_took(s3):
     """A write after a stall longer than the lease renews it, if no other run took it meanwhile."""
     store = FsspecStore(s3.url(), lease_ttl=0.5)
     lock = store.lock({"pid": 1, "host": "a"})
-    lock._stop.set()  # no renewals
+    stop_renewing(lock)  # no renewals
     time.sleep(0.6)
     stalled = time.time()  # the lease expired before this
     store.write("a.msgpack", [b"on time after all"], durable=True)
@@ -530,7 +535,7 @@ def test_failed_renewal_is_retried_and_blocks_late_writes(caplog, monkeypatch):
     """A renewal that fails is retried later; a write past the expiry needs a renewal to succeed."""
     store = memory_store(lease_ttl=0.3)
     lock = store.lock({"pid": 1})
-    lock._stop.set()  # renewals by hand only
+    stop_renewing(lock)  # renewals by hand only
     real_write = store.lease_write
 
     def unreachable(data, *, expect):

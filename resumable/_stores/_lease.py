@@ -1,19 +1,16 @@
 """
 The run lock of remote stores: a lease with an owner and an expiry.
 
-A remote store has no process-scoped lock that dies with its holder, so the lock is an
-object, ``.resumable/lease.json``, holding an owner token, the holder's pid, host and start
-time, and an expiry. One thread per process renews the leases it holds, each every third of
-its time to live; a holder that dies stops renewing, and once its lease has expired the next
+The lock is an object, ``.resumable/lease.json``, holding an owner token, the holder's pid,
+host and start time, and an expiry. One thread per process renews the leases it holds, each
+every third of its time to live; once the lease of a holder that died has expired, the next
 run takes it over.
 
 Taking, renewing and releasing the lease are conditional writes where the backend has them
 (S3: ``If-None-Match: *`` to create it, ``If-Match: <ETag>`` to replace or delete it), so
 two runs racing for a free or expired lease cannot both win. Elsewhere a condition is
-emulated by reading first, and the lease is read back after writing it; two runs starting
-in the same few milliseconds could then both write it, but the later writer's token is the
-one read back, so only one goes on (and a holder that finds a foreign token at a renewal
-stops writing).
+emulated by reading first, and the lease is read back after writing it: of two runs
+writing it at once, only the one whose token is read back goes on.
 
 Expiry times are wall-clock times of the holder's machine: the machines sharing a store
 need clocks within a few seconds of each other (any NTP-synchronised machine is).
@@ -43,18 +40,6 @@ TTL_VARIABLE = "RESUMABLE_LEASE_TTL"
 
 class LeaseConflict(Exception):  # noqa: N818 - an outcome, not an error to show anyone
     """A conditional write or delete of the lease found another version than expected."""
-
-
-class LeaseIO(Protocol):
-    """A store's lease object, read and written conditionally (see ``FsspecStore``)."""
-
-    location: str
-
-    def lease_read(self) -> bytes | None: ...
-    def lease_tag(self) -> str | None: ...
-    def lease_write(self, data: bytes, *, expect: str | None) -> str: ...
-    def lease_delete(self, *, expect: str) -> None: ...
-    def lease_released(self, lease: Lease) -> None: ...
 
 
 def ttl_seconds(value: float | None, location: str) -> float:
@@ -115,6 +100,18 @@ def locked_error(location: str, info: Mapping[str, Any]) -> StateLockedError:
     return exc
 
 
+class LeaseIO(Protocol):
+    """A store's lease object, read and written conditionally (see ``FsspecStore``)."""
+
+    location: str
+
+    def lease_read(self) -> bytes | None: ...
+    def lease_tag(self) -> str | None: ...
+    def lease_write(self, data: bytes, *, expect: str | None) -> str: ...
+    def lease_delete(self, *, expect: str) -> None: ...
+    def lease_released(self, lease: Lease) -> None: ...
+
+
 class Lease:
     """A held (or lost) lease on *io*'s lease object; :meth:`release` gives it up."""
 
@@ -125,7 +122,6 @@ class Lease:
         self.token = uuid.uuid4().hex
         self.expires_at = 0.0
         self._tag: str | None = None
-        self._stop = threading.Event()
         self._released = False
         self.next_renewal = 0.0
         self._mutex = threading.Lock()
@@ -246,7 +242,6 @@ class Lease:
     def release(self) -> None:
         """Stop renewing and delete the lease if it is still ours. Calling it twice is harmless."""
         self._released = True
-        self._stop.set()
         with _renewer.wake:
             _renewer.leases.discard(self)
             _renewer.wake.notify()
@@ -287,7 +282,7 @@ class _Renewer:
     def _run(self) -> None:
         while True:
             with self.wake:
-                self.leases = {x for x in self.leases if not (x.lost or x._stop.is_set())}  # noqa: SLF001
+                self.leases = {x for x in self.leases if not x.lost}
                 if not self.leases:
                     self.running = False
                     return
