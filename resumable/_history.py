@@ -102,16 +102,13 @@ def file_version(store: Store, slot: str) -> str | None:
 @attrs.define
 class _Point:
     checkpoint: Checkpoint
-    steps: Mapping[str, StepRecord] | None
-    """The slots' records at this checkpoint (only for a checkpoint to restore: they are big)."""
-    code: dict[str, dict[str, str]]
     after_rollback: int | None = None
     """The checkpoint a rollback restored just before this one was made (no checkpoint between)."""
-    versions: dict[str, str] | None = None
-    """The version of each completed slot's output (at the first checkpoint asked for, and at
-    those to restore; see :func:`_each_versions` for the others)."""
+    steps: Mapping[str, StepRecord] | None = None
+    """The slots' records at this checkpoint (only for a checkpoint to restore: they are big)."""
+    code: dict[str, dict[str, str]] = attrs.field(factory=dict)
     changes: dict[str, str | None] | None = None
-    """The versions changed since the checkpoint asked for before this one (None: gone)."""
+    """For the checkpoints asked for: the versions changed since the one asked for before (None: gone)."""
     base: tuple[int, dict[str, Any]] | None = None
     """The log offset after this checkpoint and the whole manifest then, as data (for a history base)."""
 
@@ -240,89 +237,68 @@ def replay(  # noqa: C901, PLR0913 - one pass over the log answers every kind of
     Every checkpoint in the history, in order (from the history base, if there is one, up to
     the last one asked for, if any); with the output versions of those in *want* (what
     listing and pruning need). The point of checkpoint *restore* (asked alone: what a
-    rollback needs) holds the records then, and which slots the events after it touch. With
-    *base_at*, the point of that checkpoint also holds a copy of the whole manifest and the
-    log offset after it (what a new history base needs). With *only_asked*, the checkpoints
-    not asked for (in *want*, *restore* or *base_at*) are left out.
+    rollback needs) holds the records then. With *base_at*, the point of that checkpoint
+    also holds a copy of the whole manifest and the log offset after it (what a new history
+    base needs). With *only_asked*, the checkpoints not asked for are left out.
     """
     wanted = set(want)
     ids = wanted | {i for i in (restore, base_at) if i is not None}
-    last = max(ids) if ids else None  # some asked for: the log after the last of them is not read
-    points: list[_Point] = []
+    last = max(ids, default=None)  # the log after the last checkpoint asked for is not read
     start, fold, first = _replay_start(store, secret)
-    stream = _events_from(store, secret, start)
-    if first is not None:
-        points.append(_base_point(first, fold, wanted, restore))
-        if first.id == restore:
-            return points
-    rolled_back_to: int | None = None
     versions = _Versions()
-    for offset, event in stream:
+
+    def point(checkpoint: Checkpoint, rolled_back_to: int | None, offset: int | None) -> _Point:
+        # Only the checkpoints asked for get a copy of the state: copying it at every
+        # checkpoint would make a replay quadratic in the number of slots.
+        m, number = fold.manifest, checkpoint.id
+        made = _Point(checkpoint, rolled_back_to)
+        if number in wanted or number == restore:
+            made.checkpoint = attrs.evolve(checkpoint, completed_steps=list(m.completed_steps))
+        if number in wanted:
+            made.changes = versions.at(m)
+        if number == base_at and offset is not None:
+            made.base = (offset, m.to_dict())  # a deep copy, as the base will hold it
+        if number == restore:  # the fold's records, not a copy: the replay stops here
+            made.steps, made.code = m.steps, {k: dict(v) for k, v in m.code.items()}
+        return made
+
+    points = [] if first is None else [point(first, None, None)]
+    if first is not None and first.id == restore:
+        return points
+    rolled_back_to: int | None = None
+    for offset, event in _events_from(store, secret, start):
         fold.apply(event)
         versions.touch(event)
         kind = event.get("event")
+        if kind == "rollback":
+            rolled_back_to = event.get("to", 0)
         if kind not in {"step_completed", "snapshot"}:
-            if kind == "rollback":
-                rolled_back_to = event.get("to", 0)
             continue
-        m = fold.manifest
-        number = m.checkpoints
-        if only_asked and number not in ids:
-            rolled_back_to = None
-            if last is not None and number >= last:
-                break
-            continue
-        # Only the checkpoints asked for get a copy of the state: copying it at every
-        # checkpoint would make a replay quadratic in the number of slots.
-        checkpoint = Checkpoint(number, event.get("t"), event.get("slot"), event.get("label"), _NOT_COPIED)
-        asked = number in wanted
-        point = _point(checkpoint, m, asked or number == restore, rolled_back_to)
-        if asked:
-            point.versions, point.changes = versions.at(m)
-        if number == base_at:
-            point.base = (offset, m.to_dict())  # a deep copy, as the base will hold it
-        points.append(point)
+        number = fold.manifest.checkpoints
+        if not only_asked or number in ids:
+            checkpoint = Checkpoint(
+                number, event.get("t"), event.get("slot"), event.get("label"), _NOT_COPIED
+            )
+            points.append(point(checkpoint, rolled_back_to, offset))
         rolled_back_to = None
-        if number == restore:
-            _restoring(point, fold)  # the last asked for: asked alone
         if last is not None and number >= last:
             break  # what follows (skips, mostly) makes no checkpoint asked for
     return points
 
 
-def _base_point(
-    first: Checkpoint,
-    fold: Fold,
-    wanted: set[int],
-    restore: int | None,
-) -> _Point:
-    """The point of the history base's checkpoint (see :func:`replay`)."""
-    point = _point(first, fold.manifest, first.id in wanted or first.id == restore, None)
-    if first.id in wanted:
-        point.versions = fold.manifest.steps.completed_files()
-    if first.id == restore:
-        _restoring(point, fold)
-    return point
-
-
-def _restoring(point: _Point, fold: Fold) -> None:
-    """Make *point* the one to restore: the fold's records, not a copy (the fold stops here)."""
-    point.steps = fold.manifest.steps
-    point.code = {k: dict(v) for k, v in fold.manifest.code.items()}
-
-
 class _Versions:
     """
     The output version of every completed slot as a replay goes, updated only for the slots
-    events touch: the versions at each checkpoint asked for cost a copy, not a walk of every record.
+    events touch: the versions at each checkpoint asked for cost their changes, not a walk
+    of every record.
     """
 
     def __init__(self) -> None:
-        self._now: dict[str, str] | None = None  # None: worked out from the manifest when asked
-        self._touched: set[str] = set()
+        self._now: dict[str, str] = {}
+        self._touched: set[str] | None = None  # None: any slot may have changed
 
     def touch(self, event: Mapping[str, Any]) -> None:
-        if self._now is None:
+        if self._touched is None:
             return
         slot, slots = event.get("slot"), event.get("slots")
         if isinstance(slot, str):
@@ -332,27 +308,27 @@ class _Versions:
         if event.get("event") == "steps_skipped":
             self._touched.update(row[0] for row in event["skips"])
         elif event.get("event") == "rollback" or event.get("steps"):
-            self._now = None  # the whole state changed (or every slot of some steps): start over
+            self._touched = None  # the whole state changed (or every slot of some steps)
 
-    def at(self, m: Manifest) -> tuple[dict[str, str] | None, dict[str, str | None] | None]:
-        """
-        For the manifest *m* the events were folded into: the versions now (a copy, the first
-        time), and what changed since the last call (None the first time).
-        """
-        changes: dict[str, str | None] | None = None
-        if self._now is None:
-            self._now = m.steps.completed_files()
+    def at(self, m: Manifest) -> dict[str, str | None]:
+        """The versions that changed since the last call (None: gone) in the manifest *m*."""
+        if self._touched is None:
+            now = m.steps.completed_files()
+            changes: dict[str, str | None] = {s: v for s, v in now.items() if self._now.get(s) != v}
+            changes.update((s, None) for s in self._now.keys() - now.keys())
         else:
-            changes = {}
-            for slot in self._touched:
-                version = _version_of(m.steps.get(slot))
-                changes[slot] = version
-                if version is None:
-                    self._now.pop(slot, None)
-                else:
-                    self._now[slot] = version
-        self._touched.clear()
-        return (dict(self._now) if changes is None else None), changes
+            changes = {slot: _version_of(m.steps.get(slot)) for slot in self._touched}
+        _apply(self._now, changes)
+        self._touched = set()
+        return changes
+
+
+def _apply(versions: dict[str, str], changes: Mapping[str, str | None]) -> None:
+    for slot, version in changes.items():
+        if version is None:
+            versions.pop(slot, None)
+        else:
+            versions[slot] = version
 
 
 def _replay_start(store: Store, secret: bytes | None) -> tuple[int, Fold, Checkpoint | None]:
@@ -368,31 +344,16 @@ def _replay_start(store: Store, secret: bytes | None) -> tuple[int, Fold, Checkp
     return 0, Fold(Manifest(workflow_id="", pipeline="")), None
 
 
-def _point(checkpoint: Checkpoint, m: Manifest, asked: bool, rolled_back_to: int | None) -> _Point:
-    point = _Point(checkpoint, None, {}, rolled_back_to)
-    if asked:
-        point.checkpoint = attrs.evolve(checkpoint, completed_steps=list(m.completed_steps))
-    return point
-
-
 def _each_versions(points: Iterable[_Point]) -> Iterator[tuple[_Point, dict[str, str]]]:
     """
     Each point asked for, with its versions: one map brought up to date point by point (use
     it before taking the next), not a map per point.
     """
-    now: dict[str, str] | None = None
+    now: dict[str, str] = {}
     for point in points:
-        if point.changes is not None and now is not None:
-            for slot, version in point.changes.items():
-                if version is None:
-                    now.pop(slot, None)
-                else:
-                    now[slot] = version
-        elif point.versions is not None:
-            now = dict(point.versions)
-        else:
-            continue
-        yield point, now
+        if point.changes is not None:
+            _apply(now, point.changes)
+            yield point, now
 
 
 def _kept(store: Store) -> set[str]:
@@ -510,18 +471,8 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
     """Restore the state at *target* (see :func:`find`), outputs included, byte for byte."""
     store, durable = run.store, run.durable
     run.journal.write_pending(durable=False)  # the log must hold every event replayed
-    numbered = isinstance(target, int) or (isinstance(target, str) and target.isdigit())
-    # a checkpoint id: one replay both finds it and gives its state; a name needs two
-    points = replay(store, run.secret, restore=int(target) if numbered else None)
-    if numbered and not any(p.checkpoint.id == int(target) for p in points):
-        points = replay(store, run.secret)  # no such checkpoint: the whole history, for the error
-    number = find(points, target)
-    if number == 0:
-        point = _Point(_EMPTY, {}, {})
-    else:
-        if not numbered:
-            points = replay(store, run.secret, restore=number)
-        point = next(p for p in points if p.checkpoint.id == number)
+    point = _state_at(store, run.secret, target)
+    number = point.checkpoint.id
     now = run.journal.manifest.steps
     then = point.steps or {}
     slots = set(now) | set(then)
@@ -540,6 +491,17 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
             store.delete(slot_file(slot), durable=durable)
     run.journal.record("rollback", to=number, changes=_changes(run.journal.manifest, point, slots))
     return point.checkpoint
+
+
+def _state_at(store: Store, secret: bytes | None, target: int | str) -> _Point:
+    """The point of the checkpoint *target* names (see :func:`find`), with its records."""
+    if isinstance(target, int) or target.isdigit():
+        # a checkpoint id: one replay both finds it and gives its state; a name needs two
+        points = replay(store, secret, restore=int(target))
+        if points and points[-1].checkpoint.id == int(target):
+            return points[-1]
+    number = find(replay(store, secret), target)  # (or the whole history, for the error)
+    return replay(store, secret, restore=number)[-1] if number else _Point(_EMPTY, steps={})
 
 
 def _version_of(rec: StepRecord | None) -> str | None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from ._chunklog import LOG, resolve, scan
 from ._codec import DamagedFileError, read_verified
 from ._history import check_bytes
@@ -24,9 +22,12 @@ def find_damage(store: Store, *, secret: bytes | None) -> tuple[int, list[tuple[
     problems: list[tuple[str, str]] = []
     checked = _check_manifest(store, secret, problems) + _check_events(store, secret, problems)
     # outputs, and the files behind history and batches: kept versions and row chunks
-    for key in sorted(k for k in store.list() if k.endswith(OUTPUT_SUFFIX) and not _temporary(k)):
+    for key in sorted(k for k in store.list() if k.endswith(OUTPUT_SUFFIX)):
         checked += 1
-        problem = _check_output(store, key, secret)
+        try:
+            problem = check_bytes(store.read(key), key, secret)
+        except OSError as exc:
+            problem = f"unreadable: {exc}"
         if problem is not None:
             problems.append((f"{store.location}/{key}", problem))
     for key in sorted(k for k in store.list(f"{BATCHES}/") if k.rpartition("/")[2] == LOG):
@@ -40,7 +41,6 @@ def _check_chunk_log(store: Store, key: str, secret: bytes | None) -> list[str]:
     Damage in a batch's chunk log that no void record covers yet. A record cut short at the
     end is no damage: a kill leaves it, and the next run cuts it.
     """
-
     try:
         data = memoryview(store.read(key))
     except OSError as exc:
@@ -59,7 +59,8 @@ def _check_chunk_log(store: Store, key: str, secret: bytes | None) -> list[str]:
         try:
             read_verified(read(record.offset, record.end), secret).check_decodes()
         except (DamagedFileError, StateFormatError) as exc:
-            problems.append(f"the chunk at byte {record.offset:,} ({_rows(record.header)}): {exc}")
+            start, end = record.header["rows"]  # two ints: the scan checked them
+            problems.append(f"the chunk at byte {record.offset:,} (rows {start:,} to {end - 1:,}): {exc}")
     return problems
 
 
@@ -117,21 +118,3 @@ def _check_events(store: Store, secret: bytes | None, problems: list[tuple[str, 
     if len(found) > _SHOWN_LINES:
         problems.append((where, f"and {len(found) - _SHOWN_LINES} more line(s) that runs skip"))
     return 1
-
-
-def _check_output(store: Store, key: str, secret: bytes | None) -> str | None:
-    try:
-        data = store.read(key)
-    except OSError as exc:
-        return f"unreadable: {exc}"
-    return check_bytes(data, key, secret)
-
-
-def _rows(header: dict[str, Any]) -> str:
-    start, end = header["rows"]  # two ints: the scan checked them
-    return f"rows {start:,} to {end - 1:,}"
-
-
-def _temporary(key: str) -> bool:
-    name = key.rsplit("/", 1)[-1]
-    return name.startswith(".") and name.endswith(".tmp")

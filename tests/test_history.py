@@ -520,3 +520,6 @@ def test_a_replay_of_the_checkpoints_asked_for_alone_gives_what_the_whole_replay
             ]
             alone = _history.replay(store, None, want, base_at=base_at, only_asked=True)
             assert seen(whole) == seen(alone), (seed, sorted(want), base_at)
+            for point, versions in _history._each_versions(alone):  # the versions the records say
+                steps = _history._state_at(store, None, point.checkpoint.id).steps or {}
+                assert {s: r.file for s, r in steps.items() if r.status == "completed"} == versions
