@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import overload
+from typing import Any
 
 from ._pipeline import Pipeline
 from ._stores import Store
@@ -55,11 +55,7 @@ class _DyingChunks(Sequence[bytes]):
     def __len__(self) -> int:
         return 2
 
-    @overload
-    def __getitem__(self, index: int) -> bytes: ...
-    @overload
-    def __getitem__(self, index: slice) -> Sequence[bytes]: ...
-    def __getitem__(self, index: int | slice) -> bytes | Sequence[bytes]:
+    def __getitem__(self, index: Any) -> Any:
         if isinstance(index, slice):
             return [self[i] for i in range(*index.indices(2))]
         if index in {0, -2}:

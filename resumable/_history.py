@@ -169,15 +169,8 @@ def _read_base(store: Store, secret: bytes | None) -> tuple[int, Manifest, Check
     """The history base, or None if there is none (or it cannot be trusted: then the whole log)."""
     try:
         data = read_verified(store.read(HISTORY_BASE), secret).decode(allow_pickle=False)
-        offset, point = data["offset"], data["checkpoint"]
-        manifest = Manifest.from_dict(data["manifest"])
-        checkpoint = Checkpoint(
-            int(point["id"]),
-            point["created_at"],
-            point["slot"],
-            point["label"],
-            list(manifest.completed_steps),
-        )
+        offset, manifest = data["offset"], Manifest.from_dict(data["manifest"])
+        checkpoint = Checkpoint(**data["checkpoint"], completed_steps=list(manifest.completed_steps))
     except FileNotFoundError:
         return None
     except (DamagedFileError, StateFormatError, ValueError, TypeError, KeyError) as exc:
@@ -205,16 +198,8 @@ def _base_id(store: Store, secret: bytes | None) -> int:
 def _write_base(
     store: Store, secret: bytes | None, offset: int, manifest: dict[str, Any], point: Checkpoint
 ) -> None:
-    record = {
-        "offset": offset,
-        "manifest": manifest,
-        "checkpoint": {
-            "id": point.id,
-            "created_at": point.created_at,
-            "slot": point.slot,
-            "label": point.label,
-        },
-    }
+    checkpoint = attrs.asdict(point, filter=lambda field, _: field.name != "completed_steps")
+    record = {"offset": offset, "manifest": manifest, "checkpoint": checkpoint}
     # the checkpoint id in the header too: a close reads it without decoding the whole base
     meta = {"slot": HISTORY_BASE, "checkpoint": point.id}
     framed = frame(encode(record, allow_pickle=False, what="the history base"), meta, secret=secret)
@@ -224,22 +209,20 @@ def _write_base(
 _NOT_COPIED: list[str] = []  # the completed slots of a checkpoint not asked for (never read)
 
 
-def replay(  # noqa: C901, PLR0913 - one pass over the log answers every kind of history question
+def replay(  # noqa: C901 - one pass over the log answers every kind of history question
     store: Store,
     secret: bytes | None,
     want: Iterable[int] = (),
     restore: int | None = None,
     base_at: int | None = None,
-    *,
-    only_asked: bool = False,
 ) -> list[_Point]:
     """
-    Every checkpoint in the history, in order (from the history base, if there is one, up to
-    the last one asked for, if any); with the output versions of those in *want* (what
-    listing and pruning need). The point of checkpoint *restore* (asked alone: what a
-    rollback needs) holds the records then. With *base_at*, the point of that checkpoint
-    also holds a copy of the whole manifest and the log offset after it (what a new history
-    base needs). With *only_asked*, the checkpoints not asked for are left out.
+    Every checkpoint in the history (from the history base, if there is one), in order; or,
+    if some are asked for, those. The points of those in *want* hold the changes of the
+    output versions (what listing and pruning need, see :func:`_each_versions`). The point of
+    checkpoint *restore* (asked alone: what a rollback needs) holds the records then. The
+    point of checkpoint *base_at* holds a copy of the whole manifest and the log offset
+    after it (what a new history base needs).
     """
     wanted = set(want)
     ids = wanted | {i for i in (restore, base_at) if i is not None}
@@ -275,7 +258,7 @@ def replay(  # noqa: C901, PLR0913 - one pass over the log answers every kind of
         if kind not in {"step_completed", "snapshot"}:
             continue
         number = fold.manifest.checkpoints
-        if not only_asked or number in ids:
+        if not ids or number in ids:
             checkpoint = Checkpoint(
                 number, event.get("t"), event.get("slot"), event.get("label"), _NOT_COPIED
             )
@@ -373,7 +356,7 @@ def _newest(manifest: Manifest, count: int) -> set[int]:
 def checkpoints(store: Store, secret: bytes | None, newest: int, manifest: Manifest) -> list[Checkpoint]:
     """The checkpoints among the *newest* that can still be restored, oldest first."""
     available = _kept(store) | set(manifest.steps.completed_files().values())
-    points = _each_versions(replay(store, secret, _newest(manifest, newest), only_asked=True))
+    points = _each_versions(replay(store, secret, _newest(manifest, newest)))
     return [p.checkpoint for p, versions in points if available.issuperset(versions.values())]
 
 
@@ -390,7 +373,7 @@ def unneeded_versions(
     ids = _newest(manifest, keep)
     if since is not None:
         ids |= {p.checkpoint.id for p in replay(store, secret) if (p.checkpoint.created_at or "") >= since}
-    return _unneeded(kept, manifest, replay(store, secret, ids, only_asked=True))
+    return _unneeded(kept, manifest, replay(store, secret, ids))
 
 
 def _unneeded(kept: set[str], manifest: Manifest, points: Iterable[_Point]) -> list[str]:
@@ -414,7 +397,7 @@ def prune(store: Store, secret: bytes | None, keep: int, manifest: Manifest, *, 
     at = _rebase_at(store, secret, keep, manifest)
     if not kept and at is None:
         return 0
-    points = replay(store, secret, _newest(manifest, keep) if kept else (), base_at=at, only_asked=True)
+    points = replay(store, secret, _newest(manifest, keep) if kept else (), base_at=at)
     unneeded = _unneeded(kept, manifest, points) if kept else []
     for key in unneeded:
         store.delete(key, durable=durable)

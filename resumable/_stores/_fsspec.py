@@ -264,12 +264,10 @@ class FsspecStore(Store):
         known = self._known()
         if known is not None:
             with self._mutex:
-                plain, appended = key in known.objects, bool(known.logs.get(key))
-            if plain or not appended:
-                if not plain:
-                    raise FileNotFoundError(errno.ENOENT, "No such object", self._where(key))
+                plain = key in known.objects
+            if plain:
                 return self._cat(self._path(key), self._where(key), start, end)
-            return self._read_log(key, start, end)
+            return self._read_log(key, start, end)  # (no segments either: FileNotFoundError)
         try:
             return self._cat(self._path(key), self._where(key), start, end)
         except FileNotFoundError:

@@ -180,14 +180,11 @@ class Lease:
                     "%s: took over the expired lease of pid %s on host %s (expired %s)",
                     self._io.location, info.get("pid", "?"), info.get("host", "?"), info.get("expires", "?"),
                 )  # fmt: skip
-            self._start()
+            self.next_renewal = time.monotonic() + self.ttl / 3
+            _renewer.add(self)
             return
         info = parse_lease(self._io.lease_read()) or {}
         raise locked_error(self._io.location, info)
-
-    def _start(self) -> None:
-        self.next_renewal = time.monotonic() + self.ttl / 3
-        _renewer.add(self)
 
     # keeping it -----------------------------------------------------------------------------
 
