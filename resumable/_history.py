@@ -398,7 +398,7 @@ def prune(store: Store, secret: bytes | None, keep: int, manifest: Manifest, *, 
     if not kept and at is None:
         return 0
     points = replay(store, secret, _newest(manifest, keep) if kept else (), base_at=at)
-    unneeded = _unneeded(kept, manifest, points) if kept else []
+    unneeded = _unneeded(kept, manifest, points)
     for key in unneeded:
         store.delete(key, durable=durable)
     for point in points:
