@@ -27,18 +27,9 @@ class CleanReport:
 
 def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) -> CleanReport:
     """
-    Remove, holding the run lock:
-
-    - kept output versions that no checkpoint among the newest ``pipe.keep_checkpoints``, or
-      made within *older_than*, needs;
-    - outputs (and row chunks) of steps that the latest runs no longer define, if the last
-      run defining them is older than *older_than*. Steps never recorded as defined are
-      kept: an output is only removed when runs have shown its step is gone;
-    - row chunks of steps that completed (left when a process died in between);
-    - temporary files left by killed writers.
-
-    The outputs of existing steps are never removed. With *dry_run* nothing is removed, and
-    the report lists exactly what the same call without it would remove.
+    ``resumable clean`` (docs/cli.md), holding the run lock; also the row chunks of steps
+    that completed (left when a process died in between). Steps never recorded as defined
+    are kept: an output is only removed when runs have shown its step is gone.
     """
     report = CleanReport()
     cutoff = (dt.datetime.now(dt.UTC) - older_than).isoformat(timespec="milliseconds").replace("+00:00", "Z")

@@ -1,17 +1,9 @@
 """
-Digests of the files a ``pathlib.Path`` argument names, with a stat cache.
-
-A file is fingerprinted by its contents, a directory by the names and contents of the files
-under it, a missing path by its name. Reading a large file on every call would be slow, so
-a digest is remembered with the file's size, modification and change times, inode and
-device: a file whose stat is unchanged is not read again. The change time (ctime) is set by
-the system at every write and cannot be set back, so a file rewritten in place with its
-mtime kept (``cp -p``, ``rsync -t --inplace``, ``os.utime``) is read again. A file changed
-within the last two seconds is not remembered at all: another write within the same tick
-of a coarse file system clock (a second, or two on FAT) would leave its stat unchanged (git's
-"racy clean" rule). The same contents with a new mtime are read once and give the same
-digest (no change). The cache is kept in the state directory
-(``.resumable/file-digests.msgpack``) so a new process does not read unchanged files again.
+Digests of the files a ``pathlib.Path`` argument names, with a stat cache kept in the state
+directory (docs/concepts.md). A file is fingerprinted by its contents, a directory by the
+names and contents of the files under it, a missing path by its name. A digest is
+remembered with the file's size, mtime, ctime, inode and device, unless the file changed
+within the last two seconds (git's "racy clean" rule).
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """
-Checkpoints, rollback, and the whole state as data.
+Checkpoints, rollback, and the whole state as data (docs/history.md, "How it stays cheap").
 
-A checkpoint is a point in the event log: every completed step makes one, and
-``Pipeline.snapshot(label)`` adds a labelled one. The state at a checkpoint is the fold
-of the log up to it, and names each slot's output by its file version (the header
-digest ``hsum``). Output files are never changed in place, so a version that is about to
-be replaced or deleted is kept under ``.resumable/objects/`` (a hard link on a local
-disk: no copy), and only versions are kept, never unchanged outputs: a checkpoint costs
-a log line, whatever the size of the outputs. Versions no retained checkpoint needs are
-pruned when a run closes.
+A checkpoint is a point in the event log; the state at a checkpoint is the fold of the log
+up to it, naming each slot's output by its file version (the header digest ``hsum``). A
+version about to be replaced or deleted is kept under ``.resumable/objects/``.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """
 Stores reached through fsspec: ``s3://bucket/prefix`` and any other fsspec URL.
 
-Every object is written whole. On object stores (S3, GCS, Azure, fsspec's memory file
-system) one PUT is atomic: a reader sees the old object or the new one, and a writer
-killed mid-upload leaves no object at all (a multipart upload becomes visible only when it
-completes). On other fsspec file systems an object is written under a temporary name and
-moved over its key.
-
-Object stores cannot append, so an appended key (the event log) is kept as numbered
-*segments*, ``.resumable/segments/<key>/<start>-<end>.<level>``: each append writes one
-segment named by the byte range it holds, and reading the key joins the segments from
-byte 0. Every 16 segments of one level at the end of the log are merged into one of the
-next level, so a log of *n* appends has O(log n) segments and each byte is rewritten
-O(log n) times. While two segments cover the same bytes (a merge not yet cleaned up),
-the longer one is read. A plain object under the same key (written with ``write``, or a
-log copied from a local state directory) is the key's content and its segments are
-leftovers; the first append copies it into a segment and then deletes it.
+Every object is written whole: one PUT on object stores (S3, GCS, Azure, fsspec's memory
+file system), where a PUT is atomic; elsewhere a temporary object moved over its key. An
+appended key (the event log) is kept as segments, and the run lock is a lease (see
+docs/storage.md, "The event log on an object store" and "One run at a time: the lease").
 
 Layout under the store's root, besides the keys resumable writes::
 

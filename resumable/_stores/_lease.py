@@ -1,19 +1,11 @@
 """
-The run lock of remote stores: a lease with an owner and an expiry.
+The run lock of remote stores: a lease with an owner and an expiry (docs/storage.md, "One
+run at a time: the lease").
 
-The lock is an object, ``.resumable/lease.json``, holding an owner token, the holder's pid,
-host and start time, and an expiry. One thread per process renews the leases it holds, each
-every third of its time to live; once the lease of a holder that died has expired, the next
-run takes it over.
-
-Taking, renewing and releasing the lease are conditional writes where the backend has them
-(S3: ``If-None-Match: *`` to create it, ``If-Match: <ETag>`` to replace or delete it), so
-two runs racing for a free or expired lease cannot both win. Elsewhere a condition is
-emulated by reading first, and the lease is read back after writing it: of two runs
-writing it at once, only the one whose token is read back goes on.
-
-Expiry times are wall-clock times of the holder's machine: the machines sharing a store
-need clocks within a few seconds of each other (any NTP-synchronised machine is).
+The lease is taken, renewed and released with conditional writes where the backend has
+them (S3); elsewhere a condition is emulated by reading first, and the lease is read back
+after writing it: of two runs writing it at once, only the one whose token is read back
+goes on. One thread per process renews the leases it holds.
 """
 
 from __future__ import annotations
