@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import blake3
 
-from ._codec import DamagedFileError, encode, frame, read_verified
+from ._codec import encode, frame, read_verified
 
 if TYPE_CHECKING:
     from ._stores import Store
@@ -106,19 +106,13 @@ class FileDigests:
             return
         try:
             value = read_verified(store.read(CACHE_KEY), secret).decode(allow_pickle=False)
-        except (FileNotFoundError, DamagedFileError):
-            return
+            entries = [entry for entry in value["files"] if _valid(entry)]
         except Exception as exc:  # noqa: BLE001 - a cache: never worth failing a run for
             log.debug("file digest cache not read: %s", exc)
             return
-        entries = value.get("files") if isinstance(value, dict) else None
-        if not isinstance(entries, list):
-            return
         with self._lock:
-            for entry in entries:
-                if _valid(entry):
-                    path, size, mtime, ctime, ino, dev, digest = entry
-                    self._cache.setdefault(path, ((size, mtime, ctime, ino, dev), digest))
+            for path, size, mtime, ctime, ino, dev, digest in entries:
+                self._cache.setdefault(path, ((size, mtime, ctime, ino, dev), digest))
 
     def save(self, store: Store, secret: bytes | None) -> None:
         """Write the cache into *store* if it learned anything (best effort: it is a cache)."""

@@ -74,12 +74,9 @@ def object_key(file: str) -> str:
 
 def keep_version(store: Store, slot: str, file: str | None, *, durable: bool) -> None:
     """Keep the version *file* of *slot*'s output before it is replaced or deleted."""
-    if file is None:
-        return
-    try:
-        store.copy(slot_file(slot), object_key(file), durable=durable)
-    except FileNotFoundError:
-        return
+    if file is not None:
+        with contextlib.suppress(FileNotFoundError):
+            store.copy(slot_file(slot), object_key(file), durable=durable)
 
 
 def file_version(store: Store, slot: str) -> str | None:
