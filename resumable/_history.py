@@ -289,11 +289,12 @@ class _Versions:
         """The versions that changed since the last call (None: gone) in the manifest *m*."""
         if self._touched is None:
             now = m.steps.completed_files()
-            changes: dict[str, str | None] = {s: v for s, v in now.items() if self._now.get(s) != v}
-            changes.update((s, None) for s in self._now.keys() - now.keys())
+            changes: dict[str, str | None] = dict.fromkeys(self._now.keys() - now.keys())
+            changes.update(now.items() - self._now.items())
+            self._now = now
         else:
             changes = {slot: _version_of(m.steps.get(slot)) for slot in self._touched}
-        _apply(self._now, changes)
+            _apply(self._now, changes)
         self._touched = set()
         return changes
 
