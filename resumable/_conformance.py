@@ -129,6 +129,15 @@ class StoreConformance(abc.ABC):
         """Extra environment variables for the processes started by the tests."""
         return {}
 
+    def _child(self, store: Store, program: str, *args: str) -> list[str]:
+        """The command running *program* on *store* in another process; skips the test if impossible."""
+        import pytest  # noqa: PLC0415 - only test runs need pytest
+
+        location = self.subprocess_location(store)
+        if location is None:
+            pytest.skip("this store cannot be opened from another process")
+        return [sys.executable, "-c", program, location, *args]
+
     # the optional methods: overridden or not, they keep their contract --------------------------
 
     def test_copy_is_a_whole_independent_copy(self) -> None:
@@ -342,15 +351,10 @@ class StoreConformance(abc.ABC):
 
     def test_killed_writer_leaves_a_whole_object(self) -> None:
         """A writer process killed (SIGKILL) during writes leaves one whole version, no debris."""
-        import pytest  # noqa: PLC0415 - only test runs need pytest
-
         store, size = self.make_store(), self.big_object_size
         store.write("big.bin", [b"b" * size], durable=True)
-        location = self.subprocess_location(store)
-        if location is None:
-            pytest.skip("this store cannot be opened from another process")
         with subprocess.Popen(  # noqa: S603 - runs this interpreter on our own program
-            [sys.executable, "-c", _KILLED_WRITER, location, str(size)],
+            self._child(store, _KILLED_WRITER, str(size)),
             stdout=subprocess.PIPE,
             env={**os.environ, **self.subprocess_env()},
             text=True,
@@ -389,14 +393,9 @@ class StoreConformance(abc.ABC):
 
     def test_lock_of_a_dead_holder_is_freed(self) -> None:
         """A lock whose holder process died is taken by the next run (after a lease expires)."""
-        import pytest  # noqa: PLC0415 - only test runs need pytest
-
         store = self.make_store()
-        location = self.subprocess_location(store)
-        if location is None:
-            pytest.skip("this store cannot be opened from another process")
         done = subprocess.run(  # noqa: S603 - runs this interpreter on our own program
-            [sys.executable, "-c", _DYING_HOLDER, location],
+            self._child(store, _DYING_HOLDER),
             capture_output=True,
             text=True,
             env={**os.environ, **self.subprocess_env()},

@@ -150,9 +150,7 @@ def _events_from(store: Store, secret: bytes | None, start: int) -> Iterator[tup
 _LOG_PIECE = 1 << 20
 
 
-# History older than the retained checkpoints is folded into a base (the state at one
-# checkpoint, and where in the log the events after it start), so that listing and pruning
-# replay only the recent log: the cost of a run's close does not grow with the runs before.
+# the state at one checkpoint and where the events after it start (docs/history.md)
 HISTORY_BASE = f"{INTERNAL_DIR}/history-base.msgpack"
 BASE_AFTER = 50  # checkpoints older than the retained ones before a new base is written
 
