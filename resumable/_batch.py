@@ -214,9 +214,10 @@ def _map(job: Job, where: Where | None, source: Source, every: int) -> list[Any]
     runner = run_sequential if job.executor is None else run_executor
     for attempt in range(3):
         ledger = _open(job, where, source, every)
-        with Progress(job.progress, ledger) as bar:
-            runner(ledger, source, job, bar)
-        ledger.finish()
+        with contextlib.closing(ledger):
+            with Progress(job.progress, ledger) as bar:
+                runner(ledger, source, job, bar)
+            ledger.finish()
         try:
             return ledger.assemble()
         except DamagedChunksError:
@@ -227,9 +228,10 @@ def _map(job: Job, where: Where | None, source: Source, every: int) -> list[Any]
 async def _map_async(job: Job, where: Where | None, source: Source, every: int) -> list[Any]:
     for attempt in range(3):
         ledger = _open(job, where, source, every)
-        with Progress(job.progress, ledger) as bar:
-            await run_async(ledger, source, job, bar)
-        ledger.finish()
+        with contextlib.closing(ledger):
+            with Progress(job.progress, ledger) as bar:
+                await run_async(ledger, source, job, bar)
+            ledger.finish()
         try:
             return ledger.assemble()
         except DamagedChunksError:

@@ -7,6 +7,7 @@ every store, so a state copied between kinds of stores resumes.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 from collections.abc import Iterable
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from ._chunklog import LOG, Record, resolve, scan
 from ._codec import DamagedFileError, Framed, Verified, encode, frame, read_verified
+from ._stores._local import AppendFile, LocalStore
 from ._warn import warn
 
 if TYPE_CHECKING:
@@ -62,6 +64,7 @@ class ChunkStore:
         self.appends = not run.store.slow_appends
         self._end = 0  # where the log's whole records end: the next record goes there
         self._torn = False  # an append failed: the log may end with part of a record
+        self._file: AppendFile | None = None  # the log, kept open (on a local store) until close()
         self._lock = threading.Lock()
 
     def find(self) -> tuple[bool, list[Chunk]]:
@@ -126,7 +129,14 @@ class ChunkStore:
                 self._cut(self._end, durable=durable)
                 self._torn = False
             try:
-                store.append(self.log_key, data, durable=durable)
+                if isinstance(store, LocalStore):
+                    if self._file is not None and self._file.pid != os.getpid():
+                        self.close()  # a forked child's copy: the child opens the log itself
+                    if self._file is None:
+                        self._file = store.open_append(self.log_key, durable=durable)
+                    self._file.append(data, durable=durable)
+                else:
+                    store.append(self.log_key, data, durable=durable)
             except BaseException:
                 self._torn = True  # the append may have written part of the record
                 raise
@@ -136,6 +146,7 @@ class ChunkStore:
 
     def _cut(self, size: int, *, durable: bool) -> None:
         """Keep only the log's first *size* bytes."""
+        self.close()  # the log is replaced
         store = self.run.store
         store.write(self.log_key, [store.read(self.log_key, 0, size)], durable=durable)
 
@@ -161,8 +172,15 @@ class ChunkStore:
         for chunk in chunks:
             if chunk.offset < 0:
                 store.delete(self.directory + chunk.file_name, durable=False)
+        self.close()
         store.delete(self.log_key, durable=False)
         self._end, self._torn = 0, False
+
+    def close(self) -> None:
+        """Close the log if it is kept open."""
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()
 
     # reading -----------------------------------------------------------------------------
 

@@ -140,6 +140,9 @@ class Ledger:
     def report(self, *, force: bool = False) -> None:
         """Record the batch's progress (nowhere, in memory)."""
 
+    def close(self) -> None:
+        """Release what committing holds open (called when the batch call ends, however it ends)."""
+
     def assemble(self) -> list[Any]:
         """The results of every row, in input order."""
         out: list[Any] = []
@@ -443,6 +446,9 @@ class StoredLedger(Ledger):
         if self.failure is not None:
             extra["failure"] = self.failure
         where.run.journal.record("batch", batch=where.label, progress=progress, **extra)
+
+    def close(self) -> None:
+        self._chunks.close()
 
     def _drop(self, chunks: list[Chunk]) -> None:
         if self._carries_state and chunks:

@@ -137,6 +137,39 @@ class _FileLock:
             os.close(fd)
 
 
+class AppendFile:
+    """
+    A file of a :class:`LocalStore` open for appending until :meth:`close`: a log kept open
+    while a batch commits to it. Only the process that opened it may append (a forked child
+    opens the file itself).
+    """
+
+    def __init__(self, store: LocalStore, path: str, fd: int, *, created: bool) -> None:
+        self.path = path
+        self.pid = os.getpid()
+        self._store = store
+        self._fd = fd
+        self._created = created  # its name is not fsynced yet
+
+    def append(self, data: bytes, *, durable: bool) -> None:
+        """
+        Append all of *data* in one ``write`` or raise (an ``OSError`` naming the file). With
+        *durable*, the file is synced, and its directory too if the file is new.
+        """
+        try:
+            write_all(self._fd, [data])  # O_APPEND: one write lands whole at the end
+            if durable:
+                os.fsync(self._fd)
+                if self._created:  # the new name must survive a power loss too, like a renamed file's
+                    fsync_dir(os.path.dirname(self.path))
+                    self._created = False
+        except OSError as exc:
+            raise self._store.error(exc, self.path) from None
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 class LocalStore(Store):
     """A directory on the local file system; files 0600, directories 0700."""
 
@@ -339,38 +372,31 @@ class LocalStore(Store):
             fsync_dir(directory)
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:
-        """
-        Append all of *data* in one ``write`` or raise (an ``OSError`` naming the file). With
-        *durable*, the file is synced, and its directory too when this append created it.
-        """
-        path = self.path(key)
+        """Append all of *data* or raise (an ``OSError`` naming the file): see :class:`AppendFile`."""
+        file = self.open_append(key, durable=durable)
         try:
-            fd, created = self._open_append(key, path, durable=durable)
-            try:
-                write_all(fd, [data])  # O_APPEND: one write lands whole at the end
-                if durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            if durable and created:
-                # the new name must survive a power loss too, like a renamed file's
-                fsync_dir(os.path.dirname(path))
-        except OSError as exc:
-            raise self.error(exc, path) from None
+            file.append(data, durable=durable)
+        finally:
+            file.close()
 
-    def _open_append(self, key: str, path: str, *, durable: bool) -> tuple[int, bool]:
-        """Open *key* to append to it (creating it, and its directories); also whether it was created."""
+    def open_append(self, key: str, *, durable: bool) -> AppendFile:
+        """*key* opened to append to it (created, with its directories, if missing); close it when done."""
+        path = self.path(key)
         self._check_dirs(key)
         flags = os.O_WRONLY | os.O_APPEND
         try:
-            return self._open(path, flags, own=True), False
-        except FileNotFoundError:
-            pass
-        try:
-            return self._open(path, flags | os.O_CREAT, own=True), True
-        except FileNotFoundError:
-            self._makedirs(os.path.dirname(path), durable=durable)
-            return self._open(path, flags | os.O_CREAT, own=True), True
+            try:
+                return AppendFile(self, path, self._open(path, flags, own=True), created=False)
+            except FileNotFoundError:
+                pass
+            try:
+                fd = self._open(path, flags | os.O_CREAT, own=True)
+            except FileNotFoundError:
+                self._makedirs(os.path.dirname(path), durable=durable)
+                fd = self._open(path, flags | os.O_CREAT, own=True)
+        except OSError as exc:
+            raise self.error(exc, path) from None
+        return AppendFile(self, path, fd, created=True)
 
     def delete(self, key: str, *, durable: bool) -> None:
         path = self.path(key)
