@@ -168,12 +168,9 @@ class ChunkStore:
             self._void(offsets)
 
     def drop_all(self, chunks: Iterable[Chunk]) -> None:
-        store = self.run.store
-        for chunk in chunks:
-            if chunk.offset < 0:
-                store.delete(self.directory + chunk.file_name, durable=False)
+        self.drop(c for c in chunks if c.offset < 0)
         self.close()
-        store.delete(self.log_key, durable=False)
+        self.run.store.delete(self.log_key, durable=False)
         self._end, self._torn = 0, False
 
     def close(self) -> None:

@@ -113,10 +113,6 @@ class Ledger:
             if len(rows) < n:
                 return
 
-    def _split(self, start: int, rows: list[Any]) -> Iterator[tuple[int, list[Any]]]:
-        for i in range(0, len(rows), self.every):
-            yield start + i, rows[i : i + self.every]
-
     def commit(self, start: int, rows: Sequence[Any], results: Any) -> None:
         """Keep the results of ``rows`` (input rows ``start`` on)."""
         failures = sum(type(r) is RowFailure for r in results) if self.record_failures else 0
@@ -342,7 +338,7 @@ class StoredLedger(Ledger):
                 where = self.where
                 raise InputChangedError(where.display, detail, where.remedy)
             self._drop(committed[i:] if short else [chunk])
-            yield from self._split(chunk.start, rows)
+            yield from ((chunk.start + j, rows[j : j + self.every]) for j in range(0, len(rows), self.every))
             if short:
                 break
         yield from self._gap(source, limit)

@@ -138,11 +138,7 @@ class _FileLock:
 
 
 class AppendFile:
-    """
-    A file of a :class:`LocalStore` open for appending until :meth:`close`: a log kept open
-    while a batch commits to it. Only the process that opened it may append (a forked child
-    opens the file itself).
-    """
+    """A file of a :class:`LocalStore` open for appending (by the process that opened it) until closed."""
 
     def __init__(self, store: LocalStore, path: str, fd: int, *, created: bool) -> None:
         self.path = path
@@ -152,10 +148,7 @@ class AppendFile:
         self._created = created  # its name is not fsynced yet
 
     def append(self, data: bytes, *, durable: bool) -> None:
-        """
-        Append all of *data* in one ``write`` or raise (an ``OSError`` naming the file). With
-        *durable*, the file is synced, and its directory too if the file is new.
-        """
+        """Append all of *data* or raise (an ``OSError`` naming the file); with *durable*, fsync it."""
         try:
             write_all(self._fd, [data])  # O_APPEND: one write lands whole at the end
             if durable:
@@ -291,7 +284,6 @@ class LocalStore(Store):
     # writing -----------------------------------------------------------------------------
 
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
-        """Write a temp file, fsync it (if *durable*), rename it over *key*, fsync the directory."""
         self._replace(key, lambda fd: write_all(fd, chunks), durable=durable)
 
     def copy(self, src: str, dst: str, *, durable: bool) -> None:
@@ -339,7 +331,7 @@ class LocalStore(Store):
             os.close(fd_in)
 
     def _replace(self, key: str, fill: Callable[[int], None], *, durable: bool) -> None:
-        """Write a temp file with *fill*, fsync it, rename it over *key*, fsync the directory."""
+        """Write a temp file with *fill*, rename it over *key*; with *durable*, fsync it and the directory."""
         target = self.path(key)
         self._check_dirs(key)
         directory = os.path.dirname(target)
@@ -372,7 +364,6 @@ class LocalStore(Store):
             fsync_dir(directory)
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:
-        """Append all of *data* or raise (an ``OSError`` naming the file): see :class:`AppendFile`."""
         file = self.open_append(key, durable=durable)
         try:
             file.append(data, durable=durable)
