@@ -64,11 +64,8 @@ class Digester:
 
     def digest(self, rows: list[Any]) -> str:
         """A digest of a chunk's input rows: their argument fingerprint (dict order does not count)."""
-        return "f" + self._fingerprint(rows)
-
-    def _fingerprint(self, rows: list[Any]) -> str:
         try:
-            return digest_value(rows)[: 2 * DIGEST_BYTES]
+            return "f" + digest_value(rows)[: 2 * DIGEST_BYTES]
         except (_Unhashable, RecursionError):
             pass
         # Rows without a stable digest are compared by their type only: a change inside
@@ -86,4 +83,4 @@ class Digester:
                         "between runs is not detected (give the class a __resumable_fingerprint__() method)",
                         self.batch, qualified_name(type(row)),
                     )  # fmt: skip
-        return blake3.blake3("\n".join(parts).encode()).hexdigest()[: 2 * DIGEST_BYTES]
+        return "f" + blake3.blake3("\n".join(parts).encode()).hexdigest()[: 2 * DIGEST_BYTES]
