@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -53,7 +52,7 @@ class Chunk(NamedTuple):
 
 
 class ChunkStore:
-    """The committed chunks of the batch in *directory*: listing, adding, dropping, reading."""
+    """The committed chunks of the batch in *directory* (not thread-safe: its ledger serializes calls)."""
 
     def __init__(self, run: RunState, directory: str, *, label: str, display: str) -> None:
         self.run = run
@@ -65,7 +64,6 @@ class ChunkStore:
         self._end = 0  # where the log's whole records end: the next record goes there
         self._torn = False  # an append failed: the log may end with part of a record
         self._file: AppendFile | None = None  # the log, kept open (on a local store) until close()
-        self._lock = threading.Lock()
 
     def find(self) -> tuple[bool, list[Chunk]]:
         """Whether the batch record exists, and the committed chunks (a torn log tail is cut)."""
@@ -124,25 +122,24 @@ class ChunkStore:
     def _append(self, data: bytes, *, durable: bool) -> int:
         """Append one record to the log; return where it starts."""
         store = self.run.store
-        with self._lock:
-            if self._torn:
-                self._cut(self._end, durable=durable)
-                self._torn = False
-            try:
-                if isinstance(store, LocalStore):
-                    if self._file is not None and self._file.pid != os.getpid():
-                        self.close()  # a forked child's copy: the child opens the log itself
-                    if self._file is None:
-                        self._file = store.open_append(self.log_key, durable=durable)
-                    self._file.append(data, durable=durable)
-                else:
-                    store.append(self.log_key, data, durable=durable)
-            except BaseException:
-                self._torn = True  # the append may have written part of the record
-                raise
-            offset = self._end
-            self._end += len(data)
-            return offset
+        if self._torn:
+            self._cut(self._end, durable=durable)
+            self._torn = False
+        try:
+            if isinstance(store, LocalStore):
+                if self._file is not None and self._file.pid != os.getpid():
+                    self.close()  # a forked child's copy: the child opens the log itself
+                if self._file is None:
+                    self._file = store.open_append(self.log_key, durable=durable)
+                self._file.append(data, durable=durable)
+            else:
+                store.append(self.log_key, data, durable=durable)
+        except BaseException:
+            self._torn = True  # the append may have written part of the record
+            raise
+        offset = self._end
+        self._end += len(data)
+        return offset
 
     def _cut(self, size: int, *, durable: bool) -> None:
         """Keep only the log's first *size* bytes."""

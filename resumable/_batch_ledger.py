@@ -452,11 +452,12 @@ class StoredLedger(Ledger):
                 f"batch {self.display!r}: {_rows(chunks)} committed row(s) are done again because "
                 "its items changed, but the loop state restored already counts them."
             )
-        self._chunks.drop(chunks)
-        dropped = set(chunks)
-        self.chunks = [c for c in self.chunks if c not in dropped]
-        self.done -= sum(c.end - c.start for c in chunks)
-        self.failures -= sum(c.failures for c in chunks)
+        with self._lock:
+            self._chunks.drop(chunks)
+            dropped = set(chunks)
+            self.chunks = [c for c in self.chunks if c not in dropped]
+            self.done -= sum(c.end - c.start for c in chunks)
+            self.failures -= sum(c.failures for c in chunks)
 
     # assembling --------------------------------------------------------------------------
 
