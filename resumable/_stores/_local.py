@@ -140,12 +140,12 @@ class _FileLock:
 class AppendFile:
     """A file of a :class:`LocalStore` open for appending (by the process that opened it) until closed."""
 
-    def __init__(self, store: LocalStore, path: str, fd: int, *, created: bool) -> None:
+    def __init__(self, store: LocalStore, path: str, fd: int) -> None:
         self.path = path
         self.pid = os.getpid()
         self._store = store
         self._fd = fd
-        self._created = created  # its name is not fsynced yet
+        self._new = os.fstat(fd).st_size == 0  # maybe just created: its name is not fsynced yet
 
     def append(self, data: bytes, *, durable: bool) -> None:
         """Append all of *data* or raise (an ``OSError`` naming the file); with *durable*, fsync it."""
@@ -153,9 +153,9 @@ class AppendFile:
             write_all(self._fd, [data])  # O_APPEND: one write lands whole at the end
             if durable:
                 os.fsync(self._fd)
-                if self._created:  # the new name must survive a power loss too, like a renamed file's
+                if self._new:  # the new name must survive a power loss too, like a renamed file's
                     fsync_dir(os.path.dirname(self.path))
-                    self._created = False
+                    self._new = False
         except OSError as exc:
             raise self._store.error(exc, self.path) from None
 
@@ -374,20 +374,16 @@ class LocalStore(Store):
         """*key* opened to append to it (created, with its directories, if missing); close it when done."""
         path = self.path(key)
         self._check_dirs(key)
-        flags = os.O_WRONLY | os.O_APPEND
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
         try:
             try:
-                return AppendFile(self, path, self._open(path, flags, own=True), created=False)
-            except FileNotFoundError:
-                pass
-            try:
-                fd = self._open(path, flags | os.O_CREAT, own=True)
+                fd = self._open(path, flags, own=True)
             except FileNotFoundError:
                 self._makedirs(os.path.dirname(path), durable=durable)
-                fd = self._open(path, flags | os.O_CREAT, own=True)
+                fd = self._open(path, flags, own=True)
+            return AppendFile(self, path, fd)
         except OSError as exc:
             raise self.error(exc, path) from None
-        return AppendFile(self, path, fd, created=True)
 
     def delete(self, key: str, *, durable: bool) -> None:
         path = self.path(key)
