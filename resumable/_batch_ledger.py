@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -113,7 +113,7 @@ class Ledger:
             if len(rows) < n:
                 return
 
-    def commit(self, start: int, rows: Sequence[Any], results: Any) -> None:
+    def commit(self, start: int, rows: list[Any], results: Any) -> None:
         """Keep the results of ``rows`` (input rows ``start`` on)."""
         failures = sum(type(r) is RowFailure for r in results) if self.record_failures else 0
         with self._lock:
@@ -121,7 +121,7 @@ class Ledger:
             self.done += len(rows)
             self.failures += failures
 
-    def salvage(self, start: int, rows: Sequence[Any], results: Any) -> None:
+    def salvage(self, start: int, rows: list[Any], results: Any) -> None:
         """Commit the rows finished before an exception; a failure here is only logged."""
         if rows:
             try:
@@ -355,13 +355,13 @@ class StoredLedger(Ledger):
 
     # committing --------------------------------------------------------------------------
 
-    def commit(self, start: int, rows: Sequence[Any], results: Any) -> None:
+    def commit(self, start: int, rows: list[Any], results: Any) -> None:
         """Store the results of ``rows`` (input rows ``start`` on) as one new chunk."""
         size = len(rows)
         where = self.where
         failures = sum(type(r) is RowFailure for r in results) if self.record_failures else 0
         run = where.run
-        digest = self._digester.digest(rows if type(rows) is list else list(rows))
+        digest = self._digester.digest(rows)
         end = start + size
         what = f"the {_WHAT[self.kind]} of batch {where.display!r}, rows {start:,} to {end - 1:,}"
         encoded = encode(results, allow_pickle=run.allow_pickle, what=what)
@@ -386,7 +386,7 @@ class StoredLedger(Ledger):
             self.failures += failures
             self.report()
 
-    def salvage(self, start: int, rows: Sequence[Any], results: Any) -> None:
+    def salvage(self, start: int, rows: list[Any], results: Any) -> None:
         """Commit the rows finished before an exception; a failure here is only logged."""
         if self.where.run.closed:  # a generator closed late (at interpreter exit) writes nothing
             if rows:
