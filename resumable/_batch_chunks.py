@@ -60,7 +60,6 @@ class ChunkStore:
         self.label = label  # the slot (or name) written in each record's header
         self.display = display
         self.log_key = directory + LOG
-        self.appends = not run.store.slow_appends
         self._end = 0  # where the log's whole records end: the next record goes there
         self._torn = False  # an append failed: the log may end with part of a record
         self._file: AppendFile | None = None  # the log, kept open (on a local store) until close()
@@ -78,7 +77,6 @@ class ChunkStore:
                 has_log = True
             elif (m := _CHUNK.fullmatch(name)) is not None:
                 chunks.append(Chunk(int(m[1]), int(m[2]), int(m[3]), m[4]))
-        self._end, self._torn = 0, False
         if has_log:
             chunks += self._scan()
         return has_record, chunks
@@ -112,7 +110,7 @@ class ChunkStore:
 
     def add(self, start: int, end: int, failures: int, digest: str, framed: Framed) -> Chunk:
         run = self.run
-        if not self.appends:
+        if run.store.slow_appends:
             chunk = Chunk(start, end, failures, digest)
             run.store.write(self.directory + chunk.file_name, framed.chunks(), durable=run.durable)
             return chunk

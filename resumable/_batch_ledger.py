@@ -319,7 +319,7 @@ class StoredLedger(Ledger):
         Yield ``(start, rows)`` for the rows still to do, checking that the committed rows'
         input has not changed (raising InputChangedError, unless only a step's items did).
         """
-        committed = list(self.chunks)
+        where, committed = self.where, list(self.chunks)
         limit = source.total
         if limit is None and not self._lenient and self._stored is not None:
             limit = self._stored.get("total")
@@ -335,17 +335,12 @@ class StoredLedger(Ledger):
                     if short
                     else f"{chunk.rows} differ from those committed"
                 )
-                where = self.where
                 raise InputChangedError(where.display, detail, where.remedy)
             self._drop(committed[i:] if short else [chunk])
             yield from ((chunk.start + j, rows[j : j + self.every]) for j in range(0, len(rows), self.every))
             if short:
                 break
         yield from self._gap(source, limit)
-        self._ended(source, limit)
-
-    def _ended(self, source: Source, limit: int | None) -> None:
-        where = self.where
         if limit is not None and not self._lenient:
             more = source.pos == limit and source.total is None and source.take(1)
             if source.pos != limit or more:
