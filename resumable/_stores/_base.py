@@ -98,17 +98,6 @@ class Store(abc.ABC):
         return []
 
 
-def as_store(obj: object) -> Store:
-    """*obj* if it is a :class:`Store`; raise a clear error otherwise."""
-    if isinstance(obj, Store):
-        return obj
-    msg = (
-        f"{obj!r} is not a store. Pass a directory, a URL, or an instance of a subclass of "
-        "resumable.Store (see docs/storage.md)"
-    )
-    raise UsageError(msg)
-
-
 _NO_DIR = frozenset({"", ".", ".."})  # components a key's directories cannot be
 
 
