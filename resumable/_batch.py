@@ -213,7 +213,7 @@ def checkpointed_map(  # noqa: PLR0913 - the documented options
 def _map(job: Job, where: Where | None, source: Source, every: int) -> list[Any]:
     runner = run_sequential if job.executor is None else run_executor
     for attempt in range(3):
-        ledger = _open(job, where, source, every)
+        ledger = _open(job, where, source, every, keep_open=True)  # one at a time per thread (async: many)
         with contextlib.closing(ledger):
             with Progress(job.progress, ledger) as bar:
                 runner(ledger, source, job, bar)
@@ -228,10 +228,9 @@ def _map(job: Job, where: Where | None, source: Source, every: int) -> list[Any]
 async def _map_async(job: Job, where: Where | None, source: Source, every: int) -> list[Any]:
     for attempt in range(3):
         ledger = _open(job, where, source, every)
-        with contextlib.closing(ledger):
-            with Progress(job.progress, ledger) as bar:
-                await run_async(ledger, source, job, bar)
-            ledger.finish()
+        with Progress(job.progress, ledger) as bar:
+            await run_async(ledger, source, job, bar)
+        ledger.finish()
         try:
             return ledger.assemble()
         except DamagedChunksError:
@@ -239,8 +238,10 @@ async def _map_async(job: Job, where: Where | None, source: Source, every: int) 
     raise AssertionError  # pragma: no cover - _again raises on the last attempt
 
 
-def _open(job: Job, where: Where | None, source: Source, every: int) -> Ledger:
-    ledger = ledger_for(where, kind="map", every=every, total=source.total, record_failures=job.record)
+def _open(job: Job, where: Where | None, source: Source, every: int, *, keep_open: bool = False) -> Ledger:
+    ledger = ledger_for(
+        where, kind="map", every=every, total=source.total, record_failures=job.record, keep_open=keep_open
+    )
     ledger.open()
     return ledger
 

@@ -62,7 +62,8 @@ class ChunkStore:
         self.log_key = directory + LOG
         self._end = 0  # where the log's whole records end: the next record goes there
         self._torn = False  # an append failed: the log may end with part of a record
-        self._file: AppendFile | None = None  # the log, kept open (on a local store) until close()
+        self.keep_open = False  # keep a local log open from its first append to close()
+        self._file: AppendFile | None = None
 
     def find(self) -> tuple[bool, list[Chunk]]:
         """Whether the batch record exists, and the committed chunks (a torn log tail is cut)."""
@@ -124,7 +125,7 @@ class ChunkStore:
             self._cut(self._end, durable=durable)
             self._torn = False
         try:
-            if isinstance(store, LocalStore):
+            if isinstance(store, LocalStore) and self.keep_open:
                 if self._file is not None and self._file.pid != os.getpid():
                     self.close()  # a forked child's copy: the child opens the log itself
                 if self._file is None:

@@ -6,7 +6,6 @@ stops it, the rows already finished are committed before the exception goes on.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing
 import os
@@ -213,7 +212,7 @@ def _each(
     ledger: Ledger, source: Source, setting: bool | None, state: dict[str, Any]
 ) -> Generator[Any, None, None]:
     """Yield the rows still to do; a row is done when the consumer asks for the next one."""
-    with contextlib.closing(ledger), Progress(setting, ledger) as progress:
+    with Progress(setting, ledger) as progress:
         for start, rows in ledger.pieces(source):
             done = 0
             try:

@@ -147,15 +147,18 @@ class Ledger:
         return out
 
 
-def ledger_for(where: Where | None, **options: Any) -> Ledger:
+def ledger_for(where: Where | None, *, keep_open: bool = False, **options: Any) -> Ledger:
     """The ledger of a batch (``Ledger`` options): in the store where it has a place, else in memory only."""
-    return Ledger(**options) if where is None else StoredLedger(where, **options)
+    return Ledger(**options) if where is None else StoredLedger(where, keep_open=keep_open, **options)
 
 
 class StoredLedger(Ledger):
-    """The committed chunks of one batch in the store, and the commits of one call."""
+    """
+    The committed chunks of one batch in the store, and the commits of one call. With
+    *keep_open*, a local chunk log stays open from the first commit to :meth:`close`.
+    """
 
-    def __init__(self, where: Where, **options: Any) -> None:
+    def __init__(self, where: Where, *, keep_open: bool, **options: Any) -> None:
         super().__init__(**options)
         self.where = where
         self._stored: dict[str, Any] | None = None  # the batch record as stored
@@ -164,6 +167,7 @@ class StoredLedger(Ledger):
         self._reported = 0.0
         self._digester = Digester(where.display)
         self._chunks = ChunkStore(where.run, where.directory, label=where.label, display=where.display)
+        self._chunks.keep_open = keep_open
 
     @property
     def display(self) -> str:
