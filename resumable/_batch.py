@@ -257,7 +257,7 @@ def _again(source: Source, ledger: Ledger, attempt: int) -> Source:
     if attempt >= 2:
         msg = f"batch {ledger.display!r}: chunks were damaged again and again; check the disk."
         raise ResumableError(msg)
-    return source.again()
+    return Source(source.items)
 
 
 def _locate(name: str | None, api: str, items: object) -> Where | None:

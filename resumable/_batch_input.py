@@ -43,10 +43,6 @@ class Source:
         self.pos += len(rows)
         return rows
 
-    def again(self) -> Source:
-        """The same input from its first row (only if :attr:`rereadable`)."""
-        return Source(self.items)
-
 
 class Digester:
     """Digests of input rows, for one batch (which it names in its one warning)."""

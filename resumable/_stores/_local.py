@@ -364,11 +364,8 @@ class LocalStore(Store):
             fsync_dir(directory)
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:
-        file = self.open_append(key, durable=durable)
-        try:
+        with contextlib.closing(self.open_append(key, durable=durable)) as file:
             file.append(data, durable=durable)
-        finally:
-            file.close()
 
     def open_append(self, key: str, *, durable: bool) -> AppendFile:
         """*key* opened to append to it (created, with its directories, if missing); close it when done."""
