@@ -201,6 +201,33 @@ def test_one_sync_per_committed_chunk(pipe: Pipeline, monkeypatch: pytest.Monkey
     assert 8 == calls["open"]
 
 
+def _open_logs() -> list[str]:
+    """The chunk logs this process has open."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found += [path] if (path := os.readlink(f"/proc/self/fd/{fd}")).endswith(LOG) else []
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files through /proc")
+@pytest.mark.parametrize("exc", [None, RuntimeError, KeyboardInterrupt])
+def test_a_batch_call_closes_its_log_however_it_ends(pipe: Pipeline, exc: type[BaseException] | None):
+    seen: list[list[str]] = []
+
+    def fn(x: int) -> int:
+        seen.append(_open_logs())
+        if exc is not None and x == 12:
+            raise exc("stop")
+        return x
+
+    with pipe, pytest.raises(exc) if exc is not None else contextlib.nullcontext():
+        checkpointed_map(fn, range(ROWS), every=EVERY, name="b")
+    assert [[]] * EVERY == seen[:EVERY]
+    assert all(len(logs) == 1 for logs in seen[EVERY:])  # kept open from the first commit on
+    assert [] == _open_logs()
+
+
 def test_a_failed_append_is_cut_before_the_next_one(
     pipe: Pipeline, state_dir: Path, monkeypatch: pytest.MonkeyPatch
 ):
