@@ -214,12 +214,12 @@ def _map(job: Job, where: Where | None, source: Source, every: int) -> list[Any]
     runner = run_sequential if job.executor is None else run_executor
     for attempt in range(3):
         ledger = _open(job, where, source, every, keep_open=True)  # one at a time per thread (async: many)
-        with contextlib.closing(ledger):
-            with Progress(job.progress, ledger) as bar:
-                runner(ledger, source, job, bar)
-            ledger.finish()
         try:
-            return ledger.assemble()
+            with contextlib.closing(ledger):  # after assemble(), which may append to the log
+                with Progress(job.progress, ledger) as bar:
+                    runner(ledger, source, job, bar)
+                ledger.finish()
+                return ledger.assemble()
         except DamagedChunksError:
             source = _again(source, ledger, attempt)
     raise AssertionError  # pragma: no cover - _again raises on the last attempt
