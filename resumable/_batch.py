@@ -213,12 +213,13 @@ def checkpointed_map(  # noqa: PLR0913 - the documented options
 def _map(job: Job, where: Where | None, source: Source, every: int) -> list[Any]:
     runner = run_sequential if job.executor is None else run_executor
     for attempt in range(3):
-        ledger = _open(job, where, source, every)
-        with Progress(job.progress, ledger) as bar:
-            runner(ledger, source, job, bar)
-        ledger.finish()
+        ledger = _open(job, where, source, every, keep_open=True)  # one at a time per thread (async: many)
         try:
-            return ledger.assemble()
+            with contextlib.closing(ledger):  # after assemble(), which may append to the log
+                with Progress(job.progress, ledger) as bar:
+                    runner(ledger, source, job, bar)
+                ledger.finish()
+                return ledger.assemble()
         except DamagedChunksError:
             source = _again(source, ledger, attempt)
     raise AssertionError  # pragma: no cover - _again raises on the last attempt
@@ -237,8 +238,10 @@ async def _map_async(job: Job, where: Where | None, source: Source, every: int) 
     raise AssertionError  # pragma: no cover - _again raises on the last attempt
 
 
-def _open(job: Job, where: Where | None, source: Source, every: int) -> Ledger:
-    ledger = ledger_for(where, kind="map", every=every, total=source.total, record_failures=job.record)
+def _open(job: Job, where: Where | None, source: Source, every: int, *, keep_open: bool = False) -> Ledger:
+    ledger = ledger_for(
+        where, kind="map", every=every, total=source.total, record_failures=job.record, keep_open=keep_open
+    )
     ledger.open()
     return ledger
 
@@ -254,7 +257,7 @@ def _again(source: Source, ledger: Ledger, attempt: int) -> Source:
     if attempt >= 2:
         msg = f"batch {ledger.display!r}: chunks were damaged again and again; check the disk."
         raise ResumableError(msg)
-    return source.again()
+    return Source(source.items)
 
 
 def _locate(name: str | None, api: str, items: object) -> Where | None:

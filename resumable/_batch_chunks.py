@@ -7,13 +7,14 @@ every store, so a state copied between kinds of stores resumes.
 from __future__ import annotations
 
 import logging
+import os
 import re
-import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
 
 from ._chunklog import LOG, Record, resolve, scan
 from ._codec import DamagedFileError, Framed, Verified, encode, frame, read_verified
+from ._stores._local import AppendFile, LocalStore
 from ._warn import warn
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ class Chunk(NamedTuple):
 
 
 class ChunkStore:
-    """The committed chunks of the batch in *directory*: listing, adding, dropping, reading."""
+    """The committed chunks of the batch in *directory* (not thread-safe: its ledger serializes calls)."""
 
     def __init__(self, run: RunState, directory: str, *, label: str, display: str) -> None:
         self.run = run
@@ -59,10 +60,10 @@ class ChunkStore:
         self.label = label  # the slot (or name) written in each record's header
         self.display = display
         self.log_key = directory + LOG
-        self.appends = not run.store.slow_appends
         self._end = 0  # where the log's whole records end: the next record goes there
         self._torn = False  # an append failed: the log may end with part of a record
-        self._lock = threading.Lock()
+        self.keep_open = False  # keep a local log open from its first append to close()
+        self._file: AppendFile | None = None
 
     def find(self) -> tuple[bool, list[Chunk]]:
         """Whether the batch record exists, and the committed chunks (a torn log tail is cut)."""
@@ -77,7 +78,6 @@ class ChunkStore:
                 has_log = True
             elif (m := _CHUNK.fullmatch(name)) is not None:
                 chunks.append(Chunk(int(m[1]), int(m[2]), int(m[3]), m[4]))
-        self._end, self._torn = 0, False
         if has_log:
             chunks += self._scan()
         return has_record, chunks
@@ -111,7 +111,7 @@ class ChunkStore:
 
     def add(self, start: int, end: int, failures: int, digest: str, framed: Framed) -> Chunk:
         run = self.run
-        if not self.appends:
+        if run.store.slow_appends:
             chunk = Chunk(start, end, failures, digest)
             run.store.write(self.directory + chunk.file_name, framed.chunks(), durable=run.durable)
             return chunk
@@ -121,21 +121,28 @@ class ChunkStore:
     def _append(self, data: bytes, *, durable: bool) -> int:
         """Append one record to the log; return where it starts."""
         store = self.run.store
-        with self._lock:
-            if self._torn:
-                self._cut(self._end, durable=durable)
-                self._torn = False
-            try:
+        if self._torn:
+            self._cut(self._end, durable=durable)
+            self._torn = False
+        try:
+            if isinstance(store, LocalStore) and self.keep_open:
+                if self._file is not None and self._file.pid != os.getpid():
+                    self.close()  # a forked child's copy: the child opens the log itself
+                if self._file is None:
+                    self._file = store.open_append(self.log_key, durable=durable)
+                self._file.append(data, durable=durable)
+            else:
                 store.append(self.log_key, data, durable=durable)
-            except BaseException:
-                self._torn = True  # the append may have written part of the record
-                raise
-            offset = self._end
-            self._end += len(data)
-            return offset
+        except BaseException:
+            self._torn = True  # the append may have written part of the record
+            raise
+        offset = self._end
+        self._end += len(data)
+        return offset
 
     def _cut(self, size: int, *, durable: bool) -> None:
         """Keep only the log's first *size* bytes."""
+        self.close()  # the log is replaced
         store = self.run.store
         store.write(self.log_key, [store.read(self.log_key, 0, size)], durable=durable)
 
@@ -157,12 +164,16 @@ class ChunkStore:
             self._void(offsets)
 
     def drop_all(self, chunks: Iterable[Chunk]) -> None:
-        store = self.run.store
-        for chunk in chunks:
-            if chunk.offset < 0:
-                store.delete(self.directory + chunk.file_name, durable=False)
-        store.delete(self.log_key, durable=False)
+        self.drop(c for c in chunks if c.offset < 0)
+        self.close()
+        self.run.store.delete(self.log_key, durable=False)
         self._end, self._torn = 0, False
+
+    def close(self) -> None:
+        """Close the log if it is kept open."""
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()
 
     # reading -----------------------------------------------------------------------------
 

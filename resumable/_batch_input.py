@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable, Iterator, Sequence, Sized
+from collections.abc import Iterable, Sized
 from typing import Any
 
 import blake3
@@ -32,27 +32,16 @@ class Source:
             raise UsageError(msg)
         self.items = items
         self.pos = 0
-        self._seq: Sequence[Any] | None = items if isinstance(items, Sequence) else None
-        self._iter: Iterator[Any] = iter(()) if self._seq is not None else iter(items)
-        sized = isinstance(items, Sized)
+        self._iter = iter(items)
         self.total: int | None = len(items) if isinstance(items, Sized) else None
         # a sized container that is not an iterator can be iterated again
-        self.rereadable = self._seq is not None or (sized and self._iter is not items)
+        self.rereadable = self.total is not None and self._iter is not items
 
     def take(self, n: int) -> list[Any]:
         """The next *n* rows (fewer at the end of the input)."""
-        rows: list[Any]
-        if self._seq is not None:
-            part = self._seq[self.pos : self.pos + n]
-            rows = part if type(part) is list else list(part)
-        else:
-            rows = list(itertools.islice(self._iter, n))
+        rows = list(itertools.islice(self._iter, n))
         self.pos += len(rows)
         return rows
-
-    def again(self) -> Source:
-        """The same input from its first row (only if :attr:`rereadable`)."""
-        return Source(self.items)
 
 
 class Digester:
@@ -64,11 +53,8 @@ class Digester:
 
     def digest(self, rows: list[Any]) -> str:
         """A digest of a chunk's input rows: their argument fingerprint (dict order does not count)."""
-        return "f" + self._fingerprint(rows)
-
-    def _fingerprint(self, rows: list[Any]) -> str:
         try:
-            return digest_value(rows)[: 2 * DIGEST_BYTES]
+            return "f" + digest_value(rows)[: 2 * DIGEST_BYTES]
         except (_Unhashable, RecursionError):
             pass
         # Rows without a stable digest are compared by their type only: a change inside
@@ -86,4 +72,4 @@ class Digester:
                         "between runs is not detected (give the class a __resumable_fingerprint__() method)",
                         self.batch, qualified_name(type(row)),
                     )  # fmt: skip
-        return blake3.blake3("\n".join(parts).encode()).hexdigest()[: 2 * DIGEST_BYTES]
+        return "f" + blake3.blake3("\n".join(parts).encode()).hexdigest()[: 2 * DIGEST_BYTES]

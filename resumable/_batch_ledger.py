@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -113,11 +113,7 @@ class Ledger:
             if len(rows) < n:
                 return
 
-    def _split(self, start: int, rows: list[Any]) -> Iterator[tuple[int, list[Any]]]:
-        for i in range(0, len(rows), self.every):
-            yield start + i, rows[i : i + self.every]
-
-    def commit(self, start: int, rows: Sequence[Any], results: Any) -> None:
+    def commit(self, start: int, rows: list[Any], results: Any) -> None:
         """Keep the results of ``rows`` (input rows ``start`` on)."""
         failures = sum(type(r) is RowFailure for r in results) if self.record_failures else 0
         with self._lock:
@@ -125,7 +121,7 @@ class Ledger:
             self.done += len(rows)
             self.failures += failures
 
-    def salvage(self, start: int, rows: Sequence[Any], results: Any) -> None:
+    def salvage(self, start: int, rows: list[Any], results: Any) -> None:
         """Commit the rows finished before an exception; a failure here is only logged."""
         if rows:
             try:
@@ -140,6 +136,9 @@ class Ledger:
     def report(self, *, force: bool = False) -> None:
         """Record the batch's progress (nowhere, in memory)."""
 
+    def close(self) -> None:
+        """Release what committing holds open (called when the batch call ends, however it ends)."""
+
     def assemble(self) -> list[Any]:
         """The results of every row, in input order."""
         out: list[Any] = []
@@ -148,15 +147,18 @@ class Ledger:
         return out
 
 
-def ledger_for(where: Where | None, **options: Any) -> Ledger:
+def ledger_for(where: Where | None, *, keep_open: bool = False, **options: Any) -> Ledger:
     """The ledger of a batch (``Ledger`` options): in the store where it has a place, else in memory only."""
-    return Ledger(**options) if where is None else StoredLedger(where, **options)
+    return Ledger(**options) if where is None else StoredLedger(where, keep_open=keep_open, **options)
 
 
 class StoredLedger(Ledger):
-    """The committed chunks of one batch in the store, and the commits of one call."""
+    """
+    The committed chunks of one batch in the store, and the commits of one call. With
+    *keep_open*, a local chunk log stays open from the first commit to :meth:`close`.
+    """
 
-    def __init__(self, where: Where, **options: Any) -> None:
+    def __init__(self, where: Where, *, keep_open: bool, **options: Any) -> None:
         super().__init__(**options)
         self.where = where
         self._stored: dict[str, Any] | None = None  # the batch record as stored
@@ -165,6 +167,7 @@ class StoredLedger(Ledger):
         self._reported = 0.0
         self._digester = Digester(where.display)
         self._chunks = ChunkStore(where.run, where.directory, label=where.label, display=where.display)
+        self._chunks.keep_open = keep_open
 
     @property
     def display(self) -> str:
@@ -320,7 +323,7 @@ class StoredLedger(Ledger):
         Yield ``(start, rows)`` for the rows still to do, checking that the committed rows'
         input has not changed (raising InputChangedError, unless only a step's items did).
         """
-        committed = list(self.chunks)
+        where, committed = self.where, list(self.chunks)
         limit = source.total
         if limit is None and not self._lenient and self._stored is not None:
             limit = self._stored.get("total")
@@ -336,17 +339,12 @@ class StoredLedger(Ledger):
                     if short
                     else f"{chunk.rows} differ from those committed"
                 )
-                where = self.where
                 raise InputChangedError(where.display, detail, where.remedy)
             self._drop(committed[i:] if short else [chunk])
-            yield from self._split(chunk.start, rows)
+            yield from ((chunk.start + j, rows[j : j + self.every]) for j in range(0, len(rows), self.every))
             if short:
                 break
         yield from self._gap(source, limit)
-        self._ended(source, limit)
-
-    def _ended(self, source: Source, limit: int | None) -> None:
-        where = self.where
         if limit is not None and not self._lenient:
             more = source.pos == limit and source.total is None and source.take(1)
             if source.pos != limit or more:
@@ -356,13 +354,13 @@ class StoredLedger(Ledger):
 
     # committing --------------------------------------------------------------------------
 
-    def commit(self, start: int, rows: Sequence[Any], results: Any) -> None:
+    def commit(self, start: int, rows: list[Any], results: Any) -> None:
         """Store the results of ``rows`` (input rows ``start`` on) as one new chunk."""
         size = len(rows)
         where = self.where
         failures = sum(type(r) is RowFailure for r in results) if self.record_failures else 0
         run = where.run
-        digest = self._digester.digest(rows if type(rows) is list else list(rows))
+        digest = self._digester.digest(rows)
         end = start + size
         what = f"the {_WHAT[self.kind]} of batch {where.display!r}, rows {start:,} to {end - 1:,}"
         encoded = encode(results, allow_pickle=run.allow_pickle, what=what)
@@ -387,7 +385,7 @@ class StoredLedger(Ledger):
             self.failures += failures
             self.report()
 
-    def salvage(self, start: int, rows: Sequence[Any], results: Any) -> None:
+    def salvage(self, start: int, rows: list[Any], results: Any) -> None:
         """Commit the rows finished before an exception; a failure here is only logged."""
         if self.where.run.closed:  # a generator closed late (at interpreter exit) writes nothing
             if rows:
@@ -444,17 +442,21 @@ class StoredLedger(Ledger):
             extra["failure"] = self.failure
         where.run.journal.record("batch", batch=where.label, progress=progress, **extra)
 
+    def close(self) -> None:
+        self._chunks.close()
+
     def _drop(self, chunks: list[Chunk]) -> None:
         if self._carries_state and chunks:
             warn(
                 f"batch {self.display!r}: {_rows(chunks)} committed row(s) are done again because "
                 "its items changed, but the loop state restored already counts them."
             )
-        self._chunks.drop(chunks)
-        dropped = set(chunks)
-        self.chunks = [c for c in self.chunks if c not in dropped]
-        self.done -= sum(c.end - c.start for c in chunks)
-        self.failures -= sum(c.failures for c in chunks)
+        with self._lock:
+            self._chunks.drop(chunks)
+            dropped = set(chunks)
+            self.chunks = [c for c in self.chunks if c not in dropped]
+            self.done -= sum(c.end - c.start for c in chunks)
+            self.failures -= sum(c.failures for c in chunks)
 
     # assembling --------------------------------------------------------------------------
 

@@ -39,10 +39,6 @@ class Record(NamedTuple):
     def end(self) -> int:
         return self.offset + self.length
 
-    @property
-    def is_void(self) -> bool:
-        return "void" in self.header
-
 
 class Damage(NamedTuple):
     """Bytes of the log that are no record (between records, or a record that fails its checks)."""
@@ -201,7 +197,7 @@ def resolve(found: Scan, read_range: ReadRange, secret: bytes | None) -> tuple[l
     voided: set[int] = set()
     damaged = list(found.damaged)
     for record in found.records:
-        if not record.is_void:
+        if "void" not in record.header:
             continue
         try:
             read_verified(read_range(record.offset, record.end), secret)
@@ -209,5 +205,5 @@ def resolve(found: Scan, read_range: ReadRange, secret: bytes | None) -> tuple[l
             damaged.append(Damage(record.offset, record.end, f"a void record: {exc}"))
             continue
         voided.update(o for o in record.header["void"] if o < record.offset)
-    chunks = [r for r in found.records if not r.is_void and r.offset not in voided]
+    chunks = [r for r in found.records if "void" not in r.header and r.offset not in voided]
     return chunks, sorted(d for d in damaged if d.offset not in voided)

@@ -25,7 +25,7 @@ from test_batch import BATCHES, Counter
 from resumable import Pipeline, ResumableWarning, _batch_ledger, _journal, checkpointed, checkpointed_map
 from resumable._chunklog import scan
 from resumable._cli import main
-from resumable._stores._local import LocalStore
+from resumable._stores._local import AppendFile, LocalStore
 from resumable._stores._memory import MemoryStore
 
 ROWS = 50
@@ -108,6 +108,7 @@ def test_a_damaged_record_in_the_middle_is_stepped_over(pipe: Pipeline, state_di
     with pytest.warns(ResumableWarning, match="damaged"):
         assert EXPECTED == run_batch(pipe, fn)
     assert list(range(20, 25)) == fn.calls
+    assert [] == _open_logs()  # the void record went through the log kept open, which is closed
     fn.calls.clear()
     assert EXPECTED == run_batch(pipe, fn)  # voided: no second warning, nothing redone
     assert [] == fn.calls
@@ -168,7 +169,7 @@ def test_one_sync_per_committed_chunk(pipe: Pipeline, monkeypatch: pytest.Monkey
     A durable commit is one write and one fsync of the log: no new file, no directory
     fsync, no rename (counted on this thread: nothing else may add to the count).
     """
-    calls = {"fsync": 0, "fdatasync": 0, "replace": 0, "write": 0, "pwrite": 0}
+    calls = {"fsync": 0, "fdatasync": 0, "replace": 0, "write": 0, "pwrite": 0, "open": 0}
     originals = {name: getattr(os, name) for name in calls}
     me = threading.get_ident()
     # manifest.json waits for its interval and the batch's progress is reported at its start and
@@ -197,23 +198,52 @@ def test_one_sync_per_committed_chunk(pipe: Pipeline, monkeypatch: pytest.Monkey
     assert 1 == calls["replace"]
     assert 0 == calls["pwrite"]
     assert 104 == calls["write"]  # one per chunk, the batch record in two pieces, two progress events
+    # the log is opened once, beside the batch record and the directories fsynced
+    assert 8 == calls["open"]
+
+
+def _open_logs() -> list[str]:
+    """The chunk logs this process has open."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found += [path] if (path := os.readlink(f"/proc/self/fd/{fd}")).endswith(LOG) else []
+    return found
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files through /proc")
+@pytest.mark.parametrize("exc", [None, RuntimeError, KeyboardInterrupt])
+def test_a_batch_call_closes_its_log_however_it_ends(pipe: Pipeline, exc: type[BaseException] | None):
+    seen: list[list[str]] = []
+
+    def fn(x: int) -> int:
+        seen.append(_open_logs())
+        if exc is not None and x == 12:
+            raise exc("stop")
+        return x
+
+    with pipe, pytest.raises(exc) if exc is not None else contextlib.nullcontext():
+        checkpointed_map(fn, range(ROWS), every=EVERY, name="b")
+    assert [[]] * EVERY == seen[:EVERY]
+    assert all(len(logs) == 1 for logs in seen[EVERY:])  # kept open from the first commit on
+    assert [] == _open_logs()
 
 
 def test_a_failed_append_is_cut_before_the_next_one(
     pipe: Pipeline, state_dir: Path, monkeypatch: pytest.MonkeyPatch
 ):
     """An append that wrote part of a record (a full disk) is cut off before the next record goes on."""
-    original = LocalStore.append
+    original = AppendFile.append
     failed: list[int] = []
 
-    def flaky(self: LocalStore, key: str, data: bytes, *, durable: bool) -> None:
-        if key.endswith(LOG) and len(failed) == 0 and os.path.exists(self.path(key)):
+    def flaky(self: AppendFile, data: bytes, *, durable: bool) -> None:
+        if self.path.endswith(LOG) and len(failed) == 0 and os.path.getsize(self.path):
             failed.append(len(data))
-            original(self, key, data[: len(data) // 2], durable=durable)
-            raise OSError(errno.ENOSPC, "No space left on device", self.path(key))
-        original(self, key, data, durable=durable)
+            original(self, data[: len(data) // 2], durable=durable)
+            raise OSError(errno.ENOSPC, "No space left on device", self.path)
+        original(self, data, durable=durable)
 
-    monkeypatch.setattr(LocalStore, "append", flaky)
+    monkeypatch.setattr(AppendFile, "append", flaky)
     fn = Counter()
     with pipe, ThreadPoolExecutor(2) as pool, pytest.raises(OSError, match="No space"):
         checkpointed_map(fn, range(ROWS), every=EVERY, name="b", executor=pool, concurrency=4)

@@ -10,7 +10,8 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ._base import Buffer, Stamp, Store, StoreLock, as_store, check_key
+from ..exceptions import UsageError
+from ._base import Buffer, Stamp, Store, StoreLock, check_key
 from ._local import LocalStore
 from ._memory import MemoryStore
 
@@ -52,8 +53,14 @@ def open_store(
     directories. Any other URL (``s3://bucket/prefix`` ...) is opened with fsspec, passing
     it *storage_options* (needs ``pip install "resumable[remote]"``).
     """
+    if isinstance(location, Store):
+        return location
     if not isinstance(location, (str, os.PathLike)):
-        return as_store(location)
+        msg = (
+            f"{location!r} is not a store. Pass a directory, a URL, or an instance of a subclass "
+            "of resumable.Store (see docs/storage.md)"
+        )
+        raise UsageError(msg)
     text = os.fspath(location)
     scheme, sep, rest = text.partition("://")
     if not sep:

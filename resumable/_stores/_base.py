@@ -1,13 +1,7 @@
 """
-The contract of a store: :class:`Store`, the base class of every backend.
-
-A store holds opaque objects under ``/``-separated keys such as ``parse.msgpack`` or
-``fetch_page/3.msgpack``. Everything resumable guarantees about durability rests on the
-primitives a backend must implement (abstract here); every faster way of doing something
-a backend may offer is a method with a plain default built on the primitives, which a
-backend overrides when it can do better. The core calls these methods; only of a local
-directory does it ask more: the :data:`Stamp` of a file version (:func:`stamp_of`), which
-tells an unchanged file without reading it.
+The contract of a store: :class:`Store`, the base class of every backend. Of a local
+directory the core asks more: the :data:`Stamp` of a file version (:func:`stamp_of`),
+which tells an unchanged file without reading it, and a log kept open while a batch appends.
 """
 
 from __future__ import annotations
@@ -102,17 +96,6 @@ class Store(abc.ABC):
         (with *dry_run*, only return them). Called holding the lock. Default: there are none.
         """
         return []
-
-
-def as_store(obj: object) -> Store:
-    """*obj* if it is a :class:`Store`; raise a clear error otherwise."""
-    if isinstance(obj, Store):
-        return obj
-    msg = (
-        f"{obj!r} is not a store. Pass a directory, a URL, or an instance of a subclass of "
-        "resumable.Store (see docs/storage.md)"
-    )
-    raise UsageError(msg)
 
 
 _NO_DIR = frozenset({"", ".", ".."})  # components a key's directories cannot be

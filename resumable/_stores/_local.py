@@ -137,6 +137,32 @@ class _FileLock:
             os.close(fd)
 
 
+class AppendFile:
+    """A file of a :class:`LocalStore` open for appending (by the process that opened it) until closed."""
+
+    def __init__(self, store: LocalStore, path: str, fd: int) -> None:
+        self.path = path
+        self.pid = os.getpid()
+        self._store = store
+        self._fd = fd
+        self._new = os.fstat(fd).st_size == 0  # maybe just created: its name is not fsynced yet
+
+    def append(self, data: bytes, *, durable: bool) -> None:
+        """Append all of *data* or raise (an ``OSError`` naming the file); with *durable*, fsync it."""
+        try:
+            write_all(self._fd, [data])  # O_APPEND: one write lands whole at the end
+            if durable:
+                os.fsync(self._fd)
+                if self._new:  # the new name must survive a power loss too, like a renamed file's
+                    fsync_dir(os.path.dirname(self.path))
+                    self._new = False
+        except OSError as exc:
+            raise self._store.error(exc, self.path) from None
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
 class LocalStore(Store):
     """A directory on the local file system; files 0600, directories 0700."""
 
@@ -258,7 +284,6 @@ class LocalStore(Store):
     # writing -----------------------------------------------------------------------------
 
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
-        """Write a temp file, fsync it (if *durable*), rename it over *key*, fsync the directory."""
         self._replace(key, lambda fd: write_all(fd, chunks), durable=durable)
 
     def copy(self, src: str, dst: str, *, durable: bool) -> None:
@@ -306,7 +331,7 @@ class LocalStore(Store):
             os.close(fd_in)
 
     def _replace(self, key: str, fill: Callable[[int], None], *, durable: bool) -> None:
-        """Write a temp file with *fill*, fsync it, rename it over *key*, fsync the directory."""
+        """Write a temp file with *fill*, rename it over *key*; with *durable*, fsync it and the directory."""
         target = self.path(key)
         self._check_dirs(key)
         directory = os.path.dirname(target)
@@ -339,38 +364,23 @@ class LocalStore(Store):
             fsync_dir(directory)
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:
-        """
-        Append all of *data* in one ``write`` or raise (an ``OSError`` naming the file). With
-        *durable*, the file is synced, and its directory too when this append created it.
-        """
+        with contextlib.closing(self.open_append(key, durable=durable)) as file:
+            file.append(data, durable=durable)
+
+    def open_append(self, key: str, *, durable: bool) -> AppendFile:
+        """*key* opened to append to it (created, with its directories, if missing); close it when done."""
         path = self.path(key)
+        self._check_dirs(key)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
         try:
-            fd, created = self._open_append(key, path, durable=durable)
             try:
-                write_all(fd, [data])  # O_APPEND: one write lands whole at the end
-                if durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            if durable and created:
-                # the new name must survive a power loss too, like a renamed file's
-                fsync_dir(os.path.dirname(path))
+                fd = self._open(path, flags, own=True)
+            except FileNotFoundError:
+                self._makedirs(os.path.dirname(path), durable=durable)
+                fd = self._open(path, flags, own=True)
+            return AppendFile(self, path, fd)
         except OSError as exc:
             raise self.error(exc, path) from None
-
-    def _open_append(self, key: str, path: str, *, durable: bool) -> tuple[int, bool]:
-        """Open *key* to append to it (creating it, and its directories); also whether it was created."""
-        self._check_dirs(key)
-        flags = os.O_WRONLY | os.O_APPEND
-        try:
-            return self._open(path, flags, own=True), False
-        except FileNotFoundError:
-            pass
-        try:
-            return self._open(path, flags | os.O_CREAT, own=True), True
-        except FileNotFoundError:
-            self._makedirs(os.path.dirname(path), durable=durable)
-            return self._open(path, flags | os.O_CREAT, own=True), True
 
     def delete(self, key: str, *, durable: bool) -> None:
         path = self.path(key)
