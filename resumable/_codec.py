@@ -24,9 +24,8 @@ import stat
 import struct
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import attrs
 import msgpack
 
 from . import _codec_arrays  # noqa: F401 - adds NumPy and pandas values to the codec
@@ -54,13 +53,12 @@ def utcnow() -> str:
     return f"{time.strftime('%Y-%m-%dT%H:%M:%S', time.gmtime(seconds))}.{ns // 1_000_000:03d}Z"
 
 
-@attrs.define
-class Encoded:
+class Encoded(NamedTuple):
     """A value packed and ready to be framed: the body and its out-of-band buffers."""
 
     body: bytes
     buffers: list[memoryview]
-    pickled: bool = attrs.field(kw_only=True)
+    pickled: bool
 
 
 def encode(value: object, *, allow_pickle: bool, what: str = "the output") -> Encoded:
@@ -86,7 +84,7 @@ def encode(value: object, *, allow_pickle: bool, what: str = "the output") -> En
     except (OverflowError, TypeError) as exc:
         msg = f"cannot store {what}: {type(exc).__name__}: {exc}."
         raise SerializationError(msg) from None
-    return Encoded(body, encoder.buffers, pickled=encoder.pickled)
+    return Encoded(body, encoder.buffers, encoder.pickled)
 
 
 _HSUM_VALUE = 2 + 32  # a packed 32-character str (str8)
@@ -108,8 +106,7 @@ def _sign(header: Mapping[str, Any], secret: bytes) -> str:
     return _MAC_PREFIX + mac
 
 
-@attrs.define
-class Framed:
+class Framed(NamedTuple):
     """An output ready to be written: its header (packed: *head*) and value chunks."""
 
     header: dict[str, Any]
@@ -299,8 +296,7 @@ def verify(
         raise DamagedFileError(msg)
 
 
-@attrs.define
-class Verified:
+class Verified(NamedTuple):
     """
     A whole output file (or record, or chunk) whose header was parsed and whose bytes were
     checked (size, HMAC with a secret, checksum): the only thing that can be decoded.
