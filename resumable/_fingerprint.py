@@ -81,9 +81,6 @@ class StoredOutput:
         return self._value
 
 
-_NO_WEAKREF: set[type] = {dict, list, tuple}  # types known to refuse weak references
-
-
 class _Entry(NamedTuple):
     checksum: str  # the stored file's checksum of the value bytes
     pads: tuple[int, ...]  # its buffers' padding, to lay a re-encoding out the same way
@@ -114,59 +111,35 @@ class _Provenance:
         pickle (*loaded_pickle*) is encoded again now: pickles are not byte-stable across
         processes.
         """
-        ref: weakref.ref[Any] | None = None
-        if type(obj) not in _NO_WEAKREF:
-            try:
-                ref = weakref.ref(obj)
-            except TypeError:
-                _NO_WEAKREF.add(type(obj))
-        baseline = None
-        if loaded_pickle:
-            try:
-                baseline = self._encoding_checksum(obj, pads)
-            except _Unhashable:
-                return
-        entry = _Entry(checksum, pads, ref, type(obj), baseline or checksum)
-        key = id(obj)
-        entries = self._entries
+        try:
+            ref: weakref.ref[Any] | None = weakref.ref(obj)
+        except TypeError:
+            ref = None
+        try:
+            baseline = _encoding_checksum(obj, pads) if loaded_pickle else checksum
+        except _Unhashable:
+            return
         with self._lock:
-            entries.pop(key, None)  # (re)inserted last: the oldest entries go first
-            entries[key] = entry
-            if len(entries) > self.MAX_ENTRIES:
-                entries.popitem(last=False)
+            self._entries.pop(id(obj), None)  # (re)inserted last: the oldest entries go first
+            self._entries[id(obj)] = _Entry(checksum, pads, ref, type(obj), baseline)
+            if len(self._entries) > self.MAX_ENTRIES:
+                self._entries.popitem(last=False)
 
-    def entry(self, obj: object) -> _Entry | None:
+    def check(self, obj: object) -> tuple[bool, str] | None:
+        """
+        None if *obj* is not a remembered output with no digest of its own, else (True, the
+        stored digest) while it still encodes to the stored bytes, (False, the digest of its
+        encoding now) after.
+        """
         entry = self._entries.get(id(obj))
-        if entry is None or type(obj) is not entry.tp:
+        if entry is None or type(obj) is not entry.tp or (entry.ref is not None and entry.ref() is not obj):
             return None
-        if entry.ref is not None and entry.ref() is not obj:
+        if is_fingerprintable(obj):
             return None
-        return entry
-
-    def check(self, obj: object, entry: _Entry) -> tuple[bool, str]:
-        """(True, stored digest) if *obj* still encodes to the stored bytes, else (False, digest now)."""
-        actual = self._encoding_checksum(obj, entry.pads)
+        actual = _encoding_checksum(obj, entry.pads)
         if actual == entry.baseline:
             return True, entry.checksum.partition(":")[2]
         return False, actual.partition(":")[2]
-
-    @staticmethod
-    def _encoding_checksum(obj: object, pads: tuple[int, ...]) -> str:
-        try:
-            encoded = encode(obj, allow_pickle=True)
-        except SerializationError as exc:
-            raise _Unhashable(obj, f"it cannot be encoded ({exc})") from None
-        return value_checksum(encoded, pads)
-
-    def lookup(self, obj: object) -> str | None:
-        entry = self.entry(obj)
-        if entry is None:
-            return None
-        try:
-            unchanged, digest = self.check(obj, entry)
-        except _Unhashable:
-            return None
-        return digest if unchanged else None
 
     def clear(self) -> None:
         with self._lock:
@@ -174,6 +147,14 @@ class _Provenance:
 
     def __bool__(self) -> bool:
         return bool(self._entries)
+
+
+def _encoding_checksum(obj: object, pads: tuple[int, ...]) -> str:
+    try:
+        encoded = encode(obj, allow_pickle=True)
+    except SerializationError as exc:
+        raise _Unhashable(obj, f"it cannot be encoded ({exc})") from None
+    return value_checksum(encoded, pads)
 
 
 provenance = _Provenance()
@@ -197,14 +178,13 @@ _RECORDS = b"\xc1k"  # a list or tuple of dicts: the columns of each part
 _DICT, _SET = b"\xc1d", b"\xc1S"
 _BIG_INT = b"\xc1I"
 _SURROGATES = b"\xc1z"  # a str holding lone surrogates
-_UNPACKABLE = (OverflowError, UnicodeEncodeError)
+_UNPACKABLE = (OverflowError, UnicodeEncodeError)  # a plain scalar needing _Feeder._leaf
 _STORED = b"\xc1@"  # a step output passed on unchanged: its stored checksum
 _CHANGED = b"\xc1#"  # a step output changed in place that has no digest of its own: its encoding
 _LAZY = b"\xc1&"  # a StoredOutput
 
 _CHUNK = 8192  # items packed per call of msgpack
 _PART = 8192  # rows taken as one table: part of the format
-_DIRECT = 1 << 16  # bytes hashed where they are rather than copied to the buffer
 _LARGE = 1 << 20  # bytes buffered before they are hashed
 _THREADED = 1 << 23  # arrays this large are hashed by BLAKE3 on several threads
 _CHECK_EVERY = 4096  # containers walked one by one between two looks at the clock
@@ -226,21 +206,6 @@ class _Feeder:
     keys, column by column) are written by msgpack's C packer; the way a value takes
     depends only on what it holds.
     """
-
-    __slots__ = (
-        "_deadline",
-        "_describe",
-        "_hasher",
-        "_header",
-        "_pack",
-        "_text",
-        "_visits",
-        "active",
-        "capturing",
-        "out",
-        "outputs",
-        "paths",
-    )
 
     def __init__(self, *, outputs: bool = False) -> None:
         self.active: set[int] = set()  # ids of the containers being walked, to refuse cycles
@@ -286,17 +251,12 @@ class _Feeder:
         return bytes(self._hasher.digest())
 
     def _write(self, data: bytes | memoryview) -> None:
-        """Append *data* to the stream: a large piece is hashed where it is, the buffer once it is large."""
-        if self.capturing or len(data) < _DIRECT:
-            self.out += data
-            if len(self.out) >= _LARGE and not self.capturing:
-                self._hasher.update(self.out)
-                self.out.clear()  # the same buffer: callers hold it
-            return
-        self._hasher.update(self.out)
-        self.out.clear()
-        self._hasher.update(data)
-        self._tick()
+        """Append *data* to the stream, which is hashed once it is large (unless capturing)."""
+        self.out += data
+        if len(self.out) >= _LARGE and not self.capturing:
+            self._hasher.update(self.out)
+            self.out.clear()
+            self._tick()
 
     def _tick(self) -> None:
         """Announce (once) a fingerprint that has been going on for over SLOW_AFTER seconds."""
@@ -314,14 +274,7 @@ class _Feeder:
     def feed(self, obj: Any) -> None:
         tp = type(obj)
         if tp in _LEAVES:
-            try:
-                packed = self._pack(obj)
-            except _UNPACKABLE:
-                packed = self._leaf(obj)
-            if len(packed) < _DIRECT:
-                self.out += packed
-            else:
-                self._write(packed)
+            self._write(self._leaf(obj))
         elif self.outputs and self._output(obj):
             return
         elif tp is dict:
@@ -378,10 +331,10 @@ class _Feeder:
 
     def _output(self, obj: object) -> bool:
         """A step output with no digest of its own: its stored checksum (or its encoding's, if changed)."""
-        entry = provenance.entry(obj)
-        if entry is None or is_fingerprintable(obj):
+        found = provenance.check(obj)
+        if found is None:
             return False
-        unchanged, digest = provenance.check(obj, entry)
+        unchanged, digest = found
         self.out += (_STORED if unchanged else _CHANGED) + self._text(digest)
         return True
 
@@ -399,10 +352,8 @@ class _Feeder:
 
     # containers -------------------------------------------------------------------------
 
-    def _sequence(self, obj: list[Any] | tuple[Any, ...], tag: bytes, types: set[type] | None = None) -> None:
-        """A list or tuple (*types*: those of its items, if known)."""
-        if types is None:
-            types = set(map(type, obj))
+    def _sequence(self, obj: list[Any] | tuple[Any, ...], tag: bytes) -> None:
+        types = set(map(type, obj))
         if types <= _LEAVES:
             self.out += tag
             self._scalars(obj)
@@ -425,21 +376,8 @@ class _Feeder:
 
     def _items(self, items: list[Any] | tuple[Any, ...]) -> None:
         """The items of a sequence one by one, after its header."""
-        out, pack, feed = self.out, self._pack, self.feed
-        out += self._header(len(items))
-        i = 0
-        try:
-            for i, item in enumerate(items):  # noqa: B007 - i says which item failed
-                if type(item) in _LEAVES:
-                    try:
-                        out += pack(item)
-                    except _UNPACKABLE:
-                        out += self._leaf(item)
-                else:
-                    feed(item)
-        except _Unhashable as exc:
-            exc.path.append(i)
-            raise
+        self.out += self._header(len(items))
+        self._parts(items, 0, self.feed)
 
     def _listed(self, items: list[Any], where: str, names: list[Any]) -> None:
         """Keys, values or elements; the i-th is called ``where.format(names[i])`` in messages."""
