@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ast
 import copy
-import dataclasses
 import linecache
 import reprlib
 import textwrap
@@ -20,11 +19,10 @@ import types
 from itertools import islice
 from typing import Any, Literal
 
-import attrs
 import blake3
 
 from ._codec import encode, value_checksum
-from ._fingerprint import _Unhashable, digest_value
+from ._fingerprint import _fields_of, _Unhashable, digest_value
 from .exceptions import SerializationError
 
 # AST fields that never change what code does.
@@ -49,49 +47,27 @@ def _snapshot(fn: types.FunctionType) -> None:
         _snapshots[filename] = list(lines)
 
 
-# per node class: the fields the canonical text writes (all but _SKIP_FIELDS, which never
-# hold code, and an argument's annotation), each with its "field="
-_FIELDS: dict[type, tuple[tuple[str, str], ...]] = {}
-
-
-def _fields_of(kind: type) -> tuple[tuple[str, str], ...]:
-    fields = _FIELDS.get(kind)
-    if fields is None:
-        names = [f for f in kind._fields if f not in _SKIP_FIELDS]  # type: ignore[attr-defined]
-        fields = tuple((f, f"{f}=") for f in names if not (f == "annotation" and issubclass(kind, ast.arg)))
-        _FIELDS[kind] = fields
-    return fields
-
-
-def _canon(node: ast.AST, out: list[str], *, top: bool = False) -> None:
-    """The canonical text of *node* (appended to *out*): what the code digest hashes."""
-    kind = type(node)
-    out.append(kind.__name__)
-    out.append("(")
-    for field, label in _fields_of(kind):
-        if top and field in _TOP_SKIP:
+def _canon(node: ast.AST, *, top: bool = False) -> str:
+    """The canonical text of *node*, ``Kind(field=value;...)``: what the code digest hashes."""
+    parts = []
+    for field, found in ast.iter_fields(node):
+        if (
+            field in _SKIP_FIELDS
+            or (top and field in _TOP_SKIP)
+            or (field == "annotation" and isinstance(node, ast.arg))
+        ):
             continue
-        value = getattr(node, field, None)
-        if top and field == "body" and isinstance(value, list):
-            value = _without_docstring(value)
+        value = _without_docstring(found) if top and field == "body" and isinstance(found, list) else found
         if value is None or (type(value) is list and not value):
             continue
-        out.append(label)
         if isinstance(value, ast.AST):
-            _canon(value, out)
+            text = _canon(value)
         elif type(value) is list:
-            out.append("[")
-            for item in value:
-                if isinstance(item, ast.AST):
-                    _canon(item, out)
-                else:
-                    out.append(repr(item))
-                out.append(",")
-            out.append("]")
+            text = "[" + "".join(f"{_canon(v) if isinstance(v, ast.AST) else repr(v)}," for v in value) + "]"
         else:
-            out.append(repr(value))
-        out.append(";")
-    out.append(")")
+            text = repr(value)
+        parts.append(f"{field}={text};")
+    return f"{type(node).__name__}({''.join(parts)})"
 
 
 def _without_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
@@ -193,9 +169,7 @@ def _function_node(fn: types.FunctionType) -> ast.AST | None:
 def _source_digest(node: ast.AST | None) -> str | None:
     if node is None:
         return None
-    out: list[str] = []
-    _canon(node, out, top=True)
-    return blake3.blake3("".join(out).encode()).hexdigest()
+    return blake3.blake3(_canon(node, top=True).encode()).hexdigest()
 
 
 def _bytecode_digest(code: types.CodeType, doc: str | None) -> str:
@@ -282,7 +256,7 @@ class _ShortRepr(reprlib.Repr):
         return left + ", ".join(items) + (", ..." if len(x) > self.maxset else "") + right
 
     def repr_instance(self, x: object, level: int) -> str:
-        fields = _fields_for_repr(x)
+        fields = _fields_of(x)
         if fields is None:  # the object's own repr (NumPy and pandas shorten theirs)
             return super().repr_instance(x, level)
         if level <= 0:
@@ -290,15 +264,6 @@ class _ShortRepr(reprlib.Repr):
         shown = [f"{name}={self.repr1(value, level - 1)}" for name, value in fields[: self.maxlist]]
         more = ", ..." if len(fields) > self.maxlist else ""
         return f"{type(x).__name__}({', '.join(shown)}{more})"
-
-
-def _fields_for_repr(obj: object) -> list[tuple[str, Any]] | None:
-    tp = type(obj)
-    if attrs.has(tp):
-        return [(a.name, getattr(obj, a.name, None)) for a in attrs.fields(tp)]
-    if dataclasses.is_dataclass(tp):
-        return [(f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj)]  # type: ignore[arg-type]
-    return None
 
 
 _short = _ShortRepr()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import dis
 import functools
+import operator
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -68,32 +69,15 @@ class CodeShape:
     every name it followed was bound to, which :meth:`current` checks at each call.
     """
 
-    __slots__ = (
-        "_sources",
-        "cells",
-        "functions",
-        "globals",
-        "last",
-        "left_out",
-        "nodes",
-        "others",
-        "reads",
-        "static",
-        "steps",
-    )
-
     def __init__(self) -> None:
         self.static: dict[str, str] = {}
         self.nodes: dict[str, ast.AST] = {}  # component label -> syntax tree
         self.reads: list[tuple[str, Callable[[], object]]] = []  # ("const NAME", getter)
         self.steps: list[tuple[str, Any]] = []  # ("step NAME", its StepSpec)
         self.left_out: dict[str, str] = {}  # names whose values cannot be fingerprinted -> type
-        # bindings: (namespace, name, what it held), (cell, what it held), (function, its
-        # code, defaults and keyword defaults), (how to read something, what it was)
-        self.globals: list[tuple[dict[str, Any], str, object]] = []
-        self.cells: list[tuple[types.CellType, object]] = []
-        self.functions: list[tuple[types.FunctionType, types.CodeType, object, object]] = []
-        self.others: list[tuple[Callable[[], object], object]] = []
+        # what the shape followed: (how to read it now, what it held), and checks of the rest
+        self.bound: list[tuple[Callable[[], object], object]] = []
+        self.checks: list[Callable[[], bool]] = []
         self.last: tuple[dict[str, str], dict[str, str], Any] | None = None  # values -> identity
         self._sources: dict[str, str] | None = None
 
@@ -106,15 +90,7 @@ class CodeShape:
 
     def current(self) -> bool:
         """True while every name the shape followed is bound as when it was made (no hashing)."""
-        for namespace, name, value in self.globals:
-            if namespace.get(name, _MISSING) is not value:
-                return False
-        for fn, code, defaults, kwargs in self.functions:
-            if fn.__code__ is not code or fn.__defaults__ is not defaults or fn.__kwdefaults__ is not kwargs:
-                return False
-        return (not self.cells or all(_cell(cell)() is value for cell, value in self.cells)) and (
-            not self.others or all(read() == value for read, value in self.others)
-        )
+        return all(read() is value for read, value in self.bound) and all(check() for check in self.checks)
 
     def values(
         self, owner: object, within: tuple[object, ...]
@@ -144,10 +120,6 @@ class CodeShape:
         for label, spec in self.steps:
             digests[label] = "cycle" if spec in inside else spec.identity(inside).identity[:16]
         return digests, left_out
-
-
-def _global(namespace: dict[str, Any], name: str) -> Callable[[], object]:
-    return lambda: namespace.get(name, _MISSING)
 
 
 def _cell(cell: types.CellType) -> Callable[[], object]:
@@ -410,14 +382,14 @@ class _Builder:
             self.callable(obj.func, label, main=main)
             home = _home(obj.func)
             for i, arg in enumerate(obj.args):
-                self.reference(f"partial[{i}]", arg, _item(obj.args, i), home)
+                self.reference(f"partial[{i}]", arg, functools.partial(operator.getitem, obj.args, i), home)
             for key, arg in obj.keywords.items():
-                self.reference(f"partial({key}=)", arg, _key(obj.keywords, key), home)
+                self.reference(f"partial({key}=)", arg, _entry(obj.keywords, key), home)
         elif isinstance(obj, types.MethodType):
             self.callable(obj.__func__, label, main=main)
             self.instance(obj.__self__, "self", _home(obj.__func__))
         elif isinstance(call := _class_call(obj), types.FunctionType):
-            shape.others.append((functools.partial(_class_call, obj), call))
+            shape.bound.append((functools.partial(_class_call, obj), call))
             self.callable(call, label, main=main)
             self.instance(obj, "self", call.__globals__)
         elif not wrapper:  # (a decorator written in C adds no code of its own)
@@ -438,16 +410,18 @@ class _Builder:
             else:
                 self.shape.reads.append((f"const {name}", lambda: obj))
             return
-        self.shape.others.append((functools.partial(_names_of, attributes), _names_of(attributes)))
+        self.shape.checks.append(functools.partial(_same_names, attributes, tuple(attributes)))
         for attr, value in attributes.items():
             if not attr.startswith("__"):  # a decorator's copies of __name__, __wrapped__ ...
-                self.reference(f"{name}.{attr}", value, _key(attributes, attr), home)
+                self.reference(f"{name}.{attr}", value, _entry(attributes, attr), home)
 
     def visit(self, func: types.FunctionType, label: str, *, main: bool) -> None:
         """Add one function: its own code, what its names refer to and, unless *main*, its defaults."""
         shape = self.shape
         code = func.__code__
-        shape.functions.append((func, code, func.__defaults__, func.__kwdefaults__))
+        shape.checks.append(
+            functools.partial(_same_function, func, code, func.__defaults__, func.__kwdefaults__)
+        )
         if func in self.seen:
             return
         self.seen.add(func)
@@ -462,11 +436,11 @@ class _Builder:
         home = func.__globals__
         for name in sorted(_global_names(code)):
             if not name.startswith("__"):
-                read = _global(home, name)
-                self.reference(name, read(), read, home, (home, name))
+                read = _entry(home, name)
+                self.reference(name, read(), read, home)
         for name, cell in zip(code.co_freevars, func.__closure__ or (), strict=False):
             read = _cell(cell)
-            self.reference(name, read(), read, home, cell)
+            self.reference(name, read(), read, home)
         if main:
             return
         # the defaults of a function the step calls are values it reads
@@ -478,14 +452,7 @@ class _Builder:
         for param, value in (func.__kwdefaults__ or {}).items():
             self.reference(f"{func.__name__}({param}=)", value, _kwdefault(func, param), home)
 
-    def reference(
-        self,
-        name: str,
-        value: object,
-        read: Callable[[], object],
-        home: dict[str, Any],
-        where: tuple[dict[str, Any], str] | types.CellType | None = None,
-    ) -> None:
+    def reference(self, name: str, value: object, read: Callable[[], object], home: dict[str, Any]) -> None:
         """Put one name the code refers to where it belongs in the shape."""
         shape = self.shape
         inside = None
@@ -496,12 +463,7 @@ class _Builder:
                 return
         # code, a dispatch table, or not defined (yet): bound by identity, so that a change
         # makes the shape again
-        if isinstance(where, tuple):
-            shape.globals.append((where[0], where[1], value))
-        elif isinstance(where, types.CellType):
-            shape.cells.append((where, value))
-        else:
-            shape.others.append((functools.partial(_same, read, value), True))
+        shape.bound.append((read, value))
         if inside is not None:
             self.table(name, value, inside)
         elif value is not _MISSING:
@@ -511,7 +473,7 @@ class _Builder:
         """A dispatch table: its functions are code, and its entries are bound."""
         keys = repr([entry for entry, _ in inside]).encode()
         self.shape.static[f"table {name}"] = blake3.blake3(keys).hexdigest()[:16]
-        self.shape.others.append((functools.partial(_same_items, table, _items(table)), True))
+        self.shape.checks.append(functools.partial(_same_items, table, _items(table)))
         for entry, func in inside:
             self.visit(func, f"fn {name}[{entry}]", main=False)
 
@@ -548,12 +510,8 @@ def _home(obj: object) -> dict[str, Any]:
     return found[-1].__globals__ if found else {}
 
 
-def _item(items: tuple[object, ...], i: int) -> Callable[[], object]:
-    return lambda: items[i]
-
-
-def _key(mapping: dict[str, Any], key: str) -> Callable[[], object]:
-    return lambda: mapping.get(key, _MISSING)
+def _entry(mapping: dict[str, Any], key: str) -> Callable[[], object]:
+    return functools.partial(mapping.get, key, _MISSING)
 
 
 def _default(func: types.FunctionType, i: int) -> Callable[[], object]:
@@ -568,12 +526,14 @@ def _class_call(obj: object) -> object:
     return getattr(type(obj), "__call__", None)  # noqa: B004 - the class's own __call__
 
 
-def _names_of(attributes: dict[str, Any]) -> tuple[str, ...]:
-    return tuple(attributes)
+def _same_names(attributes: dict[str, Any], names: tuple[str, ...]) -> bool:
+    return tuple(attributes) == names
 
 
-def _same(read: Callable[[], object], value: object) -> bool:
-    return read() is value
+def _same_function(
+    func: types.FunctionType, code: types.CodeType, defaults: object, kwdefaults: object
+) -> bool:
+    return func.__code__ is code and func.__defaults__ is defaults and func.__kwdefaults__ is kwdefaults
 
 
 def _items(table: Any) -> tuple[tuple[object, ...], tuple[object, ...]]:
