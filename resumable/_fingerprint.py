@@ -35,7 +35,7 @@ import blake3
 import msgpack
 
 from ._codec import encode, value_checksum
-from ._codec_types import object_kind, qualified_name
+from ._codec_types import _tz_key, object_kind, qualified_name
 from ._files import file_digests
 from .exceptions import FingerprintError, SerializationError
 
@@ -207,11 +207,13 @@ class _Feeder:
     depends only on what it holds.
     """
 
-    def __init__(self, *, outputs: bool = False) -> None:
+    def __init__(self, describe: Callable[[], str] | None = None, *, outputs: bool = False) -> None:
+        """*describe* says what is fingerprinted, if it ever takes long."""
         self.active: set[int] = set()  # ids of the containers being walked, to refuse cycles
         self.outputs = outputs  # second pass: step outputs with no digest are known by their checksum
         self.paths = False  # True once a Path was fed: the digest then depends on its files
         self.out = bytearray()
+        self._hasher = blake3.blake3()
         packer = msgpack.Packer(use_bin_type=True, buf_size=1024)
         self._pack: Callable[[Any], bytes] = packer.pack
         self._header: Callable[[int], bytes] = packer.pack_array_header
@@ -219,12 +221,8 @@ class _Feeder:
         self._text: Callable[[Any], bytes] = msgpack.Packer(unicode_errors="surrogatepass", buf_size=256).pack
         self.capturing = 0  # > 0 while encodings are made to be sorted: nothing is hashed
         self._visits = 0
-        self._deadline = math.inf
-        self._describe: Callable[[], str] | None = None
-
-    def name(self, text: str) -> bytes:
-        """*text* as msgpack writes it."""
-        return self._text(text)
+        self._describe = describe
+        self._deadline = _clock() + SLOW_AFTER if describe is not None else math.inf
 
     def _leaf(self, obj: Any) -> bytes:
         """A plain scalar msgpack cannot write as it is: an int beyond 64 bits, a str with lone surrogates."""
@@ -234,15 +232,6 @@ class _Feeder:
             return _BIG_INT + self._pack(str(obj))
         except UnicodeEncodeError:
             return _SURROGATES + self._text(obj)
-
-    def start(self, describe: Callable[[], str] | None = None) -> None:
-        """Begin a new stream; *describe* says what is fingerprinted, if it ever takes long."""
-        self.out = bytearray()
-        self._hasher = blake3.blake3()
-        self.active.clear()
-        self.paths = False
-        self._describe = describe
-        self._deadline = _clock() + SLOW_AFTER if describe is not None else math.inf
 
     def digest(self) -> bytes:
         """The BLAKE3 digest (32 bytes) of the stream."""
@@ -613,11 +602,6 @@ _PURE_POSIX, _PURE_WINDOWS, _FILE = b"\xc1p", b"\xc1w", b"\xc1F"
 _PACK_COMPLEX = struct.Struct("<dd").pack
 
 
-def _tz(value: dt.datetime | dt.time) -> str:
-    key = getattr(value.tzinfo, "key", None)
-    return key if isinstance(key, str) else ""
-
-
 Pack = Callable[[Any], bytes]
 
 # Scalars other than the plain ones, by exact type: their encodings.
@@ -625,9 +609,9 @@ _OTHER_SCALARS: dict[type, Callable[[Any, Pack], bytes]] = {
     complex: lambda o, _p: b"\xc1c" + _PACK_COMPLEX(o.real, o.imag),
     bytearray: lambda o, p: b"\xc1b" + p(bytes(o)),
     memoryview: lambda o, p: b"\xc1b" + p(o.tobytes()),
-    dt.datetime: lambda o, p: b"\xc1D" + p([o.isoformat(), _tz(o), o.fold]),
+    dt.datetime: lambda o, p: b"\xc1D" + p([o.isoformat(), _tz_key(o.tzinfo) or "", o.fold]),
     dt.date: lambda o, p: b"\xc1j" + p(o.isoformat()),
-    dt.time: lambda o, p: b"\xc1h" + p([o.isoformat(), _tz(o), o.fold]),
+    dt.time: lambda o, p: b"\xc1h" + p([o.isoformat(), _tz_key(o.tzinfo) or "", o.fold]),
     dt.timedelta: lambda o, p: b"\xc1e" + p([o.days, o.seconds, o.microseconds]),
     decimal.Decimal: lambda o, p: b"\xc1m" + p(str(o)),
     uuid.UUID: lambda o, _p: b"\xc1u" + o.bytes,
@@ -651,8 +635,7 @@ def _size(value: object) -> str:
 
 def digest_value(value: object, *, describe: str | None = None) -> str:
     """Digest of one value (hex); *describe* names it if it takes long (e.g. "step 'a': global 'ROWS'")."""
-    feeder = _Feeder()
-    feeder.start(None if describe is None else lambda: f"{describe} ({_size(value)})")
+    feeder = _Feeder(None if describe is None else lambda: f"{describe} ({_size(value)})")
     feeder.feed(value)
     return feeder.digest().hex()
 
@@ -660,7 +643,6 @@ def digest_value(value: object, *, describe: str | None = None) -> str:
 def content_digest(value: object) -> str | None:
     """:func:`digest_value`, kept with a stored output; None if it has none or holds a ``Path``."""
     feeder = _Feeder()
-    feeder.start()
     try:
         feeder.feed(value)
     except (_Unhashable, RecursionError):
@@ -677,7 +659,7 @@ def is_fingerprintable(value: object) -> bool:
     return True
 
 
-def argument_digest(step: str, name: str, value: object, feeder: _Feeder | None = None) -> bytes:
+def argument_digest(step: str, name: str, value: object) -> bytes:
     """
     The digest of one argument (32 bytes).
 
@@ -690,16 +672,14 @@ def argument_digest(step: str, name: str, value: object, feeder: _Feeder | None 
     def describe() -> str:
         return f"step {step!r}: argument {name!r} ({_size(value)})"
 
-    feeder = feeder or _Feeder()
-    feeder.start(describe)
+    feeder = _Feeder(describe)
     try:
         try:
             feeder.feed(value)
         except _Unhashable:
             if not provenance:
                 raise
-            feeder = _Feeder(outputs=True)
-            feeder.start(describe)
+            feeder = _Feeder(describe, outputs=True)
             feeder.feed(value)
     except _Unhashable as exc:
         tp = qualified_name(type(exc.obj))
@@ -726,13 +706,11 @@ def digest_parameters(
         FingerprintError: an argument has no stable digest.
     """
     out = bytearray()
-    feeder = _Feeder()
     params: dict[str, str] = {}
     for name, value in arguments.items():
         if name in ignore:
             continue
-        digest = argument_digest(step, name, value, feeder)
+        digest = argument_digest(step, name, value)
         params[name] = digest[:8].hex()
-        out += feeder.name(name)
-        out += digest
+        out += msgpack.packb(name) + digest
     return blake3.blake3(out).hexdigest()[:32], params
