@@ -431,10 +431,6 @@ def _decode_path(dec: Decoder, payload: bytes) -> pathlib.PurePath:
     return path
 
 
-def _decode_enum(dec: Decoder, payload: bytes) -> Any:
-    return _enum_from(dec.unpack(payload))
-
-
 def _enum_from(fields: Any) -> Any:
     module, qualname, value = _checked(fields, (str, str, object))
     cls = _find_class(module, qualname, "Enum", lambda c: issubclass(c, enum.Enum))
@@ -445,10 +441,6 @@ def _enum_from(fields: Any) -> Any:
 
 
 _OBJECT_KINDS = frozenset({"attrs", "dataclass", "pydantic"})
-
-
-def _decode_object(dec: Decoder, payload: bytes) -> Any:
-    return _object_from(dec.unpack(payload))
 
 
 def _object_from(fields: Any) -> Any:
@@ -530,8 +522,8 @@ _DECODERS: dict[int, Callable[[Decoder, bytes], Any]] = {
     UUID: _decode_uuid,
     PATH: _decode_path,
     COMPLEX: lambda _dec, p: complex(*struct.unpack("<dd", p)),
-    ENUM: _decode_enum,
-    OBJECT: _decode_object,
+    ENUM: lambda dec, p: _enum_from(dec.unpack(p)),
+    OBJECT: lambda dec, p: _object_from(dec.unpack(p)),
     PICKLE: Decoder._pickle,  # noqa: SLF001
 }
 
