@@ -16,7 +16,7 @@ import linecache
 import reprlib
 import types
 from itertools import islice
-from typing import Any, Literal
+from typing import Any
 
 import blake3
 
@@ -119,12 +119,6 @@ def _function_node(fn: types.FunctionType) -> ast.AST | None:
     return named[0] if named else None
 
 
-def _source_digest(node: ast.AST | None) -> str | None:
-    if node is None:
-        return None
-    return blake3.blake3(_canon(node, top=True).encode()).hexdigest()
-
-
 def _bytecode_digest(code: types.CodeType, doc: str | None) -> str:
     h = blake3.blake3()
 
@@ -141,13 +135,14 @@ def _bytecode_digest(code: types.CodeType, doc: str | None) -> str:
     return h.hexdigest()
 
 
-def function_digest(fn: types.FunctionType, node: ast.AST | Literal[False] | None = False) -> str:
+def function_digest(fn: types.FunctionType, node: ast.AST | None) -> str:
     """
-    Digest of one function's own logic (not of what it calls); *node*: its syntax tree, if
-    known. Its default values are not part of it: they are arguments, or values it reads.
+    Digest of one function's own logic from its syntax tree *node* (from its bytecode if
+    None). Its default values are not part of it: they are arguments, or values it reads.
     """
-    digest = _source_digest(_function_node(fn) if node is False else node)
-    return digest or "bytecode:" + _bytecode_digest(fn.__code__, fn.__doc__)
+    if node is not None:
+        return blake3.blake3(_canon(node, top=True).encode()).hexdigest()
+    return "bytecode:" + _bytecode_digest(fn.__code__, fn.__doc__)
 
 
 _MAX_SOURCE = 20_000  # characters of a component's source kept for `resumable why`
@@ -156,10 +151,8 @@ _MAX_REPR = 200
 
 def value_digest(value: object, describe: str | None = None) -> str | None:
     """
-    The digest of a value a step reads, or None if it cannot be fingerprinted: its
-    fingerprint as an argument (a value of a type the codec stores without pickling but
-    that has no fingerprint, by its encoding). With *describe* (which value of which step),
-    one that takes long to fingerprint is announced.
+    The digest of a value a step reads: its fingerprint as an argument, else its encoding
+    without pickles, else None. *describe* names it if it takes long.
     """
     try:
         return "f" + digest_value(value, describe=describe)[:15]

@@ -63,11 +63,7 @@ class NoIdentity(Exception):  # noqa: N818 - turned into StepDefinitionError by 
 
 
 class CodeShape:
-    """
-    What a step's code identity is made of: digests of its own code, wrappers and helpers;
-    the steps it calls and the values it reads (both read again at every call); and what
-    every name it followed was bound to, which :meth:`current` checks at each call.
-    """
+    """What a step's code identity is made of, and what its names were bound to."""
 
     def __init__(self) -> None:
         self.static: dict[str, str] = {}
@@ -96,9 +92,9 @@ class CodeShape:
         self, owner: object, within: tuple[object, ...]
     ) -> tuple[dict[str, str], dict[str, str]] | None:
         """
-        The digests of the values and steps the code reads, as they are now, and the names
-        left out (by type); None if a value read became code (the shape must be made again).
-        *within*: the steps whose identity is being worked out on this thread (a cycle).
+        The digests of the values and steps the code reads now, and the names left out (by
+        type); None if a value read became code. *within*: the steps whose identity is being
+        worked out on this thread (a cycle).
         """
         step = getattr(owner, "name", None)
         digests: dict[str, str] = {}
@@ -193,7 +189,7 @@ def _at(stack: list[_Label], depth: int) -> _Label:
 
 
 def _name(label: _Label, attribute: str | None = None) -> str | None:
-    """The name a change of the value *label* stands for (of its *attribute*, if given) changes."""
+    """The name a change of *label* (of its *attribute*, if given) changes."""
     if label is None:
         return None
     root, first, _ = label
@@ -294,7 +290,6 @@ def _call_changes(stack: list[_Label], count: int) -> Iterator[str]:
 
 
 def _wrapped(obj: object) -> object | None:
-    """What *obj* wraps (``__wrapped__``, set by ``functools.wraps``), or None."""
     if isinstance(obj, (types.MethodType, functools.partial)):  # they hold their function
         return None
     attributes = getattr(obj, "__dict__", None)
@@ -304,11 +299,7 @@ def _wrapped(obj: object) -> object | None:
 def _parts(obj: object, depth: int = 0) -> list[types.FunctionType]:
     """
     The Python functions *obj* runs as a step (its wrappers, the function a partial or a
-    method holds, a callable object's ``__call__``).
-
-    Raises:
-        NoIdentity: part of it has no Python code (a builtin, a C extension's callable), or
-            the decorators wrap each other in a cycle.
+    method holds, a callable object's ``__call__``); NoIdentity if part of it has none.
     """
     if depth > 100:
         msg = "its decorators (__wrapped__) wrap each other in a cycle"
@@ -325,8 +316,7 @@ def _parts(obj: object, depth: int = 0) -> list[types.FunctionType]:
         return [*_parts(obj.func, depth + 1), *found]
     if isinstance(obj, types.MethodType):
         return [*_parts(obj.__func__, depth + 1), *found]
-    call = getattr(type(obj), "__call__", None)  # noqa: B004 - the class's own __call__
-    if isinstance(call, types.FunctionType):
+    if isinstance(call := _class_call(obj), types.FunctionType):
         return [*_parts(call, depth + 1), *found]
     if inner is not None:  # a decorator written in C (lru_cache): what it wraps is the code
         return found
@@ -334,20 +324,14 @@ def _parts(obj: object, depth: int = 0) -> list[types.FunctionType]:
     raise NoIdentity(msg)
 
 
-def check_identity(obj: object) -> None:
-    """
-    Raises:
-        NoIdentity: the code of callable *obj* cannot be told from what it is (then only a
-            ``version=`` can tie its outputs to it).
-    """
-    _parts(obj)
-
-
 def _functions_of(obj: object) -> list[types.FunctionType]:
     try:
         return _parts(obj)
     except NoIdentity:
         return []
+
+
+check_identity = _parts  # raises NoIdentity: then only a version= can tie the outputs to the code
 
 
 class _Builder:
@@ -362,10 +346,7 @@ class _Builder:
         self.wrappers = 0
 
     def callable(self, obj: object, label: str, *, main: bool) -> None:
-        """
-        Add a callable the step runs. *main*: its signature is the step's (its defaults are
-        then arguments, fingerprinted with them); the others' defaults are values it reads.
-        """
+        """Add a callable the step runs; *main*: its defaults are arguments, not values it reads."""
         inner = _wrapped(obj)
         if inner is not None:  # the wrapped function is the step's code, its wrappers too
             self.callable(inner, label, main=main)
@@ -396,11 +377,7 @@ class _Builder:
             raise NoIdentity(type(obj).__name__)
 
     def instance(self, obj: object, name: str, home: dict[str, Any]) -> None:
-        """
-        The object a method or a callable object runs with: its attributes, each like a
-        value the code reads (those the code changes, such as a cache it fills, left out);
-        an object without attributes of its own by its value.
-        """
+        """The object a method or a callable object runs with: its attributes, or its value."""
         if isinstance(obj, (type, types.ModuleType)):  # a classmethod's class: code
             return
         attributes = getattr(obj, "__dict__", None)
@@ -453,7 +430,6 @@ class _Builder:
             self.reference(f"{func.__name__}({param}=)", value, _kwdefault(func, param), home)
 
     def reference(self, name: str, value: object, read: Callable[[], object], home: dict[str, Any]) -> None:
-        """Put one name the code refers to where it belongs in the shape."""
         shape = self.shape
         inside = None
         if value is not _MISSING and not _is_code(value):
@@ -470,15 +446,13 @@ class _Builder:
             self.code(name, value, home)
 
     def table(self, name: str, table: object, inside: list[tuple[str, types.FunctionType]]) -> None:
-        """A dispatch table: its functions are code, and its entries are bound."""
         keys = repr([entry for entry, _ in inside]).encode()
         self.shape.static[f"table {name}"] = blake3.blake3(keys).hexdigest()[:16]
-        self.shape.checks.append(functools.partial(_same_items, table, _items(table)))
+        self.shape.checks.append(functools.partial(_same_items, table, _held(table)))
         for entry, func in inside:
             self.visit(func, f"fn {name}[{entry}]", main=False)
 
     def code(self, name: str, value: object, home: dict[str, Any]) -> None:
-        """A name bound to code: a step, a helper (followed), a module (left out), other code."""
         shape = self.shape
         spec = self.step_of(value)
         if spec is not None:
@@ -505,7 +479,6 @@ class _Builder:
 
 
 def _home(obj: object) -> dict[str, Any]:
-    """The globals of the function *obj* runs (through partials, methods and wrappers)."""
     found = _functions_of(obj)
     return found[-1].__globals__ if found else {}
 
@@ -536,31 +509,22 @@ def _same_function(
     return func.__code__ is code and func.__defaults__ is defaults and func.__kwdefaults__ is kwdefaults
 
 
-def _items(table: Any) -> tuple[tuple[object, ...], tuple[object, ...]]:
-    return (tuple(table), tuple(table.values())) if type(table) is dict else ((), tuple(table))
+def _held(table: Any) -> list[object]:
+    return [*table, *table.values()] if type(table) is dict else list(table)
 
 
-def _same_items(table: Any, items: tuple[tuple[object, ...], tuple[object, ...]]) -> bool:
-    """True while a dispatch table holds the very objects it held (it is held, and they are)."""
-    keys, values = _items(table)
-    return (
-        keys == items[0]
-        and len(values) == len(items[1])
-        and all(a is b for a, b in zip(values, items[1], strict=True))
-    )
+def _same_items(table: Any, held: list[object]) -> bool:
+    """True while a dispatch table holds the very objects it held."""
+    now = _held(table)
+    return len(now) == len(held) and all(a is b for a, b in zip(now, held, strict=True))
 
 
 def code_shape(fn: object, step_of: Callable[[object], Any], owner: object = None) -> CodeShape:
     """
-    The components of the code identity of a step running callable *fn* (see
-    :class:`CodeShape`).
-
-    ``code`` is the function itself (``wrapper N`` its decorators); ``fn NAME``, ``step
-    NAME``, ``table NAME`` and ``const NAME`` are what it refers to. *step_of* returns the
-    step an object is (its ``StepSpec``), or None; *owner* is the step being worked out.
-
-    Raises:
-        NoIdentity: part of *fn* has no Python code (see :func:`check_identity`).
+    The code identity of a step running *fn*: ``code`` is the function itself (``wrapper N``
+    its decorators); ``fn NAME``, ``step NAME``, ``table NAME`` and ``const NAME`` are what
+    it refers to. *step_of* returns the ``StepSpec`` an object is, or None; *owner* is the
+    step being worked out.
     """
     builder = _Builder(step_of, owner)
     builder.callable(fn, "code", main=True)
