@@ -251,14 +251,21 @@ def object_kind(tp: type) -> str | None:
     return None
 
 
-def _object_state(kind: str, obj: Any) -> dict[str, Any]:
+def object_fields(obj: Any) -> list[tuple[str, Any]] | None:
+    """The fields of an attrs, dataclass or pydantic instance, or None."""
+    kind = object_kind(type(obj))
     if kind == "attrs":
-        return {a.name: getattr(obj, a.name) for a in attrs.fields(type(obj))}
+        return [(a.name, getattr(obj, a.name)) for a in attrs.fields(type(obj))]
     if kind == "dataclass":
-        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    # pydantic's own pickle state, taken without pickling
-    state: dict[str, Any] = obj.__getstate__()
-    return state
+        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    return list(obj) if kind == "pydantic" else None
+
+
+def _object_state(kind: str, obj: Any) -> dict[str, Any]:
+    if kind == "pydantic":  # pydantic's own pickle state, taken without pickling
+        state: dict[str, Any] = obj.__getstate__()
+        return state
+    return dict(object_fields(obj) or ())
 
 
 def _encode_when(code: int) -> Callable[[Encoder, Any], object]:
@@ -543,7 +550,7 @@ def find_path(root: object, target: object, name: str = "output") -> str:
     return name
 
 
-def _children(obj: object, path: str) -> list[tuple[object, str]]:  # noqa: PLR0911 - one dispatch
+def _children(obj: object, path: str) -> list[tuple[object, str]]:
     if isinstance(obj, dict):
         pairs = list(obj.items())
         return [(v, f"{path}[{k!r}]") for k, v in pairs] + [(k, f"{path} key {k!r}") for k, _ in pairs]
@@ -551,11 +558,9 @@ def _children(obj: object, path: str) -> list[tuple[object, str]]:  # noqa: PLR0
         return [(v, f"{path}[{i}]") for i, v in enumerate(obj)]
     if isinstance(obj, (set, frozenset)):
         return [(v, f"{path} element") for v in obj]
-    kind = object_kind(type(obj))
-    if kind in {"attrs", "dataclass"}:
-        return [(v, f"{path}.{k}") for k, v in _object_state(kind, obj).items()]
-    if kind == "pydantic":
-        return [(v, f"{path}.{k}") for k, v in dict(obj).items()]  # type: ignore[call-overload]
+    fields = object_fields(obj)
+    if fields is not None:
+        return [(v, f"{path}.{k}") for k, v in fields]
     state = getattr(obj, "__dict__", None)  # a plain object, pickled with its attributes
     if isinstance(state, dict) and not isinstance(obj, type):
         return [(v, f"{path}.{k}") for k, v in state.items()]

@@ -21,7 +21,8 @@ from typing import Any
 import blake3
 
 from ._codec import encode, value_checksum
-from ._fingerprint import _fields_of, _Unhashable, digest_value
+from ._codec_types import object_fields
+from ._fingerprint import _Unhashable, digest_value
 from .exceptions import SerializationError
 
 # AST fields that never change what code does.
@@ -202,7 +203,7 @@ class _ShortRepr(reprlib.Repr):
         return left + ", ".join(items) + (", ..." if len(x) > self.maxset else "") + right
 
     def repr_instance(self, x: object, level: int) -> str:
-        fields = _fields_of(x)
+        fields = object_fields(x)
         if fields is None:  # the object's own repr (NumPy and pandas shorten theirs)
             return super().repr_instance(x, level)
         if level <= 0:

@@ -11,7 +11,6 @@ rather than being hashed by identity or by pickled bytes.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import decimal
 import enum
@@ -35,7 +34,7 @@ import blake3
 import msgpack
 
 from ._codec import encode, value_checksum
-from ._codec_types import _tz_key, object_kind, qualified_name
+from ._codec_types import _tz_key, object_fields, qualified_name
 from ._files import file_digests
 from .exceptions import FingerprintError, SerializationError
 
@@ -173,7 +172,7 @@ _NATURAL: frozenset[type] = frozenset({str, int, bytes})  # totally ordered: key
 
 _LIST, _TUPLE = b"\xc1l", b"\xc1t"
 _SEQ_TAGS: dict[type, bytes] = {list: _LIST, tuple: _TUPLE}
-_ROWS = b"\xc1r"  # a list or tuple of lists (or of tuples), part by part
+_ROWS = b"\xc1r"  # a list or tuple of lists (or of tuples) of plain scalars
 _RECORDS = b"\xc1k"  # a list or tuple of dicts: the columns of each part
 _DICT, _SET = b"\xc1d", b"\xc1S"
 _BIG_INT = b"\xc1I"
@@ -184,7 +183,7 @@ _CHANGED = b"\xc1#"  # a step output changed in place that has no digest of its 
 _LAZY = b"\xc1&"  # a StoredOutput
 
 _CHUNK = 8192  # items packed per call of msgpack
-_PART = 8192  # rows taken as one table: part of the format
+_PART = 8192  # dicts taken as one table: part of the format
 _LARGE = 1 << 20  # bytes buffered before they are hashed
 _THREADED = 1 << 23  # arrays this large are hashed by BLAKE3 on several threads
 _CHECK_EVERY = 4096  # containers walked one by one between two looks at the clock
@@ -307,7 +306,7 @@ class _Feeder:
             self.out += _METHOD + self._text(qualified_name(tp))
             self._inside(stable, ".__resumable_fingerprint__()")
         else:
-            fields = _fields_of(obj)
+            fields = object_fields(obj)
             if fields is None:
                 self._special(obj)
                 return
@@ -347,14 +346,15 @@ class _Feeder:
             self.out += tag
             self._scalars(obj)
             return
-        if len(types) == 1:
-            (inner,) = types
-            if inner is tuple or inner is list:
-                self._rows(obj, tag, _SEQ_TAGS[inner])
-                return
-            if inner is dict:
-                self._records(obj, tag)
-                return
+        if types == {dict}:
+            self._records(obj, tag)
+            return
+        rows = types in ({tuple}, {list})
+        if rows and set(map(type, chain.from_iterable(obj))) <= _LEAVES:
+            self.out += _ROWS + tag + _SEQ_TAGS[types.pop()]
+            self._scalars(obj)
+            self._tick()
+            return
         self._visits += 1
         if not self._visits % _CHECK_EVERY:
             self._tick()
@@ -378,49 +378,20 @@ class _Feeder:
             raise
 
     def _scalars(self, items: list[Any] | tuple[Any, ...]) -> None:
-        """Plain scalars: an array header, then each as msgpack writes it, a chunk at a time."""
-        n = len(items)
-        if n <= _CHUNK:
+        """Plain scalars (or rows of them): an array header, then as msgpack writes them, in chunks."""
+        self.out += self._header(len(items))
+        for start in range(0, len(items), _CHUNK):
+            chunk = items[start : start + _CHUNK]
             try:
-                self._write(self._pack(items))
+                self._write(memoryview(self._pack(chunk))[len(self._header(len(chunk))) :])
             except _UNPACKABLE:
-                self._items(items)
-            return
-        self.out += self._header(n)
-        for start in range(0, n, _CHUNK):
-            self._packed(items[start : start + _CHUNK])
-            self._tick()
-
-    def _packed(self, items: list[Any] | tuple[Any, ...]) -> None:
-        """Plain scalars (or rows of them) as msgpack writes them, without the array's header."""
-        try:
-            packed = self._pack(items)
-        except _UNPACKABLE:
-            for item in items:
-                if type(item) in _LEAVES:
-                    self.feed(item)
-                else:
-                    self._items(item)
-            return
-        self._write(memoryview(packed)[len(self._header(len(items))) :])
-
-    def _rows(self, rows: list[Any] | tuple[Any, ...], tag: bytes, inner: bytes) -> None:
-        """
-        Lists or tuples (all of type *inner*), in parts of _PART: a part holding only plain
-        scalars is one msgpack array of arrays, others are sequence by sequence.
-        """
-        self._enter(rows)
-        self.out += _ROWS + tag + inner + self._header(len(rows))
-        for start in range(0, len(rows), _PART):
-            part = rows[start : start + _PART]
-            if set(map(type, chain.from_iterable(part))) <= _LEAVES:
-                self.out += b"r"
-                self._packed(part)
-            else:
-                self.out += b"g"
-                self._parts(part, start, lambda row: self._sequence(row, inner))
-            self._tick()
-        self.active.discard(id(rows))
+                for item in chunk:
+                    if type(item) in _LEAVES:
+                        self._write(self._leaf(item))
+                    else:
+                        self._items(item)
+            if start:
+                self._tick()
 
     def _records(self, rows: list[dict[Any, Any]] | tuple[dict[Any, Any], ...], tag: bytes) -> None:
         """
@@ -583,15 +554,6 @@ def _dtype_label(pd: Any, dtype: Any) -> object:
     if isinstance(dtype, pd.CategoricalDtype):  # the categories and their order are part of it
         return ["category", list(dtype.categories), bool(dtype.ordered)]
     return str(dtype)
-
-
-def _fields_of(obj: Any) -> list[tuple[str, Any]] | None:
-    kind = object_kind(type(obj))
-    if kind == "attrs":
-        return [(a.name, getattr(obj, a.name)) for a in attrs.fields(type(obj))]
-    if kind == "dataclass":
-        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-    return list(obj) if kind == "pydantic" else None
 
 
 _ENUM, _METHOD, _OBJECT, _SUBCLASS = b"\xc1E", b"\xc1R", b"\xc1O", b"\xc1~"
