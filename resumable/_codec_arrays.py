@@ -1,13 +1,10 @@
 """
-NumPy and pandas values in the codec (NumPy and pandas are imported only when such a
-value is met).
+NumPy and pandas values in the codec, imported only when such a value is met.
 
-Arrays are stored as their raw buffer with dtype, shape and order; large buffers go out
-of band (see :mod:`._codec`) and come back as views of the file's buffer, with no pickle
-and no extra copy. pandas objects are stored column by column. Decoding builds NumPy
-arrays and scalars and pandas objects only: a dtype that could hold Python objects, an
-extension dtype name that is not a pandas extension dtype, or a payload of the wrong
-shape is refused as damage.
+Arrays are stored as their raw buffer with dtype, shape and order (large buffers out of
+band, read back as views of the file's buffer); pandas objects column by column. A dtype
+that could hold Python objects, an extension dtype name that is not a pandas extension
+dtype, or a payload of the wrong shape is refused as damage.
 """
 
 from __future__ import annotations
@@ -287,10 +284,6 @@ def decode_missing(_dec: Decoder, payload: bytes) -> Any:
     return pd.NA if payload == b"NA" else pd.NaT
 
 
-def decode_index(dec: Decoder, payload: bytes) -> Any:
-    return _index_from(_pandas(), dec.unpack(payload))
-
-
 _codec_types.encode_array = encode
 _codec_types._DECODERS.update(  # noqa: SLF001 - this module completes _codec_types
     {
@@ -299,7 +292,7 @@ _codec_types._DECODERS.update(  # noqa: SLF001 - this module completes _codec_ty
         NPSCALAR: decode_npscalar,
         DATAFRAME: decode_dataframe,
         SERIES: decode_series,
-        PD_INDEX: decode_index,
+        PD_INDEX: lambda dec, payload: _index_from(_pandas(), dec.unpack(payload)),
         PD_TIMESTAMP: decode_timestamp,
         PD_TIMEDELTA: decode_timedelta,
         PD_MISSING: decode_missing,

@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import copy
 import linecache
-import reprlib
 import types
 from itertools import islice
 from typing import Any
@@ -167,66 +166,50 @@ def value_digest(value: object, describe: str | None = None) -> str | None:
     return "m" + value_checksum(encoded, [0] * len(encoded.buffers)).partition(":")[2][:15]
 
 
-class _ShortRepr(reprlib.Repr):
-    """reprlib's bounded repr, without sorting a whole dict or set to show a few items."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel = 3
-        self.maxdict = self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = 8
-        self.maxstring = self.maxother = 120
-        self.maxlong = 60
-
-    def repr_dict(self, x: dict[Any, Any], level: int) -> str:
-        if not x:
-            return "{}"
-        if level <= 0:
-            return "{...}"
-        items = [
-            f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
-            for k, v in islice(x.items(), self.maxdict)
-        ]
-        return "{" + ", ".join(items) + (", ..." if len(x) > self.maxdict else "") + "}"
-
-    def repr_set(self, x: set[Any], level: int) -> str:
-        return self._elements(x, level, "{", "}", "set()")
-
-    def repr_frozenset(self, x: frozenset[Any], level: int) -> str:
-        return self._elements(x, level, "frozenset({", "})", "frozenset()")
-
-    def _elements(self, x: set[Any] | frozenset[Any], level: int, left: str, right: str, empty: str) -> str:
-        if not x:
-            return empty
-        if level <= 0:
-            return left + "..." + right
-        items = [self.repr1(v, level - 1) for v in islice(x, self.maxset)]
-        return left + ", ".join(items) + (", ..." if len(x) > self.maxset else "") + right
-
-    def repr_instance(self, x: object, level: int) -> str:
-        fields = object_fields(x)
-        if fields is None:  # the object's own repr (NumPy and pandas shorten theirs)
-            return super().repr_instance(x, level)
-        if level <= 0:
-            return f"{type(x).__name__}(...)"
-        shown = [f"{name}={self.repr1(value, level - 1)}" for name, value in fields[: self.maxlist]]
-        more = ", ..." if len(fields) > self.maxlist else ""
-        return f"{type(x).__name__}({', '.join(shown)}{more})"
-
-
-_short = _ShortRepr()
+_BRACKETS: dict[type, tuple[str, str]] = {
+    list: ("[", "]"),
+    tuple: ("(", ")"),
+    dict: ("{", "}"),
+    set: ("{", "}"),
+    frozenset: ("frozenset({", "})"),
+}
+_MAX_ITEMS = 8
 
 
 def short_repr(value: object) -> str:
     """
     A one-line repr of at most a few hundred characters, for `resumable why`: a few items
-    of a container, never the repr of all of it.
+    of a container, never the repr (or a sort) of all of it.
     """
     try:
-        text = _short.repr(value)
+        text = _short(value, 3)
     except Exception as exc:  # noqa: BLE001 - a broken __repr__ must not break a step
         text = f"<{type(value).__name__}: repr failed: {exc!r}>"
     text = " ".join(text.split())
     return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."
+
+
+def _short(value: Any, level: int) -> str:
+    tp = type(value)
+    fields = None if tp in _BRACKETS else object_fields(value)
+    if tp in _BRACKETS and value:
+        left, right = _BRACKETS[tp]
+        if level <= 0:
+            return f"{left}...{right}"
+        shown = islice(value.items() if tp is dict else value, _MAX_ITEMS)
+        if tp is dict:
+            items = [f"{_short(k, level - 1)}: {_short(v, level - 1)}" for k, v in shown]
+        else:
+            items = [_short(item, level - 1) for item in shown]
+        single = "," if tp is tuple and len(value) == 1 else ""
+        return left + ", ".join(items) + (", ..." if len(value) > _MAX_ITEMS else single) + right
+    if fields is not None:
+        if level <= 0:
+            return f"{tp.__name__}(...)"
+        named = [f"{name}={_short(field, level - 1)}" for name, field in fields[:_MAX_ITEMS]]
+        return f"{tp.__name__}({', '.join(named)}{', ...' if len(fields) > _MAX_ITEMS else ''})"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:57] + "..." + text[-60:]
 
 
 def normalized_source(node: ast.AST) -> str | None:
@@ -246,15 +229,13 @@ def _helper(value: object, home: dict[str, Any]) -> types.FunctionType | None:
     *value* as a plain function of the module whose globals are *home*, looking through
     decorators (``__wrapped__``): the outermost such function, or None.
     """
-    seen: set[int] = set()
-    while id(value) not in seen:
+    for _ in range(100):  # (decorators that wrap each other in a cycle end it)
         if isinstance(value, types.FunctionType) and value.__globals__ is home:
             return value
-        seen.add(id(value))
         value = getattr(value, "__wrapped__", None)
         if value is None:
-            return None
-    return None  # a cycle of __wrapped__
+            break
+    return None
 
 
 def _functions_inside(value: object, module: dict[str, Any]) -> list[tuple[str, types.FunctionType]] | None:

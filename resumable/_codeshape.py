@@ -351,12 +351,7 @@ class _Builder:
         if inner is not None:  # the wrapped function is the step's code, its wrappers too
             self.callable(inner, label, main=main)
             self.wrappers += 1
-            self.level(obj, f"wrapper {self.wrappers}", main=False, wrapper=True)
-            return
-        self.level(obj, label, main=main, wrapper=False)
-
-    def level(self, obj: object, label: str, *, main: bool, wrapper: bool) -> None:
-        shape = self.shape
+            label, main = f"wrapper {self.wrappers}", False
         if isinstance(obj, types.FunctionType):
             self.visit(obj, label, main=main)
         elif isinstance(obj, functools.partial):
@@ -370,10 +365,10 @@ class _Builder:
             self.callable(obj.__func__, label, main=main)
             self.instance(obj.__self__, "self", _home(obj.__func__))
         elif isinstance(call := _class_call(obj), types.FunctionType):
-            shape.bound.append((functools.partial(_class_call, obj), call))
+            self.shape.bound.append((functools.partial(_class_call, obj), call))
             self.callable(call, label, main=main)
             self.instance(obj, "self", call.__globals__)
-        elif not wrapper:  # (a decorator written in C adds no code of its own)
+        elif inner is None:  # (a decorator written in C adds no code of its own)
             raise NoIdentity(type(obj).__name__)
 
     def instance(self, obj: object, name: str, home: dict[str, Any]) -> None:

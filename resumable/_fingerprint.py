@@ -69,9 +69,7 @@ class StoredOutput:
 
     @property
     def arg_digest(self) -> str:
-        if self.plain_digest is not None:
-            return self.plain_digest
-        return stored_argument_digest(self.digest)
+        return self.plain_digest or stored_argument_digest(self.digest)
 
     def get(self) -> Any:
         if not self._loaded:
@@ -185,8 +183,6 @@ _LAZY = b"\xc1&"  # a StoredOutput
 _CHUNK = 8192  # items packed per call of msgpack
 _PART = 8192  # dicts taken as one table: part of the format
 _LARGE = 1 << 20  # bytes buffered before they are hashed
-_THREADED = 1 << 23  # arrays this large are hashed by BLAKE3 on several threads
-_CHECK_EVERY = 4096  # containers walked one by one between two looks at the clock
 
 SLOW_AFTER = 1.0
 """Seconds after which a fingerprint still going is announced (one INFO line)."""
@@ -219,7 +215,6 @@ class _Feeder:
         # names, tags and the text of other scalars (a path may hold lone surrogates)
         self._text: Callable[[Any], bytes] = msgpack.Packer(unicode_errors="surrogatepass", buf_size=256).pack
         self.capturing = 0  # > 0 while encodings are made to be sorted: nothing is hashed
-        self._visits = 0
         self._describe = describe
         self._deadline = _clock() + SLOW_AFTER if describe is not None else math.inf
 
@@ -273,7 +268,6 @@ class _Feeder:
             self._other(obj, tp)
 
     def _other(self, obj: Any, tp: type) -> None:
-        """A value other than a plain scalar, a list, a tuple or a dict."""
         scalar = _OTHER_SCALARS.get(tp)
         if scalar is not None:
             self.out += scalar(obj, self._text)
@@ -355,16 +349,12 @@ class _Feeder:
             self._scalars(obj)
             self._tick()
             return
-        self._visits += 1
-        if not self._visits % _CHECK_EVERY:
-            self._tick()
         self._enter(obj)
         self.out += tag
         self._items(obj)
         self.active.discard(id(obj))
 
     def _items(self, items: list[Any] | tuple[Any, ...]) -> None:
-        """The items of a sequence one by one, after its header."""
         self.out += self._header(len(items))
         self._parts(items, 0, self.feed)
 
@@ -514,8 +504,7 @@ class _Feeder:
             data = np.ascontiguousarray(obj)
             descr = str(np.lib.format.dtype_to_descr(obj.dtype))  # structured dtypes in full
             # its own BLAKE3 (on several threads when large), then in the stream
-            threads = blake3.blake3.AUTO if data.nbytes >= _THREADED else 1
-            body = blake3.blake3(memoryview(data.reshape(-1).view("uint8")), max_threads=threads)
+            body = blake3.blake3(memoryview(data.reshape(-1).view("uint8")), max_threads=blake3.blake3.AUTO)
             self.out += _ARRAY + self._text([descr, list(obj.shape)]) + body.digest()
             self._tick()
             return True
@@ -650,11 +639,6 @@ def argument_digest(step: str, name: str, value: object) -> bytes:
     except RecursionError:
         raise FingerprintError(step, name, name, qualified_name(type(value)), "nested too deeply") from None
     return feeder.digest()
-
-
-def digest_arguments(step: str, arguments: Mapping[str, Any], ignore: frozenset[str]) -> str:
-    """The first item of :func:`digest_parameters`."""
-    return digest_parameters(step, arguments, ignore)[0]
 
 
 def digest_parameters(

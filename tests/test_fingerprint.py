@@ -54,13 +54,18 @@ from strategies import (
 from resumable import FingerprintError, Pipeline, _codec, _fingerprint
 from resumable._fingerprint import (
     StoredOutput,
-    digest_arguments,
+    digest_parameters,
     digest_value,
     is_fingerprintable,
     provenance,
 )
 
 TESTS = Path(__file__).resolve().parent
+
+
+def digest_arguments(step: str, arguments: dict[str, Any], ignore: frozenset[str]) -> str:
+    """The digest of a step's arguments (minus *ignore*)."""
+    return digest_parameters(step, arguments, ignore)[0]
 
 
 def digest(value: object, name: str = "x") -> str:
@@ -190,7 +195,7 @@ from pathlib import PurePosixPath
 from zoneinfo import ZoneInfo
 import numpy as np
 from strategies import Color, Point, Item
-from resumable._fingerprint import digest_arguments
+from resumable._fingerprint import digest_parameters
 
 def value():
     return {
@@ -202,7 +207,7 @@ def value():
         "array": np.arange(12, dtype=np.int32).reshape(3, 4).T,
     }
 
-DIGEST = digest_arguments("stable", {"config": value(), "n": 3}, frozenset())
+DIGEST = digest_parameters("stable", {"config": value(), "n": 3}, frozenset())[0]
 if __name__ == "__main__":
     print(DIGEST)
 """
