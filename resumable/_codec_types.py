@@ -394,12 +394,8 @@ def _attribute(obj: object, name: str) -> object:
 
 def _find_class(module: str, qualname: str, kind: str, is_kind: Callable[[type], bool]) -> Any:
     """
-    Look the class ``module.qualname`` up among modules already imported (never import one)
-    and check that it is of *kind*.
-
-    Raises:
-        Undecodable: the module is not imported, or it has no such class any more.
-        Refused: the name leads to something that is not a class of *kind* (damage).
+    The class ``module.qualname`` among modules already imported (never import one):
+    Undecodable if it is not there, Refused if the name leads to anything but a class of *kind*.
     """
     mod = sys.modules.get(module)
     if mod is None:
@@ -495,10 +491,6 @@ def _decode_bigint(_dec: Decoder, payload: bytes) -> int:
     return int(payload)
 
 
-def _decode_timedelta(dec: Decoder, payload: bytes) -> dt.timedelta:
-    return dt.timedelta(*_fields(dec, payload, (int, int, int)))
-
-
 def _decode_uuid(_dec: Decoder, payload: bytes) -> uuid.UUID:
     if len(payload) != 16:
         _damage("malformed UUID")
@@ -513,7 +505,7 @@ _DECODERS: dict[int, Callable[[Decoder, bytes], Any]] = {
     DATETIME: lambda dec, p: _decode_when(dec, p, dt.datetime.fromisoformat),
     DATE: lambda _dec, p: dt.date.fromisoformat(p.decode()),
     TIME: lambda dec, p: _decode_when(dec, p, dt.time.fromisoformat),
-    TIMEDELTA: _decode_timedelta,
+    TIMEDELTA: lambda dec, p: dt.timedelta(*_fields(dec, p, (int, int, int))),
     DECIMAL: lambda _dec, p: decimal.Decimal(p.decode()),
     UUID: _decode_uuid,
     PATH: _decode_path,

@@ -462,16 +462,6 @@ class _Builder:
         elif isinstance(value, types.ModuleType):
             shape.left_out[name] = "module"
 
-    def finish(self) -> CodeShape:
-        # What the step changes itself (a call counter, a cache it fills) is state it writes:
-        # counting it would make every call a change.
-        shape = self.shape
-        changed = self.changed
-        for read in [r for r in shape.reads if r[0].removeprefix("const ") in changed]:
-            shape.reads.remove(read)
-            shape.left_out[read[0].removeprefix("const ")] = "changed by the step"
-        return shape
-
 
 def _home(obj: object) -> dict[str, Any]:
     found = _functions_of(obj)
@@ -523,4 +513,10 @@ def code_shape(fn: object, step_of: Callable[[object], Any], owner: object = Non
     """
     builder = _Builder(step_of, owner)
     builder.callable(fn, "code", main=True)
-    return builder.finish()
+    shape = builder.shape
+    # What the step changes itself (a call counter, a cache it fills) is state it writes:
+    # counting it would make every call a change.
+    for read in [r for r in shape.reads if r[0].removeprefix("const ") in builder.changed]:
+        shape.reads.remove(read)
+        shape.left_out[read[0].removeprefix("const ")] = "changed by the step"
+    return shape

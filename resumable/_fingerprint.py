@@ -103,11 +103,7 @@ class _Provenance:
     def remember(
         self, obj: object, checksum: str, pads: tuple[int, ...] = (), *, loaded_pickle: bool = False
     ) -> None:
-        """
-        Remember that *obj* is the value stored with *checksum*. A value decoded from a
-        pickle (*loaded_pickle*) is encoded again now: pickles are not byte-stable across
-        processes.
-        """
+        """Remember that *obj* is the value stored with *checksum* (a loaded pickle by its encoding now)."""
         try:
             ref: weakref.ref[Any] | None = weakref.ref(obj)
         except TypeError:
@@ -125,8 +121,7 @@ class _Provenance:
     def check(self, obj: object) -> tuple[bool, str] | None:
         """
         None if *obj* is not a remembered output with no digest of its own, else (True, the
-        stored digest) while it still encodes to the stored bytes, (False, the digest of its
-        encoding now) after.
+        stored digest) while it encodes to the stored bytes, (False, its encoding's) after.
         """
         entry = self._entries.get(id(obj))
         if entry is None or type(obj) is not entry.tp or (entry.ref is not None and entry.ref() is not obj):
@@ -611,12 +606,7 @@ def is_fingerprintable(value: object) -> bool:
 
 
 def argument_digest(step: str, name: str, value: object) -> bytes:
-    """
-    The digest of one argument (32 bytes).
-
-    Raises:
-        FingerprintError: the argument has no stable digest.
-    """
+    """The digest of one argument (32 bytes); FingerprintError if it has no stable digest."""
     if type(value) is StoredOutput:
         return bytes.fromhex(value.arg_digest)
 
@@ -646,10 +636,7 @@ def digest_parameters(
 ) -> tuple[str, dict[str, str]]:
     """
     Digest of a step's bound arguments, minus those in *ignore*, and a short digest of each
-    (to tell which parameters changed).
-
-    Raises:
-        FingerprintError: an argument has no stable digest.
+    (to tell which parameters changed); FingerprintError if one has no stable digest.
     """
     out = bytearray()
     params: dict[str, str] = {}
