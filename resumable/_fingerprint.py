@@ -178,6 +178,7 @@ _LAZY = b"\xc1&"  # a StoredOutput
 _CHUNK = 8192  # items packed per call of msgpack
 _PART = 8192  # dicts taken as one table: part of the format
 _LARGE = 1 << 20  # bytes buffered before they are hashed
+_DIRECT = 1 << 16  # bytes hashed where they are rather than copied to the buffer
 
 SLOW_AFTER = 1.0
 """Seconds after which a fingerprint still going is announced (one INFO line)."""
@@ -229,12 +230,17 @@ class _Feeder:
         return bytes(self._hasher.digest())
 
     def _write(self, data: bytes | memoryview) -> None:
-        """Append *data* to the stream, which is hashed once it is large (unless capturing)."""
-        self.out += data
-        if len(self.out) >= _LARGE and not self.capturing:
+        """Append *data* to the stream: the buffer is hashed once it is large, a large piece where it is."""
+        if self.capturing or len(data) < _DIRECT:
+            self.out += data
+            if self.capturing or len(self.out) < _LARGE:
+                return
             self._hasher.update(self.out)
-            self.out.clear()
-            self._tick()
+        else:  # hashed where it is, not copied
+            self._hasher.update(self.out)
+            self._hasher.update(data)
+        self.out.clear()  # the same buffer: callers hold it
+        self._tick()
 
     def _tick(self) -> None:
         """Announce (once) a fingerprint that has been going on for over SLOW_AFTER seconds."""
