@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import copy
 import linecache
+import textwrap
 import types
 from itertools import islice
 from typing import Any
@@ -104,12 +105,44 @@ def _module_nodes(filename: str, lines: list[str]) -> dict[int, list[ast.AST]] |
     return index
 
 
-def _function_node(fn: types.FunctionType) -> ast.AST | None:
-    """The syntax tree of *fn* from its file (as snapshotted), or None if it cannot be found."""
-    code = fn.__code__
-    lines = _snapshots.get(code.co_filename) or linecache.getlines(code.co_filename, fn.__globals__)
-    index = _module_nodes(code.co_filename, lines) if lines else None
-    here = index.get(code.co_firstlineno, []) if index is not None else []
+def _own_lines_node(fn: types.FunctionType, lines: list[str]) -> ast.AST | None:
+    """
+    The syntax tree of *fn* from its own lines alone, or None (then the whole file is parsed).
+
+    Its lines run from its first (decorator) line to the first line after its header that is
+    indented no deeper than that line, skipping blank lines, comments and lines a backslash
+    continues. A line like that inside a string or brackets cuts them open, so the lines do
+    not parse alone and the whole file is parsed instead: a function is never cut short.
+    """
+    if fn.__name__ == "<lambda>":
+        return None
+    start = fn.__code__.co_firstlineno - 1
+    if not 0 <= start < len(lines):
+        return None
+    indent = len(lines[start]) - len(lines[start].lstrip())
+    end = start
+    while end < len(lines) and lines[end].lstrip().startswith("@"):  # one-line decorators
+        end += 1
+    end += 1  # the def line
+    while end < len(lines):
+        line = lines[end]
+        text = line.strip()
+        continued = lines[end - 1].rstrip().endswith("\\")
+        if text and not text.startswith("#") and len(line) - len(line.lstrip()) <= indent and not continued:
+            break
+        end += 1
+    try:
+        tree = ast.parse(textwrap.dedent("".join(lines[start:end])))
+    except (SyntaxError, ValueError):
+        return None
+    node = tree.body[0] if len(tree.body) == 1 else None
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == fn.__name__:
+        return node
+    return None
+
+
+def _indexed(fn: types.FunctionType, index: dict[int, list[ast.AST]]) -> ast.AST | None:
+    here = index.get(fn.__code__.co_firstlineno, [])
     if fn.__name__ == "<lambda>":
         lambdas = [n for n in here if isinstance(n, ast.Lambda)]
         return lambdas[0] if len(lambdas) == 1 else None
@@ -117,6 +150,20 @@ def _function_node(fn: types.FunctionType) -> ast.AST | None:
         n for n in here if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == fn.__name__
     ]
     return named[0] if named else None
+
+
+def _function_node(fn: types.FunctionType) -> ast.AST | None:
+    """The syntax tree of *fn* from its file (as snapshotted), or None if it cannot be found."""
+    code = fn.__code__
+    lines = _snapshots.get(code.co_filename) or linecache.getlines(code.co_filename, fn.__globals__)
+    if not lines:
+        return None
+    # its own lines alone if they parse (most functions: no need to parse the whole file)
+    found = _own_lines_node(fn, lines)
+    if found is None:
+        index = _module_nodes(code.co_filename, lines)
+        found = _indexed(fn, index) if index is not None else None
+    return found
 
 
 def _bytecode_digest(code: types.CodeType, doc: str | None) -> str:

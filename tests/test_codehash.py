@@ -739,6 +739,13 @@ class Holder:
 '''
 
 
+def _both_ways(fn: types.FunctionType) -> tuple[ast.AST | None, ast.AST | None]:
+    lines = linecache.getlines(fn.__code__.co_filename, fn.__globals__)
+    index = _codehash._module_nodes(fn.__code__.co_filename, lines)
+    assert index is not None
+    return _codehash._own_lines_node(fn, lines), _codehash._indexed(fn, index)
+
+
 def _canon(node: ast.AST | None) -> str:
     assert node is not None
     return _codehash._canon(node, top=True)
@@ -764,9 +771,40 @@ def test_a_function_is_found_whole_in_its_file(tmp_path: Path):
         module.Holder.method,
         module.Holder.other,
     ]
+    alone = 0
     for fn in functions:
         assert _canon(_codehash._function_node(fn)).count("Return(") == 1 + (fn is module.outer), fn
+        own, whole = _both_ways(fn)
+        if own is not None:  # its own lines parsed alone: the node the whole file gives
+            alone += 1
+            assert _canon(own) == _canon(whole), fn.__name__
+    assert alone >= 5  # the plain ones need no parse of the whole file
     assert "not code: at column 0" in _canon(_codehash._function_node(module.string_at_column_zero))
+
+
+def test_every_function_of_the_package_reads_the_same_from_its_own_lines():
+    """Over resumable's own modules: its own lines never give another node than the whole file."""
+    import resumable
+
+    checked = 0
+    for path in sorted(Path(resumable.__file__).parent.rglob("*.py")):
+        if path.name == "__main__.py":
+            continue  # importing it runs the command line
+        name = "resumable." + ".".join(
+            path.relative_to(Path(resumable.__file__).parent).with_suffix("").parts
+        )
+        module = importlib.import_module(name.removesuffix(".__init__"))
+        for value in list(vars(module).values()):
+            candidates = [value, *vars(value).values()] if isinstance(value, type) else [value]
+            for fn in candidates:
+                fn = getattr(fn, "__func__", fn)
+                if not isinstance(fn, types.FunctionType) or fn.__module__ != module.__name__:
+                    continue
+                own, whole = _both_ways(fn)
+                if own is not None and whole is not None:
+                    assert _canon(whole) == _canon(own), f"{name}.{fn.__qualname__}"
+                    checked += 1
+    assert checked > 300
 
 
 def test_a_value_changed_in_place_gets_a_new_digest_the_same_object_unchanged_the_same():
