@@ -107,12 +107,9 @@ def _module_nodes(filename: str, lines: list[str]) -> dict[int, list[ast.AST]] |
 
 def _own_lines_node(fn: types.FunctionType, lines: list[str]) -> ast.AST | None:
     """
-    The syntax tree of *fn* from its own lines alone, or None (then the whole file is parsed).
-
-    Its lines run from its first (decorator) line to the first line after its header that is
-    indented no deeper than that line, skipping blank lines, comments and lines a backslash
-    continues. A line like that inside a string or brackets cuts them open, so the lines do
-    not parse alone and the whole file is parsed instead: a function is never cut short.
+    The syntax tree of *fn* from its own lines alone, or None (then the whole file is parsed):
+    up to the first line after its header indented no deeper than its first, not counting
+    blank, comment or continued lines. A cut inside a string or brackets does not parse.
     """
     if fn.__name__ == "<lambda>":
         return None
