@@ -1,13 +1,10 @@
 """
-NumPy and pandas values in the codec (NumPy and pandas are imported only when such a
-value is met).
+NumPy and pandas values in the codec, imported only when such a value is met.
 
-Arrays are stored as their raw buffer with dtype, shape and order; large buffers go out
-of band (see :mod:`._codec`) and come back as views of the file's buffer, with no pickle
-and no extra copy. pandas objects are stored column by column. Decoding builds NumPy
-arrays and scalars and pandas objects only: a dtype that could hold Python objects, an
-extension dtype name that is not a pandas extension dtype, or a payload of the wrong
-shape is refused as damage.
+Arrays are stored as their raw buffer with dtype, shape and order (large buffers out of
+band, read back as views of the file's buffer); pandas objects column by column. A dtype
+that could hold Python objects, an extension dtype name that is not a pandas extension
+dtype, or a payload of the wrong shape is refused as damage.
 """
 
 from __future__ import annotations
@@ -54,10 +51,20 @@ def encode(enc: Encoder, obj: Any) -> msgpack.ExtType | None:
     return None if pd is None else encode_pandas(enc, pd, obj)
 
 
-def descr(dtype: Any) -> object:
-    import numpy as np  # noqa: PLC0415 - NumPy only when a NumPy value is seen
+def _numpy() -> Any:
+    import numpy as np  # noqa: PLC0415 - NumPy only when the data holds arrays
 
-    return np.lib.format.dtype_to_descr(dtype)
+    return np
+
+
+def _pandas() -> Any:
+    import pandas as pd  # noqa: PLC0415 - pandas only when the data holds pandas values
+
+    return pd
+
+
+def descr(dtype: Any) -> object:
+    return _numpy().lib.format.dtype_to_descr(dtype)
 
 
 def encode_ndarray(enc: Encoder, arr: Any) -> msgpack.ExtType:
@@ -101,12 +108,10 @@ def encode_pandas(enc: Encoder, pd: Any, obj: Any) -> msgpack.ExtType | None:  #
 
 
 def _column_payload(pd: Any, series: Any) -> list[Any]:
-    import numpy as np  # noqa: PLC0415 - pandas implies NumPy
-
     dtype = series.dtype
-    if isinstance(dtype, np.dtype) and not dtype.hasobject:
+    if isinstance(dtype, _numpy().dtype) and not dtype.hasobject:
         return ["np", series.to_numpy(copy=False)]
-    if isinstance(dtype, np.dtype):
+    if isinstance(dtype, _numpy().dtype):
         return ["obj", series.tolist()]
     if isinstance(dtype, pd.CategoricalDtype):
         cat = series.array
@@ -127,17 +132,12 @@ def _index_payload(pd: Any, index: Any) -> list[Any]:
     return ["index", _column_payload(pd, pd.Series(index, copy=False)), index.name, freq]
 
 
-def _ndarray() -> type:
-    import numpy as np  # noqa: PLC0415 - pandas implies NumPy
-
-    return np.ndarray
-
-
+_ARRAY = object()  # stands for np.ndarray, which is imported only when met
 _COLUMN_FIELDS: dict[str, tuple[Any, ...]] = {
-    "np": (str, _ndarray),
+    "np": (str, _ARRAY),
     "obj": (str, list),
-    "cat": (str, _ndarray, list, bool),
-    "tz": (str, _ndarray, str),
+    "cat": (str, _ARRAY, list, bool),
+    "tz": (str, _ARRAY, str),
     "ext": (str, str, list),
 }
 
@@ -146,7 +146,7 @@ def _column_values(pd: Any, payload: list[Any]) -> Any:
     kind = payload[0] if type(payload) is list and payload else None
     if not isinstance(kind, str) or kind not in _COLUMN_FIELDS:
         _damage(f"unknown kind of pandas column {kind!r}")
-    fields = tuple(t() if t is _ndarray else t for t in _COLUMN_FIELDS[kind])
+    fields = tuple(_numpy().ndarray if t is _ARRAY else t for t in _COLUMN_FIELDS[kind])
     payload = _checked(payload, fields)
     if kind in {"np", "obj"}:
         return payload[1]
@@ -194,12 +194,9 @@ def _index_from(pd: Any, payload: list[Any]) -> Any:
 
 def _dtype(descr: Any) -> Any:
     """The dtype a stored description names; one that can hold Python objects is damage."""
-    import numpy as np  # noqa: PLC0415 - NumPy only when the data holds arrays
-
     if not isinstance(descr, (str, list)):
         _damage(f"malformed dtype {descr!r}")
-    to_dtype: Any = np.lib.format.descr_to_dtype  # typed for the descriptions it writes
-    dtype = to_dtype(descr)
+    dtype = _numpy().lib.format.descr_to_dtype(descr)
     if dtype.hasobject:  # no encoder writes one: object arrays are not stored raw
         _damage(f"dtype {descr!r} holds Python objects")
     return dtype
@@ -213,8 +210,7 @@ def _shape(shape: list[Any], order: str) -> list[int]:
 
 def decode_ndarray_ref(dec: Decoder, payload: bytes) -> Any:
     """An array whose buffer follows the value in the file: a view of the file's buffer."""
-    import numpy as np  # noqa: PLC0415 - NumPy only when the data holds arrays
-
+    np = _numpy()
     descr, shape, order, indices = _fields(dec, payload, (_ANY, list, str, list))
     dtype = _dtype(descr)
     count = math.prod(_shape(shape, order))
@@ -238,28 +234,18 @@ def _shaped(flat: Any, shape: list[int], order: str) -> Any:
 
 
 def decode_ndarray(dec: Decoder, payload: bytes) -> Any:
-    import numpy as np  # noqa: PLC0415 - NumPy only when the data holds arrays
-
     descr, shape, order, raw = _fields(dec, payload, (_ANY, list, str, bytes))
     dtype = _dtype(descr)
-    flat = np.frombuffer(bytearray(raw), dtype=dtype, count=math.prod(_shape(shape, order)))
+    flat = _numpy().frombuffer(bytearray(raw), dtype=dtype, count=math.prod(_shape(shape, order)))
     return _shaped(flat, shape, order)
 
 
 def decode_npscalar(dec: Decoder, payload: bytes) -> Any:
-    import numpy as np  # noqa: PLC0415 - NumPy only when the data holds arrays
-
     descr, raw = _fields(dec, payload, (_ANY, bytes))
     dtype = _dtype(descr)
     if dtype.itemsize == 0:  # np.str_("") and np.bytes_(b""): nothing to read
         return dtype.type()
-    return np.frombuffer(raw, dtype=dtype)[0]
-
-
-def _pandas() -> Any:
-    import pandas as pd  # noqa: PLC0415 - pandas only when the data holds pandas values
-
-    return pd
+    return _numpy().frombuffer(raw, dtype=dtype)[0]
 
 
 def decode_dataframe(dec: Decoder, payload: bytes) -> Any:
@@ -298,10 +284,6 @@ def decode_missing(_dec: Decoder, payload: bytes) -> Any:
     return pd.NA if payload == b"NA" else pd.NaT
 
 
-def decode_index(dec: Decoder, payload: bytes) -> Any:
-    return _index_from(_pandas(), dec.unpack(payload))
-
-
 _codec_types.encode_array = encode
 _codec_types._DECODERS.update(  # noqa: SLF001 - this module completes _codec_types
     {
@@ -310,7 +292,7 @@ _codec_types._DECODERS.update(  # noqa: SLF001 - this module completes _codec_ty
         NPSCALAR: decode_npscalar,
         DATAFRAME: decode_dataframe,
         SERIES: decode_series,
-        PD_INDEX: decode_index,
+        PD_INDEX: lambda dec, payload: _index_from(_pandas(), dec.unpack(payload)),
         PD_TIMESTAMP: decode_timestamp,
         PD_TIMEDELTA: decode_timedelta,
         PD_MISSING: decode_missing,

@@ -179,19 +179,8 @@ _RESOURCES: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("multiprocessing.process", ("BaseProcess",), "a process"),
     ("multiprocessing.connection", ("Connection",), "a pipe"),
     ("sqlite3", ("Connection", "Cursor", "Blob"), "a database connection"),
-    (
-        "asyncio",
-        (
-            "Future",
-            "AbstractEventLoop",
-            "Handle",
-            "BaseTransport",
-            "StreamReader",
-            "StreamWriter",
-            "AbstractServer",
-        ),
-        "an asyncio object",
-    ),
+    ("asyncio", ("Future", "AbstractEventLoop", "Handle", "BaseTransport"), "an asyncio object"),
+    ("asyncio", ("StreamReader", "StreamWriter", "AbstractServer"), "an asyncio object"),
     ("asyncio", ("Lock", "Event", "Semaphore", "Condition", "Queue", "Barrier"), "an asyncio lock or queue"),
     ("concurrent.futures", ("Executor", "Future"), "an executor or a future"),
     ("mmap", ("mmap",), "a memory map"),
@@ -251,14 +240,21 @@ def object_kind(tp: type) -> str | None:
     return None
 
 
-def _object_state(kind: str, obj: Any) -> dict[str, Any]:
+def object_fields(obj: Any) -> list[tuple[str, Any]] | None:
+    """The fields of an attrs, dataclass or pydantic instance, or None."""
+    kind = object_kind(type(obj))
     if kind == "attrs":
-        return {a.name: getattr(obj, a.name) for a in attrs.fields(type(obj))}
+        return [(a.name, getattr(obj, a.name)) for a in attrs.fields(type(obj))]
     if kind == "dataclass":
-        return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    # pydantic's own pickle state, taken without pickling
-    state: dict[str, Any] = obj.__getstate__()
-    return state
+        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
+    return list(obj) if kind == "pydantic" else None
+
+
+def _object_state(kind: str, obj: Any) -> dict[str, Any]:
+    if kind == "pydantic":  # pydantic's own pickle state, taken without pickling
+        state: dict[str, Any] = obj.__getstate__()
+        return state
+    return dict(object_fields(obj) or ())
 
 
 def _encode_when(code: int) -> Callable[[Encoder, Any], object]:
@@ -398,12 +394,8 @@ def _attribute(obj: object, name: str) -> object:
 
 def _find_class(module: str, qualname: str, kind: str, is_kind: Callable[[type], bool]) -> Any:
     """
-    Look the class ``module.qualname`` up among modules already imported (never import one)
-    and check that it is of *kind*.
-
-    Raises:
-        Undecodable: the module is not imported, or it has no such class any more.
-        Refused: the name leads to something that is not a class of *kind* (damage).
+    The class ``module.qualname`` among modules already imported (never import one):
+    Undecodable if it is not there, Refused if the name leads to anything but a class of *kind*.
     """
     mod = sys.modules.get(module)
     if mod is None:
@@ -431,10 +423,6 @@ def _decode_path(dec: Decoder, payload: bytes) -> pathlib.PurePath:
     return path
 
 
-def _decode_enum(dec: Decoder, payload: bytes) -> Any:
-    return _enum_from(dec.unpack(payload))
-
-
 def _enum_from(fields: Any) -> Any:
     module, qualname, value = _checked(fields, (str, str, object))
     cls = _find_class(module, qualname, "Enum", lambda c: issubclass(c, enum.Enum))
@@ -445,10 +433,6 @@ def _enum_from(fields: Any) -> Any:
 
 
 _OBJECT_KINDS = frozenset({"attrs", "dataclass", "pydantic"})
-
-
-def _decode_object(dec: Decoder, payload: bytes) -> Any:
-    return _object_from(dec.unpack(payload))
 
 
 def _object_from(fields: Any) -> Any:
@@ -507,10 +491,6 @@ def _decode_bigint(_dec: Decoder, payload: bytes) -> int:
     return int(payload)
 
 
-def _decode_timedelta(dec: Decoder, payload: bytes) -> dt.timedelta:
-    return dt.timedelta(*_fields(dec, payload, (int, int, int)))
-
-
 def _decode_uuid(_dec: Decoder, payload: bytes) -> uuid.UUID:
     if len(payload) != 16:
         _damage("malformed UUID")
@@ -525,13 +505,13 @@ _DECODERS: dict[int, Callable[[Decoder, bytes], Any]] = {
     DATETIME: lambda dec, p: _decode_when(dec, p, dt.datetime.fromisoformat),
     DATE: lambda _dec, p: dt.date.fromisoformat(p.decode()),
     TIME: lambda dec, p: _decode_when(dec, p, dt.time.fromisoformat),
-    TIMEDELTA: _decode_timedelta,
+    TIMEDELTA: lambda dec, p: dt.timedelta(*_fields(dec, p, (int, int, int))),
     DECIMAL: lambda _dec, p: decimal.Decimal(p.decode()),
     UUID: _decode_uuid,
     PATH: _decode_path,
     COMPLEX: lambda _dec, p: complex(*struct.unpack("<dd", p)),
-    ENUM: _decode_enum,
-    OBJECT: _decode_object,
+    ENUM: lambda dec, p: _enum_from(dec.unpack(p)),
+    OBJECT: lambda dec, p: _object_from(dec.unpack(p)),
     PICKLE: Decoder._pickle,  # noqa: SLF001
 }
 
@@ -551,7 +531,7 @@ def find_path(root: object, target: object, name: str = "output") -> str:
     return name
 
 
-def _children(obj: object, path: str) -> list[tuple[object, str]]:  # noqa: PLR0911 - one dispatch
+def _children(obj: object, path: str) -> list[tuple[object, str]]:
     if isinstance(obj, dict):
         pairs = list(obj.items())
         return [(v, f"{path}[{k!r}]") for k, v in pairs] + [(k, f"{path} key {k!r}") for k, _ in pairs]
@@ -559,11 +539,9 @@ def _children(obj: object, path: str) -> list[tuple[object, str]]:  # noqa: PLR0
         return [(v, f"{path}[{i}]") for i, v in enumerate(obj)]
     if isinstance(obj, (set, frozenset)):
         return [(v, f"{path} element") for v in obj]
-    kind = object_kind(type(obj))
-    if kind in {"attrs", "dataclass"}:
-        return [(v, f"{path}.{k}") for k, v in _object_state(kind, obj).items()]
-    if kind == "pydantic":
-        return [(v, f"{path}.{k}") for k, v in dict(obj).items()]  # type: ignore[call-overload]
+    fields = object_fields(obj)
+    if fields is not None:
+        return [(v, f"{path}.{k}") for k, v in fields]
     state = getattr(obj, "__dict__", None)  # a plain object, pickled with its attributes
     if isinstance(state, dict) and not isinstance(obj, type):
         return [(v, f"{path}.{k}") for k, v in state.items()]

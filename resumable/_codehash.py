@@ -12,18 +12,16 @@ from __future__ import annotations
 
 import ast
 import copy
-import dataclasses
 import linecache
-import reprlib
 import textwrap
 import types
 from itertools import islice
-from typing import Any, Literal
+from typing import Any
 
-import attrs
 import blake3
 
 from ._codec import encode, value_checksum
+from ._codec_types import object_fields
 from ._fingerprint import _Unhashable, digest_value
 from .exceptions import SerializationError
 
@@ -49,49 +47,27 @@ def _snapshot(fn: types.FunctionType) -> None:
         _snapshots[filename] = list(lines)
 
 
-# per node class: the fields the canonical text writes (all but _SKIP_FIELDS, which never
-# hold code, and an argument's annotation), each with its "field="
-_FIELDS: dict[type, tuple[tuple[str, str], ...]] = {}
-
-
-def _fields_of(kind: type) -> tuple[tuple[str, str], ...]:
-    fields = _FIELDS.get(kind)
-    if fields is None:
-        names = [f for f in kind._fields if f not in _SKIP_FIELDS]  # type: ignore[attr-defined]
-        fields = tuple((f, f"{f}=") for f in names if not (f == "annotation" and issubclass(kind, ast.arg)))
-        _FIELDS[kind] = fields
-    return fields
-
-
-def _canon(node: ast.AST, out: list[str], *, top: bool = False) -> None:
-    """The canonical text of *node* (appended to *out*): what the code digest hashes."""
-    kind = type(node)
-    out.append(kind.__name__)
-    out.append("(")
-    for field, label in _fields_of(kind):
-        if top and field in _TOP_SKIP:
+def _canon(node: ast.AST, *, top: bool = False) -> str:
+    """The canonical text of *node*, ``Kind(field=value;...)``: what the code digest hashes."""
+    parts = []
+    for field, found in ast.iter_fields(node):
+        if (
+            field in _SKIP_FIELDS
+            or (top and field in _TOP_SKIP)
+            or (field == "annotation" and isinstance(node, ast.arg))
+        ):
             continue
-        value = getattr(node, field, None)
-        if top and field == "body" and isinstance(value, list):
-            value = _without_docstring(value)
+        value = _without_docstring(found) if top and field == "body" and isinstance(found, list) else found
         if value is None or (type(value) is list and not value):
             continue
-        out.append(label)
         if isinstance(value, ast.AST):
-            _canon(value, out)
+            text = _canon(value)
         elif type(value) is list:
-            out.append("[")
-            for item in value:
-                if isinstance(item, ast.AST):
-                    _canon(item, out)
-                else:
-                    out.append(repr(item))
-                out.append(",")
-            out.append("]")
+            text = "[" + "".join(f"{_canon(v) if isinstance(v, ast.AST) else repr(v)}," for v in value) + "]"
         else:
-            out.append(repr(value))
-        out.append(";")
-    out.append(")")
+            text = repr(value)
+        parts.append(f"{field}={text};")
+    return f"{type(node).__name__}({''.join(parts)})"
 
 
 def _without_docstring(body: list[ast.stmt]) -> list[ast.stmt]:
@@ -131,12 +107,9 @@ def _module_nodes(filename: str, lines: list[str]) -> dict[int, list[ast.AST]] |
 
 def _own_lines_node(fn: types.FunctionType, lines: list[str]) -> ast.AST | None:
     """
-    The syntax tree of *fn* from its own lines alone, or None (then the whole file is parsed).
-
-    Its lines run from its first (decorator) line to the first line after its header that is
-    indented no deeper than that line, skipping blank lines, comments and lines a backslash
-    continues. A line like that inside a string or brackets cuts them open, so the lines do
-    not parse alone and the whole file is parsed instead: a function is never cut short.
+    The syntax tree of *fn* from its own lines alone, or None (then the whole file is parsed):
+    up to the first line after its header indented no deeper than its first, not counting
+    blank, comment or continued lines. A cut inside a string or brackets does not parse.
     """
     if fn.__name__ == "<lambda>":
         return None
@@ -190,14 +163,6 @@ def _function_node(fn: types.FunctionType) -> ast.AST | None:
     return found
 
 
-def _source_digest(node: ast.AST | None) -> str | None:
-    if node is None:
-        return None
-    out: list[str] = []
-    _canon(node, out, top=True)
-    return blake3.blake3("".join(out).encode()).hexdigest()
-
-
 def _bytecode_digest(code: types.CodeType, doc: str | None) -> str:
     h = blake3.blake3()
 
@@ -214,13 +179,14 @@ def _bytecode_digest(code: types.CodeType, doc: str | None) -> str:
     return h.hexdigest()
 
 
-def function_digest(fn: types.FunctionType, node: ast.AST | Literal[False] | None = False) -> str:
+def function_digest(fn: types.FunctionType, node: ast.AST | None) -> str:
     """
-    Digest of one function's own logic (not of what it calls); *node*: its syntax tree, if
-    known. Its default values are not part of it: they are arguments, or values it reads.
+    Digest of one function's own logic from its syntax tree *node* (from its bytecode if
+    None). Its default values are not part of it: they are arguments, or values it reads.
     """
-    digest = _source_digest(_function_node(fn) if node is False else node)
-    return digest or "bytecode:" + _bytecode_digest(fn.__code__, fn.__doc__)
+    if node is not None:
+        return blake3.blake3(_canon(node, top=True).encode()).hexdigest()
+    return "bytecode:" + _bytecode_digest(fn.__code__, fn.__doc__)
 
 
 _MAX_SOURCE = 20_000  # characters of a component's source kept for `resumable why`
@@ -229,10 +195,8 @@ _MAX_REPR = 200
 
 def value_digest(value: object, describe: str | None = None) -> str | None:
     """
-    The digest of a value a step reads, or None if it cannot be fingerprinted: its
-    fingerprint as an argument (a value of a type the codec stores without pickling but
-    that has no fingerprint, by its encoding). With *describe* (which value of which step),
-    one that takes long to fingerprint is announced.
+    The digest of a value a step reads: its fingerprint as an argument, else its encoding
+    without pickles, else None. *describe* names it if it takes long.
     """
     try:
         return "f" + digest_value(value, describe=describe)[:15]
@@ -246,75 +210,50 @@ def value_digest(value: object, describe: str | None = None) -> str | None:
     return "m" + value_checksum(encoded, [0] * len(encoded.buffers)).partition(":")[2][:15]
 
 
-class _ShortRepr(reprlib.Repr):
-    """reprlib's bounded repr, without sorting a whole dict or set to show a few items."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.maxlevel = 3
-        self.maxdict = self.maxlist = self.maxtuple = self.maxset = self.maxfrozenset = 8
-        self.maxstring = self.maxother = 120
-        self.maxlong = 60
-
-    def repr_dict(self, x: dict[Any, Any], level: int) -> str:
-        if not x:
-            return "{}"
-        if level <= 0:
-            return "{...}"
-        items = [
-            f"{self.repr1(k, level - 1)}: {self.repr1(v, level - 1)}"
-            for k, v in islice(x.items(), self.maxdict)
-        ]
-        return "{" + ", ".join(items) + (", ..." if len(x) > self.maxdict else "") + "}"
-
-    def repr_set(self, x: set[Any], level: int) -> str:
-        return self._elements(x, level, "{", "}", "set()")
-
-    def repr_frozenset(self, x: frozenset[Any], level: int) -> str:
-        return self._elements(x, level, "frozenset({", "})", "frozenset()")
-
-    def _elements(self, x: set[Any] | frozenset[Any], level: int, left: str, right: str, empty: str) -> str:
-        if not x:
-            return empty
-        if level <= 0:
-            return left + "..." + right
-        items = [self.repr1(v, level - 1) for v in islice(x, self.maxset)]
-        return left + ", ".join(items) + (", ..." if len(x) > self.maxset else "") + right
-
-    def repr_instance(self, x: object, level: int) -> str:
-        fields = _fields_for_repr(x)
-        if fields is None:  # the object's own repr (NumPy and pandas shorten theirs)
-            return super().repr_instance(x, level)
-        if level <= 0:
-            return f"{type(x).__name__}(...)"
-        shown = [f"{name}={self.repr1(value, level - 1)}" for name, value in fields[: self.maxlist]]
-        more = ", ..." if len(fields) > self.maxlist else ""
-        return f"{type(x).__name__}({', '.join(shown)}{more})"
-
-
-def _fields_for_repr(obj: object) -> list[tuple[str, Any]] | None:
-    tp = type(obj)
-    if attrs.has(tp):
-        return [(a.name, getattr(obj, a.name, None)) for a in attrs.fields(tp)]
-    if dataclasses.is_dataclass(tp):
-        return [(f.name, getattr(obj, f.name, None)) for f in dataclasses.fields(obj)]  # type: ignore[arg-type]
-    return None
-
-
-_short = _ShortRepr()
+_BRACKETS: dict[type, tuple[str, str]] = {
+    list: ("[", "]"),
+    tuple: ("(", ")"),
+    dict: ("{", "}"),
+    set: ("{", "}"),
+    frozenset: ("frozenset({", "})"),
+}
+_MAX_ITEMS = 8
 
 
 def short_repr(value: object) -> str:
     """
     A one-line repr of at most a few hundred characters, for `resumable why`: a few items
-    of a container, never the repr of all of it.
+    of a container, never the repr (or a sort) of all of it.
     """
     try:
-        text = _short.repr(value)
+        text = _short(value, 3)
     except Exception as exc:  # noqa: BLE001 - a broken __repr__ must not break a step
         text = f"<{type(value).__name__}: repr failed: {exc!r}>"
     text = " ".join(text.split())
     return text if len(text) <= _MAX_REPR else text[: _MAX_REPR - 3] + "..."
+
+
+def _short(value: Any, level: int) -> str:
+    tp = type(value)
+    fields = None if tp in _BRACKETS else object_fields(value)
+    if tp in _BRACKETS and value:
+        left, right = _BRACKETS[tp]
+        if level <= 0:
+            return f"{left}...{right}"
+        shown = islice(value.items() if tp is dict else value, _MAX_ITEMS)
+        if tp is dict:
+            items = [f"{_short(k, level - 1)}: {_short(v, level - 1)}" for k, v in shown]
+        else:
+            items = [_short(item, level - 1) for item in shown]
+        single = "," if tp is tuple and len(value) == 1 else ""
+        return left + ", ".join(items) + (", ..." if len(value) > _MAX_ITEMS else single) + right
+    if fields is not None:
+        if level <= 0:
+            return f"{tp.__name__}(...)"
+        named = [f"{name}={_short(field, level - 1)}" for name, field in fields[:_MAX_ITEMS]]
+        return f"{tp.__name__}({', '.join(named)}{', ...' if len(fields) > _MAX_ITEMS else ''})"
+    text = repr(value)
+    return text if len(text) <= 120 else text[:57] + "..." + text[-60:]
 
 
 def normalized_source(node: ast.AST) -> str | None:
@@ -334,15 +273,13 @@ def _helper(value: object, home: dict[str, Any]) -> types.FunctionType | None:
     *value* as a plain function of the module whose globals are *home*, looking through
     decorators (``__wrapped__``): the outermost such function, or None.
     """
-    seen: set[int] = set()
-    while id(value) not in seen:
+    for _ in range(100):  # (decorators that wrap each other in a cycle end it)
         if isinstance(value, types.FunctionType) and value.__globals__ is home:
             return value
-        seen.add(id(value))
         value = getattr(value, "__wrapped__", None)
         if value is None:
-            return None
-    return None  # a cycle of __wrapped__
+            break
+    return None
 
 
 def _functions_inside(value: object, module: dict[str, Any]) -> list[tuple[str, types.FunctionType]] | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import dis
 import functools
+import operator
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -62,25 +63,7 @@ class NoIdentity(Exception):  # noqa: N818 - turned into StepDefinitionError by 
 
 
 class CodeShape:
-    """
-    What a step's code identity is made of: digests of its own code, wrappers and helpers;
-    the steps it calls and the values it reads (both read again at every call); and what
-    every name it followed was bound to, which :meth:`current` checks at each call.
-    """
-
-    __slots__ = (
-        "_sources",
-        "cells",
-        "functions",
-        "globals",
-        "last",
-        "left_out",
-        "nodes",
-        "others",
-        "reads",
-        "static",
-        "steps",
-    )
+    """What a step's code identity is made of, and what its names were bound to."""
 
     def __init__(self) -> None:
         self.static: dict[str, str] = {}
@@ -88,12 +71,9 @@ class CodeShape:
         self.reads: list[tuple[str, Callable[[], object]]] = []  # ("const NAME", getter)
         self.steps: list[tuple[str, Any]] = []  # ("step NAME", its StepSpec)
         self.left_out: dict[str, str] = {}  # names whose values cannot be fingerprinted -> type
-        # bindings: (namespace, name, what it held), (cell, what it held), (function, its
-        # code, defaults and keyword defaults), (how to read something, what it was)
-        self.globals: list[tuple[dict[str, Any], str, object]] = []
-        self.cells: list[tuple[types.CellType, object]] = []
-        self.functions: list[tuple[types.FunctionType, types.CodeType, object, object]] = []
-        self.others: list[tuple[Callable[[], object], object]] = []
+        # what the shape followed: (how to read it now, what it held), and checks of the rest
+        self.bound: list[tuple[Callable[[], object], object]] = []
+        self.checks: list[Callable[[], bool]] = []
         self.last: tuple[dict[str, str], dict[str, str], Any] | None = None  # values -> identity
         self._sources: dict[str, str] | None = None
 
@@ -106,23 +86,15 @@ class CodeShape:
 
     def current(self) -> bool:
         """True while every name the shape followed is bound as when it was made (no hashing)."""
-        for namespace, name, value in self.globals:
-            if namespace.get(name, _MISSING) is not value:
-                return False
-        for fn, code, defaults, kwargs in self.functions:
-            if fn.__code__ is not code or fn.__defaults__ is not defaults or fn.__kwdefaults__ is not kwargs:
-                return False
-        return (not self.cells or all(_cell(cell)() is value for cell, value in self.cells)) and (
-            not self.others or all(read() == value for read, value in self.others)
-        )
+        return all(read() is value for read, value in self.bound) and all(check() for check in self.checks)
 
     def values(
         self, owner: object, within: tuple[object, ...]
     ) -> tuple[dict[str, str], dict[str, str]] | None:
         """
-        The digests of the values and steps the code reads, as they are now, and the names
-        left out (by type); None if a value read became code (the shape must be made again).
-        *within*: the steps whose identity is being worked out on this thread (a cycle).
+        The digests of the values and steps the code reads now, and the names left out (by
+        type); None if a value read became code. *within*: the steps whose identity is being
+        worked out on this thread (a cycle).
         """
         step = getattr(owner, "name", None)
         digests: dict[str, str] = {}
@@ -144,10 +116,6 @@ class CodeShape:
         for label, spec in self.steps:
             digests[label] = "cycle" if spec in inside else spec.identity(inside).identity[:16]
         return digests, left_out
-
-
-def _global(namespace: dict[str, Any], name: str) -> Callable[[], object]:
-    return lambda: namespace.get(name, _MISSING)
 
 
 def _cell(cell: types.CellType) -> Callable[[], object]:
@@ -221,7 +189,7 @@ def _at(stack: list[_Label], depth: int) -> _Label:
 
 
 def _name(label: _Label, attribute: str | None = None) -> str | None:
-    """The name a change of the value *label* stands for (of its *attribute*, if given) changes."""
+    """The name a change of *label* (of its *attribute*, if given) changes."""
     if label is None:
         return None
     root, first, _ = label
@@ -322,7 +290,6 @@ def _call_changes(stack: list[_Label], count: int) -> Iterator[str]:
 
 
 def _wrapped(obj: object) -> object | None:
-    """What *obj* wraps (``__wrapped__``, set by ``functools.wraps``), or None."""
     if isinstance(obj, (types.MethodType, functools.partial)):  # they hold their function
         return None
     attributes = getattr(obj, "__dict__", None)
@@ -332,11 +299,7 @@ def _wrapped(obj: object) -> object | None:
 def _parts(obj: object, depth: int = 0) -> list[types.FunctionType]:
     """
     The Python functions *obj* runs as a step (its wrappers, the function a partial or a
-    method holds, a callable object's ``__call__``).
-
-    Raises:
-        NoIdentity: part of it has no Python code (a builtin, a C extension's callable), or
-            the decorators wrap each other in a cycle.
+    method holds, a callable object's ``__call__``); NoIdentity if part of it has none.
     """
     if depth > 100:
         msg = "its decorators (__wrapped__) wrap each other in a cycle"
@@ -353,8 +316,7 @@ def _parts(obj: object, depth: int = 0) -> list[types.FunctionType]:
         return [*_parts(obj.func, depth + 1), *found]
     if isinstance(obj, types.MethodType):
         return [*_parts(obj.__func__, depth + 1), *found]
-    call = getattr(type(obj), "__call__", None)  # noqa: B004 - the class's own __call__
-    if isinstance(call, types.FunctionType):
+    if isinstance(call := _class_call(obj), types.FunctionType):
         return [*_parts(call, depth + 1), *found]
     if inner is not None:  # a decorator written in C (lru_cache): what it wraps is the code
         return found
@@ -362,20 +324,14 @@ def _parts(obj: object, depth: int = 0) -> list[types.FunctionType]:
     raise NoIdentity(msg)
 
 
-def check_identity(obj: object) -> None:
-    """
-    Raises:
-        NoIdentity: the code of callable *obj* cannot be told from what it is (then only a
-            ``version=`` can tie its outputs to it).
-    """
-    _parts(obj)
-
-
 def _functions_of(obj: object) -> list[types.FunctionType]:
     try:
         return _parts(obj)
     except NoIdentity:
         return []
+
+
+check_identity = _parts  # raises NoIdentity: then only a version= can tie the outputs to the code
 
 
 class _Builder:
@@ -390,45 +346,33 @@ class _Builder:
         self.wrappers = 0
 
     def callable(self, obj: object, label: str, *, main: bool) -> None:
-        """
-        Add a callable the step runs. *main*: its signature is the step's (its defaults are
-        then arguments, fingerprinted with them); the others' defaults are values it reads.
-        """
+        """Add a callable the step runs; *main*: its defaults are arguments, not values it reads."""
         inner = _wrapped(obj)
         if inner is not None:  # the wrapped function is the step's code, its wrappers too
             self.callable(inner, label, main=main)
             self.wrappers += 1
-            self.level(obj, f"wrapper {self.wrappers}", main=False, wrapper=True)
-            return
-        self.level(obj, label, main=main, wrapper=False)
-
-    def level(self, obj: object, label: str, *, main: bool, wrapper: bool) -> None:
-        shape = self.shape
+            label, main = f"wrapper {self.wrappers}", False
         if isinstance(obj, types.FunctionType):
             self.visit(obj, label, main=main)
         elif isinstance(obj, functools.partial):
             self.callable(obj.func, label, main=main)
             home = _home(obj.func)
             for i, arg in enumerate(obj.args):
-                self.reference(f"partial[{i}]", arg, _item(obj.args, i), home)
+                self.reference(f"partial[{i}]", arg, functools.partial(operator.getitem, obj.args, i), home)
             for key, arg in obj.keywords.items():
-                self.reference(f"partial({key}=)", arg, _key(obj.keywords, key), home)
+                self.reference(f"partial({key}=)", arg, _entry(obj.keywords, key), home)
         elif isinstance(obj, types.MethodType):
             self.callable(obj.__func__, label, main=main)
             self.instance(obj.__self__, "self", _home(obj.__func__))
         elif isinstance(call := _class_call(obj), types.FunctionType):
-            shape.others.append((functools.partial(_class_call, obj), call))
+            self.shape.bound.append((functools.partial(_class_call, obj), call))
             self.callable(call, label, main=main)
             self.instance(obj, "self", call.__globals__)
-        elif not wrapper:  # (a decorator written in C adds no code of its own)
+        elif inner is None:  # (a decorator written in C adds no code of its own)
             raise NoIdentity(type(obj).__name__)
 
     def instance(self, obj: object, name: str, home: dict[str, Any]) -> None:
-        """
-        The object a method or a callable object runs with: its attributes, each like a
-        value the code reads (those the code changes, such as a cache it fills, left out);
-        an object without attributes of its own by its value.
-        """
+        """The object a method or a callable object runs with: its attributes, or its value."""
         if isinstance(obj, (type, types.ModuleType)):  # a classmethod's class: code
             return
         attributes = getattr(obj, "__dict__", None)
@@ -438,16 +382,18 @@ class _Builder:
             else:
                 self.shape.reads.append((f"const {name}", lambda: obj))
             return
-        self.shape.others.append((functools.partial(_names_of, attributes), _names_of(attributes)))
+        self.shape.checks.append(functools.partial(_same_names, attributes, tuple(attributes)))
         for attr, value in attributes.items():
             if not attr.startswith("__"):  # a decorator's copies of __name__, __wrapped__ ...
-                self.reference(f"{name}.{attr}", value, _key(attributes, attr), home)
+                self.reference(f"{name}.{attr}", value, _entry(attributes, attr), home)
 
     def visit(self, func: types.FunctionType, label: str, *, main: bool) -> None:
         """Add one function: its own code, what its names refer to and, unless *main*, its defaults."""
         shape = self.shape
         code = func.__code__
-        shape.functions.append((func, code, func.__defaults__, func.__kwdefaults__))
+        shape.checks.append(
+            functools.partial(_same_function, func, code, func.__defaults__, func.__kwdefaults__)
+        )
         if func in self.seen:
             return
         self.seen.add(func)
@@ -462,11 +408,11 @@ class _Builder:
         home = func.__globals__
         for name in sorted(_global_names(code)):
             if not name.startswith("__"):
-                read = _global(home, name)
-                self.reference(name, read(), read, home, (home, name))
+                read = _entry(home, name)
+                self.reference(name, read(), read, home)
         for name, cell in zip(code.co_freevars, func.__closure__ or (), strict=False):
             read = _cell(cell)
-            self.reference(name, read(), read, home, cell)
+            self.reference(name, read(), read, home)
         if main:
             return
         # the defaults of a function the step calls are values it reads
@@ -478,15 +424,7 @@ class _Builder:
         for param, value in (func.__kwdefaults__ or {}).items():
             self.reference(f"{func.__name__}({param}=)", value, _kwdefault(func, param), home)
 
-    def reference(
-        self,
-        name: str,
-        value: object,
-        read: Callable[[], object],
-        home: dict[str, Any],
-        where: tuple[dict[str, Any], str] | types.CellType | None = None,
-    ) -> None:
-        """Put one name the code refers to where it belongs in the shape."""
+    def reference(self, name: str, value: object, read: Callable[[], object], home: dict[str, Any]) -> None:
         shape = self.shape
         inside = None
         if value is not _MISSING and not _is_code(value):
@@ -496,27 +434,20 @@ class _Builder:
                 return
         # code, a dispatch table, or not defined (yet): bound by identity, so that a change
         # makes the shape again
-        if isinstance(where, tuple):
-            shape.globals.append((where[0], where[1], value))
-        elif isinstance(where, types.CellType):
-            shape.cells.append((where, value))
-        else:
-            shape.others.append((functools.partial(_same, read, value), True))
+        shape.bound.append((read, value))
         if inside is not None:
             self.table(name, value, inside)
         elif value is not _MISSING:
             self.code(name, value, home)
 
     def table(self, name: str, table: object, inside: list[tuple[str, types.FunctionType]]) -> None:
-        """A dispatch table: its functions are code, and its entries are bound."""
         keys = repr([entry for entry, _ in inside]).encode()
         self.shape.static[f"table {name}"] = blake3.blake3(keys).hexdigest()[:16]
-        self.shape.others.append((functools.partial(_same_items, table, _items(table)), True))
+        self.shape.checks.append(functools.partial(_same_items, table, _held(table)))
         for entry, func in inside:
             self.visit(func, f"fn {name}[{entry}]", main=False)
 
     def code(self, name: str, value: object, home: dict[str, Any]) -> None:
-        """A name bound to code: a step, a helper (followed), a module (left out), other code."""
         shape = self.shape
         spec = self.step_of(value)
         if spec is not None:
@@ -531,29 +462,14 @@ class _Builder:
         elif isinstance(value, types.ModuleType):
             shape.left_out[name] = "module"
 
-    def finish(self) -> CodeShape:
-        # What the step changes itself (a call counter, a cache it fills) is state it writes:
-        # counting it would make every call a change.
-        shape = self.shape
-        changed = self.changed
-        for read in [r for r in shape.reads if r[0].removeprefix("const ") in changed]:
-            shape.reads.remove(read)
-            shape.left_out[read[0].removeprefix("const ")] = "changed by the step"
-        return shape
-
 
 def _home(obj: object) -> dict[str, Any]:
-    """The globals of the function *obj* runs (through partials, methods and wrappers)."""
     found = _functions_of(obj)
     return found[-1].__globals__ if found else {}
 
 
-def _item(items: tuple[object, ...], i: int) -> Callable[[], object]:
-    return lambda: items[i]
-
-
-def _key(mapping: dict[str, Any], key: str) -> Callable[[], object]:
-    return lambda: mapping.get(key, _MISSING)
+def _entry(mapping: dict[str, Any], key: str) -> Callable[[], object]:
+    return functools.partial(mapping.get, key, _MISSING)
 
 
 def _default(func: types.FunctionType, i: int) -> Callable[[], object]:
@@ -568,40 +484,39 @@ def _class_call(obj: object) -> object:
     return getattr(type(obj), "__call__", None)  # noqa: B004 - the class's own __call__
 
 
-def _names_of(attributes: dict[str, Any]) -> tuple[str, ...]:
-    return tuple(attributes)
+def _same_names(attributes: dict[str, Any], names: tuple[str, ...]) -> bool:
+    return tuple(attributes) == names
 
 
-def _same(read: Callable[[], object], value: object) -> bool:
-    return read() is value
+def _same_function(
+    func: types.FunctionType, code: types.CodeType, defaults: object, kwdefaults: object
+) -> bool:
+    return func.__code__ is code and func.__defaults__ is defaults and func.__kwdefaults__ is kwdefaults
 
 
-def _items(table: Any) -> tuple[tuple[object, ...], tuple[object, ...]]:
-    return (tuple(table), tuple(table.values())) if type(table) is dict else ((), tuple(table))
+def _held(table: Any) -> list[object]:
+    return [*table, *table.values()] if type(table) is dict else list(table)
 
 
-def _same_items(table: Any, items: tuple[tuple[object, ...], tuple[object, ...]]) -> bool:
-    """True while a dispatch table holds the very objects it held (it is held, and they are)."""
-    keys, values = _items(table)
-    return (
-        keys == items[0]
-        and len(values) == len(items[1])
-        and all(a is b for a, b in zip(values, items[1], strict=True))
-    )
+def _same_items(table: Any, held: list[object]) -> bool:
+    """True while a dispatch table holds the very objects it held."""
+    now = _held(table)
+    return len(now) == len(held) and all(a is b for a, b in zip(now, held, strict=True))
 
 
 def code_shape(fn: object, step_of: Callable[[object], Any], owner: object = None) -> CodeShape:
     """
-    The components of the code identity of a step running callable *fn* (see
-    :class:`CodeShape`).
-
-    ``code`` is the function itself (``wrapper N`` its decorators); ``fn NAME``, ``step
-    NAME``, ``table NAME`` and ``const NAME`` are what it refers to. *step_of* returns the
-    step an object is (its ``StepSpec``), or None; *owner* is the step being worked out.
-
-    Raises:
-        NoIdentity: part of *fn* has no Python code (see :func:`check_identity`).
+    The code identity of a step running *fn*: ``code`` is the function itself (``wrapper N``
+    its decorators); ``fn NAME``, ``step NAME``, ``table NAME`` and ``const NAME`` are what
+    it refers to. *step_of* returns the ``StepSpec`` an object is, or None; *owner* is the
+    step being worked out.
     """
     builder = _Builder(step_of, owner)
     builder.callable(fn, "code", main=True)
-    return builder.finish()
+    shape = builder.shape
+    # What the step changes itself (a call counter, a cache it fills) is state it writes:
+    # counting it would make every call a change.
+    for read in [r for r in shape.reads if r[0].removeprefix("const ") in builder.changed]:
+        shape.reads.remove(read)
+        shape.left_out[read[0].removeprefix("const ")] = "changed by the step"
+    return shape

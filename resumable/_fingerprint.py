@@ -11,7 +11,6 @@ rather than being hashed by identity or by pickled bytes.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import decimal
 import enum
@@ -35,7 +34,7 @@ import blake3
 import msgpack
 
 from ._codec import encode, value_checksum
-from ._codec_types import object_kind, qualified_name
+from ._codec_types import _tz_key, object_fields, qualified_name
 from ._files import file_digests
 from .exceptions import FingerprintError, SerializationError
 
@@ -70,18 +69,13 @@ class StoredOutput:
 
     @property
     def arg_digest(self) -> str:
-        if self.plain_digest is not None:
-            return self.plain_digest
-        return stored_argument_digest(self.digest)
+        return self.plain_digest or stored_argument_digest(self.digest)
 
     def get(self) -> Any:
         if not self._loaded:
             self._value = self._load()
             self._loaded = True
         return self._value
-
-
-_NO_WEAKREF: set[type] = {dict, list, tuple}  # types known to refuse weak references
 
 
 class _Entry(NamedTuple):
@@ -109,64 +103,35 @@ class _Provenance:
     def remember(
         self, obj: object, checksum: str, pads: tuple[int, ...] = (), *, loaded_pickle: bool = False
     ) -> None:
-        """
-        Remember that *obj* is the value stored with *checksum*. A value decoded from a
-        pickle (*loaded_pickle*) is encoded again now: pickles are not byte-stable across
-        processes.
-        """
-        ref: weakref.ref[Any] | None = None
-        if type(obj) not in _NO_WEAKREF:
-            try:
-                ref = weakref.ref(obj)
-            except TypeError:
-                _NO_WEAKREF.add(type(obj))
-        baseline = None
-        if loaded_pickle:
-            try:
-                baseline = self._encoding_checksum(obj, pads)
-            except _Unhashable:
-                return
-        entry = _Entry(checksum, pads, ref, type(obj), baseline or checksum)
-        key = id(obj)
-        entries = self._entries
+        """Remember that *obj* is the value stored with *checksum* (a loaded pickle by its encoding now)."""
+        try:
+            ref: weakref.ref[Any] | None = weakref.ref(obj)
+        except TypeError:
+            ref = None
+        try:
+            baseline = _encoding_checksum(obj, pads) if loaded_pickle else checksum
+        except _Unhashable:
+            return
         with self._lock:
-            entries.pop(key, None)  # (re)inserted last: the oldest entries go first
-            entries[key] = entry
-            if len(entries) > self.MAX_ENTRIES:
-                entries.popitem(last=False)
+            self._entries.pop(id(obj), None)  # (re)inserted last: the oldest entries go first
+            self._entries[id(obj)] = _Entry(checksum, pads, ref, type(obj), baseline)
+            if len(self._entries) > self.MAX_ENTRIES:
+                self._entries.popitem(last=False)
 
-    def entry(self, obj: object) -> _Entry | None:
+    def check(self, obj: object) -> tuple[bool, str] | None:
+        """
+        None if *obj* is not a remembered output with no digest of its own, else (True, the
+        stored digest) while it encodes to the stored bytes, (False, its encoding's) after.
+        """
         entry = self._entries.get(id(obj))
-        if entry is None or type(obj) is not entry.tp:
+        if entry is None or type(obj) is not entry.tp or (entry.ref is not None and entry.ref() is not obj):
             return None
-        if entry.ref is not None and entry.ref() is not obj:
+        if is_fingerprintable(obj):
             return None
-        return entry
-
-    def check(self, obj: object, entry: _Entry) -> tuple[bool, str]:
-        """(True, stored digest) if *obj* still encodes to the stored bytes, else (False, digest now)."""
-        actual = self._encoding_checksum(obj, entry.pads)
+        actual = _encoding_checksum(obj, entry.pads)
         if actual == entry.baseline:
             return True, entry.checksum.partition(":")[2]
         return False, actual.partition(":")[2]
-
-    @staticmethod
-    def _encoding_checksum(obj: object, pads: tuple[int, ...]) -> str:
-        try:
-            encoded = encode(obj, allow_pickle=True)
-        except SerializationError as exc:
-            raise _Unhashable(obj, f"it cannot be encoded ({exc})") from None
-        return value_checksum(encoded, pads)
-
-    def lookup(self, obj: object) -> str | None:
-        entry = self.entry(obj)
-        if entry is None:
-            return None
-        try:
-            unchanged, digest = self.check(obj, entry)
-        except _Unhashable:
-            return None
-        return digest if unchanged else None
 
     def clear(self) -> None:
         with self._lock:
@@ -174,6 +139,14 @@ class _Provenance:
 
     def __bool__(self) -> bool:
         return bool(self._entries)
+
+
+def _encoding_checksum(obj: object, pads: tuple[int, ...]) -> str:
+    try:
+        encoded = encode(obj, allow_pickle=True)
+    except SerializationError as exc:
+        raise _Unhashable(obj, f"it cannot be encoded ({exc})") from None
+    return value_checksum(encoded, pads)
 
 
 provenance = _Provenance()
@@ -192,22 +165,20 @@ _NATURAL: frozenset[type] = frozenset({str, int, bytes})  # totally ordered: key
 
 _LIST, _TUPLE = b"\xc1l", b"\xc1t"
 _SEQ_TAGS: dict[type, bytes] = {list: _LIST, tuple: _TUPLE}
-_ROWS = b"\xc1r"  # a list or tuple of lists (or of tuples), part by part
+_ROWS = b"\xc1r"  # a list or tuple of lists (or of tuples) of plain scalars
 _RECORDS = b"\xc1k"  # a list or tuple of dicts: the columns of each part
 _DICT, _SET = b"\xc1d", b"\xc1S"
 _BIG_INT = b"\xc1I"
 _SURROGATES = b"\xc1z"  # a str holding lone surrogates
-_UNPACKABLE = (OverflowError, UnicodeEncodeError)
+_UNPACKABLE = (OverflowError, UnicodeEncodeError)  # a plain scalar needing _Feeder._leaf
 _STORED = b"\xc1@"  # a step output passed on unchanged: its stored checksum
 _CHANGED = b"\xc1#"  # a step output changed in place that has no digest of its own: its encoding
 _LAZY = b"\xc1&"  # a StoredOutput
 
 _CHUNK = 8192  # items packed per call of msgpack
-_PART = 8192  # rows taken as one table: part of the format
-_DIRECT = 1 << 16  # bytes hashed where they are rather than copied to the buffer
+_PART = 8192  # dicts taken as one table: part of the format
 _LARGE = 1 << 20  # bytes buffered before they are hashed
-_THREADED = 1 << 23  # arrays this large are hashed by BLAKE3 on several threads
-_CHECK_EVERY = 4096  # containers walked one by one between two looks at the clock
+_DIRECT = 1 << 16  # bytes hashed where they are rather than copied to the buffer
 
 SLOW_AFTER = 1.0
 """Seconds after which a fingerprint still going is announced (one INFO line)."""
@@ -227,39 +198,21 @@ class _Feeder:
     depends only on what it holds.
     """
 
-    __slots__ = (
-        "_deadline",
-        "_describe",
-        "_hasher",
-        "_header",
-        "_pack",
-        "_text",
-        "_visits",
-        "active",
-        "capturing",
-        "out",
-        "outputs",
-        "paths",
-    )
-
-    def __init__(self, *, outputs: bool = False) -> None:
+    def __init__(self, describe: Callable[[], str] | None = None, *, outputs: bool = False) -> None:
+        """*describe* says what is fingerprinted, if it ever takes long."""
         self.active: set[int] = set()  # ids of the containers being walked, to refuse cycles
         self.outputs = outputs  # second pass: step outputs with no digest are known by their checksum
         self.paths = False  # True once a Path was fed: the digest then depends on its files
         self.out = bytearray()
+        self._hasher = blake3.blake3()
         packer = msgpack.Packer(use_bin_type=True, buf_size=1024)
         self._pack: Callable[[Any], bytes] = packer.pack
         self._header: Callable[[int], bytes] = packer.pack_array_header
         # names, tags and the text of other scalars (a path may hold lone surrogates)
         self._text: Callable[[Any], bytes] = msgpack.Packer(unicode_errors="surrogatepass", buf_size=256).pack
         self.capturing = 0  # > 0 while encodings are made to be sorted: nothing is hashed
-        self._visits = 0
-        self._deadline = math.inf
-        self._describe: Callable[[], str] | None = None
-
-    def name(self, text: str) -> bytes:
-        """*text* as msgpack writes it."""
-        return self._text(text)
+        self._describe = describe
+        self._deadline = _clock() + SLOW_AFTER if describe is not None else math.inf
 
     def _leaf(self, obj: Any) -> bytes:
         """A plain scalar msgpack cannot write as it is: an int beyond 64 bits, a str with lone surrogates."""
@@ -270,15 +223,6 @@ class _Feeder:
         except UnicodeEncodeError:
             return _SURROGATES + self._text(obj)
 
-    def start(self, describe: Callable[[], str] | None = None) -> None:
-        """Begin a new stream; *describe* says what is fingerprinted, if it ever takes long."""
-        self.out = bytearray()
-        self._hasher = blake3.blake3()
-        self.active.clear()
-        self.paths = False
-        self._describe = describe
-        self._deadline = _clock() + SLOW_AFTER if describe is not None else math.inf
-
     def digest(self) -> bytes:
         """The BLAKE3 digest (32 bytes) of the stream."""
         self._hasher.update(self.out)
@@ -286,16 +230,16 @@ class _Feeder:
         return bytes(self._hasher.digest())
 
     def _write(self, data: bytes | memoryview) -> None:
-        """Append *data* to the stream: a large piece is hashed where it is, the buffer once it is large."""
+        """Append *data* to the stream: the buffer is hashed once it is large, a large piece where it is."""
         if self.capturing or len(data) < _DIRECT:
             self.out += data
-            if len(self.out) >= _LARGE and not self.capturing:
-                self._hasher.update(self.out)
-                self.out.clear()  # the same buffer: callers hold it
-            return
-        self._hasher.update(self.out)
-        self.out.clear()
-        self._hasher.update(data)
+            if self.capturing or len(self.out) < _LARGE:
+                return
+            self._hasher.update(self.out)
+        else:  # hashed where it is, not copied
+            self._hasher.update(self.out)
+            self._hasher.update(data)
+        self.out.clear()  # the same buffer: callers hold it
         self._tick()
 
     def _tick(self) -> None:
@@ -314,14 +258,7 @@ class _Feeder:
     def feed(self, obj: Any) -> None:
         tp = type(obj)
         if tp in _LEAVES:
-            try:
-                packed = self._pack(obj)
-            except _UNPACKABLE:
-                packed = self._leaf(obj)
-            if len(packed) < _DIRECT:
-                self.out += packed
-            else:
-                self._write(packed)
+            self._write(self._leaf(obj))
         elif self.outputs and self._output(obj):
             return
         elif tp is dict:
@@ -332,7 +269,6 @@ class _Feeder:
             self._other(obj, tp)
 
     def _other(self, obj: Any, tp: type) -> None:
-        """A value other than a plain scalar, a list, a tuple or a dict."""
         scalar = _OTHER_SCALARS.get(tp)
         if scalar is not None:
             self.out += scalar(obj, self._text)
@@ -365,7 +301,7 @@ class _Feeder:
             self.out += _METHOD + self._text(qualified_name(tp))
             self._inside(stable, ".__resumable_fingerprint__()")
         else:
-            fields = _fields_of(obj)
+            fields = object_fields(obj)
             if fields is None:
                 self._special(obj)
                 return
@@ -378,10 +314,10 @@ class _Feeder:
 
     def _output(self, obj: object) -> bool:
         """A step output with no digest of its own: its stored checksum (or its encoding's, if changed)."""
-        entry = provenance.entry(obj)
-        if entry is None or is_fingerprintable(obj):
+        found = provenance.check(obj)
+        if found is None:
             return False
-        unchanged, digest = provenance.check(obj, entry)
+        unchanged, digest = found
         self.out += (_STORED if unchanged else _CHANGED) + self._text(digest)
         return True
 
@@ -399,47 +335,29 @@ class _Feeder:
 
     # containers -------------------------------------------------------------------------
 
-    def _sequence(self, obj: list[Any] | tuple[Any, ...], tag: bytes, types: set[type] | None = None) -> None:
-        """A list or tuple (*types*: those of its items, if known)."""
-        if types is None:
-            types = set(map(type, obj))
+    def _sequence(self, obj: list[Any] | tuple[Any, ...], tag: bytes) -> None:
+        types = set(map(type, obj))
         if types <= _LEAVES:
             self.out += tag
             self._scalars(obj)
             return
-        if len(types) == 1:
-            (inner,) = types
-            if inner is tuple or inner is list:
-                self._rows(obj, tag, _SEQ_TAGS[inner])
-                return
-            if inner is dict:
-                self._records(obj, tag)
-                return
-        self._visits += 1
-        if not self._visits % _CHECK_EVERY:
+        if types == {dict}:
+            self._records(obj, tag)
+            return
+        rows = types in ({tuple}, {list})
+        if rows and set(map(type, chain.from_iterable(obj))) <= _LEAVES:
+            self.out += _ROWS + tag + _SEQ_TAGS[types.pop()]
+            self._scalars(obj)
             self._tick()
+            return
         self._enter(obj)
         self.out += tag
         self._items(obj)
         self.active.discard(id(obj))
 
     def _items(self, items: list[Any] | tuple[Any, ...]) -> None:
-        """The items of a sequence one by one, after its header."""
-        out, pack, feed = self.out, self._pack, self.feed
-        out += self._header(len(items))
-        i = 0
-        try:
-            for i, item in enumerate(items):  # noqa: B007 - i says which item failed
-                if type(item) in _LEAVES:
-                    try:
-                        out += pack(item)
-                    except _UNPACKABLE:
-                        out += self._leaf(item)
-                else:
-                    feed(item)
-        except _Unhashable as exc:
-            exc.path.append(i)
-            raise
+        self.out += self._header(len(items))
+        self._parts(items, 0, self.feed)
 
     def _listed(self, items: list[Any], where: str, names: list[Any]) -> None:
         """Keys, values or elements; the i-th is called ``where.format(names[i])`` in messages."""
@@ -451,49 +369,20 @@ class _Feeder:
             raise
 
     def _scalars(self, items: list[Any] | tuple[Any, ...]) -> None:
-        """Plain scalars: an array header, then each as msgpack writes it, a chunk at a time."""
-        n = len(items)
-        if n <= _CHUNK:
+        """Plain scalars (or rows of them): an array header, then as msgpack writes them, in chunks."""
+        self.out += self._header(len(items))
+        for start in range(0, len(items), _CHUNK):
+            chunk = items[start : start + _CHUNK]
             try:
-                self._write(self._pack(items))
+                self._write(memoryview(self._pack(chunk))[len(self._header(len(chunk))) :])
             except _UNPACKABLE:
-                self._items(items)
-            return
-        self.out += self._header(n)
-        for start in range(0, n, _CHUNK):
-            self._packed(items[start : start + _CHUNK])
-            self._tick()
-
-    def _packed(self, items: list[Any] | tuple[Any, ...]) -> None:
-        """Plain scalars (or rows of them) as msgpack writes them, without the array's header."""
-        try:
-            packed = self._pack(items)
-        except _UNPACKABLE:
-            for item in items:
-                if type(item) in _LEAVES:
-                    self.feed(item)
-                else:
-                    self._items(item)
-            return
-        self._write(memoryview(packed)[len(self._header(len(items))) :])
-
-    def _rows(self, rows: list[Any] | tuple[Any, ...], tag: bytes, inner: bytes) -> None:
-        """
-        Lists or tuples (all of type *inner*), in parts of _PART: a part holding only plain
-        scalars is one msgpack array of arrays, others are sequence by sequence.
-        """
-        self._enter(rows)
-        self.out += _ROWS + tag + inner + self._header(len(rows))
-        for start in range(0, len(rows), _PART):
-            part = rows[start : start + _PART]
-            if set(map(type, chain.from_iterable(part))) <= _LEAVES:
-                self.out += b"r"
-                self._packed(part)
-            else:
-                self.out += b"g"
-                self._parts(part, start, lambda row: self._sequence(row, inner))
-            self._tick()
-        self.active.discard(id(rows))
+                for item in chunk:
+                    if type(item) in _LEAVES:
+                        self._write(self._leaf(item))
+                    else:
+                        self._items(item)
+            if start:
+                self._tick()
 
     def _records(self, rows: list[dict[Any, Any]] | tuple[dict[Any, Any], ...], tag: bytes) -> None:
         """
@@ -616,8 +505,7 @@ class _Feeder:
             data = np.ascontiguousarray(obj)
             descr = str(np.lib.format.dtype_to_descr(obj.dtype))  # structured dtypes in full
             # its own BLAKE3 (on several threads when large), then in the stream
-            threads = blake3.blake3.AUTO if data.nbytes >= _THREADED else 1
-            body = blake3.blake3(memoryview(data.reshape(-1).view("uint8")), max_threads=threads)
+            body = blake3.blake3(memoryview(data.reshape(-1).view("uint8")), max_threads=blake3.blake3.AUTO)
             self.out += _ARRAY + self._text([descr, list(obj.shape)]) + body.digest()
             self._tick()
             return True
@@ -658,26 +546,12 @@ def _dtype_label(pd: Any, dtype: Any) -> object:
     return str(dtype)
 
 
-def _fields_of(obj: Any) -> list[tuple[str, Any]] | None:
-    kind = object_kind(type(obj))
-    if kind == "attrs":
-        return [(a.name, getattr(obj, a.name)) for a in attrs.fields(type(obj))]
-    if kind == "dataclass":
-        return [(f.name, getattr(obj, f.name)) for f in dataclasses.fields(obj)]
-    return list(obj) if kind == "pydantic" else None
-
-
 _ENUM, _METHOD, _OBJECT, _SUBCLASS = b"\xc1E", b"\xc1R", b"\xc1O", b"\xc1~"
 _ARRAY, _OBJECT_ARRAY, _NUMPY_SCALAR = b"\xc1A", b"\xc1a", b"\xc1n"
 _DTYPE = b"\xc1y"
 _PANDAS, _PANDAS_TIME = b"\xc1P", b"\xc1T"
 _PURE_POSIX, _PURE_WINDOWS, _FILE = b"\xc1p", b"\xc1w", b"\xc1F"
 _PACK_COMPLEX = struct.Struct("<dd").pack
-
-
-def _tz(value: dt.datetime | dt.time) -> str:
-    key = getattr(value.tzinfo, "key", None)
-    return key if isinstance(key, str) else ""
 
 
 Pack = Callable[[Any], bytes]
@@ -687,9 +561,9 @@ _OTHER_SCALARS: dict[type, Callable[[Any, Pack], bytes]] = {
     complex: lambda o, _p: b"\xc1c" + _PACK_COMPLEX(o.real, o.imag),
     bytearray: lambda o, p: b"\xc1b" + p(bytes(o)),
     memoryview: lambda o, p: b"\xc1b" + p(o.tobytes()),
-    dt.datetime: lambda o, p: b"\xc1D" + p([o.isoformat(), _tz(o), o.fold]),
+    dt.datetime: lambda o, p: b"\xc1D" + p([o.isoformat(), _tz_key(o.tzinfo) or "", o.fold]),
     dt.date: lambda o, p: b"\xc1j" + p(o.isoformat()),
-    dt.time: lambda o, p: b"\xc1h" + p([o.isoformat(), _tz(o), o.fold]),
+    dt.time: lambda o, p: b"\xc1h" + p([o.isoformat(), _tz_key(o.tzinfo) or "", o.fold]),
     dt.timedelta: lambda o, p: b"\xc1e" + p([o.days, o.seconds, o.microseconds]),
     decimal.Decimal: lambda o, p: b"\xc1m" + p(str(o)),
     uuid.UUID: lambda o, _p: b"\xc1u" + o.bytes,
@@ -713,8 +587,7 @@ def _size(value: object) -> str:
 
 def digest_value(value: object, *, describe: str | None = None) -> str:
     """Digest of one value (hex); *describe* names it if it takes long (e.g. "step 'a': global 'ROWS'")."""
-    feeder = _Feeder()
-    feeder.start(None if describe is None else lambda: f"{describe} ({_size(value)})")
+    feeder = _Feeder(None if describe is None else lambda: f"{describe} ({_size(value)})")
     feeder.feed(value)
     return feeder.digest().hex()
 
@@ -722,7 +595,6 @@ def digest_value(value: object, *, describe: str | None = None) -> str:
 def content_digest(value: object) -> str | None:
     """:func:`digest_value`, kept with a stored output; None if it has none or holds a ``Path``."""
     feeder = _Feeder()
-    feeder.start()
     try:
         feeder.feed(value)
     except (_Unhashable, RecursionError):
@@ -739,29 +611,22 @@ def is_fingerprintable(value: object) -> bool:
     return True
 
 
-def argument_digest(step: str, name: str, value: object, feeder: _Feeder | None = None) -> bytes:
-    """
-    The digest of one argument (32 bytes).
-
-    Raises:
-        FingerprintError: the argument has no stable digest.
-    """
+def argument_digest(step: str, name: str, value: object) -> bytes:
+    """The digest of one argument (32 bytes); FingerprintError if it has no stable digest."""
     if type(value) is StoredOutput:
         return bytes.fromhex(value.arg_digest)
 
     def describe() -> str:
         return f"step {step!r}: argument {name!r} ({_size(value)})"
 
-    feeder = feeder or _Feeder()
-    feeder.start(describe)
+    feeder = _Feeder(describe)
     try:
         try:
             feeder.feed(value)
         except _Unhashable:
             if not provenance:
                 raise
-            feeder = _Feeder(outputs=True)
-            feeder.start(describe)
+            feeder = _Feeder(describe, outputs=True)
             feeder.feed(value)
     except _Unhashable as exc:
         tp = qualified_name(type(exc.obj))
@@ -772,29 +637,19 @@ def argument_digest(step: str, name: str, value: object, feeder: _Feeder | None 
     return feeder.digest()
 
 
-def digest_arguments(step: str, arguments: Mapping[str, Any], ignore: frozenset[str]) -> str:
-    """The first item of :func:`digest_parameters`."""
-    return digest_parameters(step, arguments, ignore)[0]
-
-
 def digest_parameters(
     step: str, arguments: Mapping[str, Any], ignore: frozenset[str]
 ) -> tuple[str, dict[str, str]]:
     """
     Digest of a step's bound arguments, minus those in *ignore*, and a short digest of each
-    (to tell which parameters changed).
-
-    Raises:
-        FingerprintError: an argument has no stable digest.
+    (to tell which parameters changed); FingerprintError if one has no stable digest.
     """
     out = bytearray()
-    feeder = _Feeder()
     params: dict[str, str] = {}
     for name, value in arguments.items():
         if name in ignore:
             continue
-        digest = argument_digest(step, name, value, feeder)
+        digest = argument_digest(step, name, value)
         params[name] = digest[:8].hex()
-        out += feeder.name(name)
-        out += digest
+        out += msgpack.packb(name) + digest
     return blake3.blake3(out).hexdigest()[:32], params

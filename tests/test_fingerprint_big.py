@@ -21,11 +21,11 @@ from hypothesis import strategies as st
 from strategies import Item, hashable_scalars
 
 from resumable import FingerprintError, Pipeline, _codehash, _codeshape, _fingerprint
-from resumable._fingerprint import digest_arguments, digest_value
+from resumable._fingerprint import digest_parameters, digest_value
 
 
 def digest(value: object) -> str:
-    return digest_arguments("step", {"x": value}, frozenset())
+    return digest_parameters("step", {"x": value}, frozenset())[0]
 
 
 def shuffled_dict(items: list[tuple[Any, Any]], rng: random.Random) -> dict[Any, Any]:
