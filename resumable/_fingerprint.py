@@ -24,12 +24,11 @@ import time
 import uuid
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from itertools import chain
 from operator import itemgetter
 from typing import Any, NamedTuple
 
-import attrs
 import blake3
 import msgpack
 
@@ -50,19 +49,21 @@ class _Unhashable(Exception):  # noqa: N818 - internal signal turned into Finger
         super().__init__(detail)
 
 
-@attrs.define(eq=False, repr=False)
 class StoredOutput:
     """
     A skipped step's output that has not been loaded (the runner's lazy value): as an
     argument it counts as the loaded value would, without being loaded.
     """
 
-    slot: str
-    digest: str
-    _load: Callable[[], Any]
-    plain_digest: str | None = None
-    _loaded: bool = attrs.field(default=False, init=False)
-    _value: Any = attrs.field(default=None, init=False)
+    __slots__ = ("_load", "_loaded", "_value", "digest", "plain_digest", "slot")
+
+    def __init__(
+        self, slot: str, digest: str, load: Callable[[], Any], plain_digest: str | None = None
+    ) -> None:
+        self.slot, self.digest, self.plain_digest = slot, digest, plain_digest
+        self._load = load
+        self._loaded = False
+        self._value: Any = None
 
     def __repr__(self) -> str:
         return f"<stored output of {self.slot!r}>"
@@ -76,6 +77,29 @@ class StoredOutput:
             self._value = self._load()
             self._loaded = True
         return self._value
+
+
+class Outputs(Mapping[str, Any]):
+    """Outputs by step name or key, in order; a :class:`StoredOutput` is loaded when first used."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._data[key]
+        return value.get() if isinstance(value, StoredOutput) else value
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._data  # (without loading the value, as Mapping's would)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"<outputs {list(self._data)}>"
 
 
 class _Entry(NamedTuple):

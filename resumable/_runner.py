@@ -12,11 +12,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._codec import DamagedFileError, value_digest
-from ._fingerprint import StoredOutput
+from ._fingerprint import Outputs, StoredOutput
 from ._journal import read_header
 from ._plan import Plan
 from ._session import Found, RunState
-from ._sessions import Outputs
 from ._slots import slot_file
 from ._step import StepSpec
 from ._warn import warn

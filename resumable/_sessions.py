@@ -23,13 +23,13 @@ import errno
 import functools
 import os
 import socket
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ._codec import DamagedFileError, parse_header, read_verified, utcnow
-from ._fingerprint import StoredOutput
+from ._fingerprint import Outputs, StoredOutput
 from ._journal import read_head
 from ._manifest import Record
 from ._sessions_index import index_of
@@ -388,29 +388,6 @@ def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
 
 
 # reading a session without running it ----------------------------------------------------
-
-
-class Outputs(Mapping[str, Any]):
-    """Outputs by step name or key, in order; a :class:`StoredOutput` is loaded when first used."""
-
-    def __init__(self, data: Mapping[str, Any]) -> None:
-        self._data = data
-
-    def __getitem__(self, key: str) -> Any:
-        value = self._data[key]
-        return value.get() if isinstance(value, StoredOutput) else value
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._data  # (without loading the value, as Mapping's would)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __repr__(self) -> str:
-        return f"<outputs {list(self._data)}>"
 
 
 def outputs(
