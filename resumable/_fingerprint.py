@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import blake3
 import msgpack
 
+from ._checksum import hasher
 from ._codec import encode, value_checksum
 from ._codec_types import _tz_key, object_fields, qualified_name
 from ._files import file_digests
@@ -529,7 +530,7 @@ class _Feeder:
             data = np.ascontiguousarray(obj)
             descr = str(np.lib.format.dtype_to_descr(obj.dtype))  # structured dtypes in full
             # its own BLAKE3 (on several threads when large), then in the stream
-            body = blake3.blake3(memoryview(data.reshape(-1).view("uint8")), max_threads=blake3.blake3.AUTO)
+            body = hasher(memoryview(data.reshape(-1).view("uint8")))
             self.out += _ARRAY + self._text([descr, list(obj.shape)]) + body.digest()
             self._tick()
             return True

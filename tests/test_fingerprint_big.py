@@ -382,3 +382,32 @@ def test_lone_surrogates_are_fingerprinted_alike_everywhere():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(_fingerprint, "_CHUNK", 2)
         assert expected == digest([0, 1, 2, 3, 4, "name-\udcff"])
+
+
+def test_a_forked_child_hashes_large_values_after_its_parent_did(tmp_path):
+    """
+    The blake3 package's threads are made once per process: a child forked after the parent
+    hashed on them must not wait for threads it does not have (fingerprints and checksums).
+    """
+    import os
+    import signal
+    import time
+
+    from resumable._checksum import checksum
+
+    big = np.arange(12 << 20, dtype=np.uint8)  # above the threaded size
+    digest_value(big)
+    checksum([big.data])
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        signal.alarm(60)
+        ok = digest_value(big) == digest_value(big.copy()) and checksum([big.data]).startswith("blake3:")
+        os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung hashing a large value")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
