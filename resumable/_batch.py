@@ -242,7 +242,11 @@ def _open(job: Job, where: Where | None, source: Source, every: int, *, keep_ope
     ledger = ledger_for(
         where, kind="map", every=every, total=source.total, record_failures=job.record, keep_open=keep_open
     )
-    ledger.open()
+    try:
+        ledger.open()  # which may append to the log (a damaged record voided, failed rows dropped)
+    except BaseException:
+        ledger.close()
+        raise
     return ledger
 
 

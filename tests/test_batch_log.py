@@ -22,7 +22,15 @@ import pytest
 from chunk_files import LOG, committed, log_records
 from test_batch import BATCHES, Counter
 
-from resumable import Pipeline, ResumableWarning, _batch_ledger, _journal, checkpointed, checkpointed_map
+from resumable import (
+    InputChangedError,
+    Pipeline,
+    ResumableWarning,
+    _batch_ledger,
+    _journal,
+    checkpointed,
+    checkpointed_map,
+)
 from resumable._chunklog import scan
 from resumable._cli import main
 from resumable._stores._local import AppendFile, LocalStore
@@ -226,6 +234,26 @@ def test_a_batch_call_closes_its_log_however_it_ends(pipe: Pipeline, exc: type[B
         checkpointed_map(fn, range(ROWS), every=EVERY, name="b")
     assert [[]] * EVERY == seen[:EVERY]
     assert all(len(logs) == 1 for logs in seen[EVERY:])  # kept open from the first commit on
+    assert [] == _open_logs()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files through /proc")
+def test_a_batch_refused_at_its_start_leaves_no_log_open(pipe: Pipeline, state_dir: Path):
+    """Reading the log at the start may append to it (a damaged record is voided) before a check refuses."""
+
+    def fn(x: int) -> int:
+        if x == 25:
+            raise KeyboardInterrupt
+        return x
+
+    with pipe, pytest.raises(KeyboardInterrupt):
+        checkpointed_map(fn, range(ROWS), every=EVERY, name="b")
+    path = log_path(state_dir)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pipe, pytest.warns(ResumableWarning), pytest.raises(InputChangedError):
+        checkpointed_map(fn, range(ROWS + 1), every=EVERY, name="b")
     assert [] == _open_logs()
 
 
