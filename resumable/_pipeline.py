@@ -109,11 +109,7 @@ class Pipeline:
         if state_dir is not None and store is not None:
             msg = "pass either state_dir= or store= to Pipeline, not both"
             raise UsageError(msg)
-        if (
-            isinstance(keep_checkpoints, bool)
-            or not isinstance(keep_checkpoints, int)
-            or keep_checkpoints < 0
-        ):
+        if type(keep_checkpoints) is not int or keep_checkpoints < 0:
             msg = f"keep_checkpoints must be an int >= 0, got {keep_checkpoints!r}"
             raise UsageError(msg)
         self._name = name

@@ -111,7 +111,7 @@ class StepSpec(Generic[P, R]):
         if version is not None and (not isinstance(version, str) or not version):
             msg = f"step {self.name!r}: version must be a non-empty str, got {version!r}"
             raise StepDefinitionError(msg, step=self.name)
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        if type(retries) is not int or retries < 0:
             msg = f"step {self.name!r}: retries must be an int >= 0, got {retries!r}"
             raise StepDefinitionError(msg, step=self.name)
         types = retry_on if isinstance(retry_on, tuple) else (retry_on,)
@@ -396,18 +396,8 @@ def step(
     idempotent: bool = True,
     pipeline: Host | None = None,
 ) -> Callable[[Callable[P, R]], Step[P, R]]: ...
-def step(  # noqa: PLR0913 - the documented options
-    fn: Callable[P, R] | None = None,
-    /,
-    *,
-    name: str | None = None,
-    version: str | None = None,
-    key: KeySpec | None = None,
-    ignore: Iterable[str] = (),
-    retries: int = 0,
-    retry_on: RetryOn = Exception,
-    idempotent: bool = True,
-    pipeline: Host | None = None,
+def step(
+    fn: Callable[P, R] | None = None, /, **options: Any
 ) -> Step[P, R] | Callable[[Callable[P, R]], Step[P, R]]:
     """
     Make a function a step: its output is stored, and a later call with the same
@@ -433,16 +423,6 @@ def step(  # noqa: PLR0913 - the documented options
         StepDefinitionError: the name, key or an option is invalid, or another function
             already uses the name.
     """
-    options: dict[str, Any] = {
-        "name": name,
-        "version": version,
-        "key": key,
-        "ignore": ignore,
-        "retries": retries,
-        "retry_on": retry_on,
-        "idempotent": idempotent,
-        "pipeline": pipeline,
-    }
     if fn is None:
         return lambda fn: _make(fn, **options)
     return _make(fn, **options)
