@@ -383,13 +383,14 @@ def _fits(check: _Check, value: object) -> bool:
     return check(value)
 
 
-def _record(fields: Mapping[str, _Check], required: tuple[str, ...]) -> Callable[[Any], bool]:
-    """A predicate: a dict with the *required* keys, no others than *fields*, each fitting."""
+def _record(fields: Mapping[str, _Check], required: Iterable[str] | None = None) -> Callable[[Any], bool]:
+    """A predicate: a dict with the *required* keys (default: all), no others than *fields*, each fitting."""
+    needed = tuple(fields if required is None else required)
 
     def check(data: object) -> bool:
         return (
             type(data) is dict
-            and all(key in data for key in required)
+            and all(key in data for key in needed)
             and all(key in fields and _fits(fields[key], value) for key, value in data.items())
         )
 
@@ -459,11 +460,8 @@ _RECORD_CHECKS = tuple(_RECORD_TYPES[name] for name in _RECORD_FIELDS)
 _RECORDS_KEYS = frozenset({"slots", *_RECORD_FIELDS})
 _BATCH_RECORD = _record({"done": _INT, "every": _INT, "total": _OPT_INT, "failures": _INT}, ("done", "every"))
 # an error as events carry it (the manifest's adds the step)
-_EVENT_ERROR = _record({"type": _STR, "message": _STR, "traceback": _STR}, ("type", "message", "traceback"))
-_ERROR_RECORD = _record(
-    {"step": _OPT_STR, "type": _STR, "message": _STR, "traceback": _STR},
-    ("step", "type", "message", "traceback"),
-)
+_EVENT_ERROR = _record({"type": _STR, "message": _STR, "traceback": _STR})
+_ERROR_RECORD = _record({"step": _OPT_STR, "type": _STR, "message": _STR, "traceback": _STR})
 _STR_MAP = _map_of(_STR)
 _SESSION_FIELDS: dict[str, _Check] = {
     "id": _STR,
@@ -475,12 +473,7 @@ _SESSION = _record(_SESSION_FIELDS, ("id",))
 _CODE = _map_of(_STR_MAP)
 _STEPS = _map_of(_STEP_RECORD)
 # a keyed step's summary in manifest.json: how many of its slots have each status
-_SUMMARIES = _map_of(
-    _record(
-        {"status": _map_of(_INT), "last_completed": _OPT_STR, "bytes": _INT},
-        ("status", "last_completed", "bytes"),
-    )
-)
+_SUMMARIES = _map_of(_record({"status": _map_of(_INT), "last_completed": _OPT_STR, "bytes": _INT}))
 
 
 def _run_status(value: object) -> bool:
@@ -555,8 +548,7 @@ _ROLLBACK_CHANGES = _record(
         "drop": _slots,
         "insert": _inserts,
         "code": _CODE,
-    },
-    ("steps", "drop", "insert", "code"),
+    }
 )
 _SLOT_FIELD = (("slot", _slot),)
 _RAN: dict[str, _Check] = {"duration_s": _OPT_NUM, "attempts": _INT}
