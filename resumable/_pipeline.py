@@ -535,9 +535,7 @@ class Pipeline:
         Raises:
             UsageError: *run* or *compare* names something the event log does not hold.
         """
-        active = self._run
-        if active is not None and not active.closed:
-            active.journal.write_pending(durable=False)
+        self._write_pending()
         return _report.report(
             self.store, self._secret, path, run=run, compare=compare,
             root=self._root_store, session=self._session_id,
@@ -554,15 +552,19 @@ class Pipeline:
         Raises:
             UsageError: no run has called *step* (or that slot).
         """
-        run = self._run
-        if run is not None and not run.closed:
-            run.journal.write_pending(durable=False)
+        self._write_pending()
         decisions = _why.explain(_history.events(self.store, self._secret), self.store, step, key)
         if not decisions:
             where = f"{step!r} with key {key!r}" if key is not None else repr(step)
             msg = f"no run has called {where} in {self.store.location}: nothing to explain"
             raise UsageError(msg)
         return decisions
+
+    def _write_pending(self) -> None:
+        """Write the events of the open run that are not written yet, for readers of the log."""
+        run = self._run
+        if run is not None and not run.closed:
+            run.journal.write_pending(durable=False)
 
     # history -----------------------------------------------------------------------------
 
@@ -708,12 +710,7 @@ def read_checkpoints(store: Store, *, secret: bytes | None, newest: int) -> list
 
 
 def snapshot(store: Store) -> dict[str, Any]:
-    """
-    Every file of the state as data, read without the lock in the order a run writes them:
-    the manifest, then the event log it points into (up to its last whole line), then the
-    listing and the files. Outputs are written before the events that name them, so the copy
-    is a state a kill at some instant could have left, which every run knows how to resume.
-    """
+    """Every file of the state as data, read without the lock: what a kill could have left (see read_head)."""
     files = read_head(store)
     for key in sorted(store.list()):
         name = key.rsplit("/", 1)[-1]
