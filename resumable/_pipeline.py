@@ -234,10 +234,6 @@ class Pipeline:
         if self._session_id is not None:
             _sessions.record(self._root_store, self._session_id, run.journal.manifest)
 
-    def _defined(self) -> list[str]:
-        """The steps this process defines for this pipeline (recorded when a run closes)."""
-        return sorted(set(self._steps) | set(_context.unbound_steps()))
-
     def _session_for(self, spec: StepSpec[Any, Any] | None = None) -> RunState:
         """The open run, opening one if there is none (script mode: closed at exit)."""
         named = _context.session_of(self)
@@ -271,7 +267,9 @@ class Pipeline:
                 self._dropped.detach()
                 self._dropped = None
             if run is not None:
-                run.close(status, error, defined=self._defined())
+                # the steps this process defines for this pipeline (`resumable clean` reads them)
+                defined = sorted(set(self._steps) | set(_context.unbound_steps()))
+                run.close(status, error, defined=defined)
                 self._index_session(run)
 
     def _close_at_exit(self, status: str, error: BaseException | None) -> None:
