@@ -396,8 +396,18 @@ def step(
     idempotent: bool = True,
     pipeline: Host | None = None,
 ) -> Callable[[Callable[P, R]], Step[P, R]]: ...
-def step(
-    fn: Callable[P, R] | None = None, /, **options: Any
+def step(  # noqa: PLR0913 - the documented options
+    fn: Callable[P, R] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    version: str | None = None,
+    key: KeySpec | None = None,
+    ignore: Iterable[str] = (),
+    retries: int = 0,
+    retry_on: RetryOn = Exception,
+    idempotent: bool = True,
+    pipeline: Host | None = None,
 ) -> Step[P, R] | Callable[[Callable[P, R]], Step[P, R]]:
     """
     Make a function a step: its output is stored, and a later call with the same
@@ -423,6 +433,16 @@ def step(
         StepDefinitionError: the name, key or an option is invalid, or another function
             already uses the name.
     """
+    options: dict[str, Any] = {
+        "name": name,
+        "version": version,
+        "key": key,
+        "ignore": ignore,
+        "retries": retries,
+        "retry_on": retry_on,
+        "idempotent": idempotent,
+        "pipeline": pipeline,
+    }
     if fn is None:
         return lambda fn: _make(fn, **options)
     return _make(fn, **options)
