@@ -752,3 +752,8 @@ def test_resumable_disable_is_read_at_every_call(
     assert off is disabled()
     monkeypatch.setattr(os, "environ", dict(os.environ))  # replaced whole: read through it
     assert off is disabled()
+
+
+def test_a_misspelt_option_is_refused_as_steps():
+    with pytest.raises(TypeError, match=r"step\(\) got an unexpected keyword argument 'retires'"):
+        step(retires=2)  # type: ignore[call-overload]
