@@ -8,8 +8,10 @@ retries, its output encoded before anything is overwritten, written atomically, 
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
+import importlib
 import itertools
 import logging
 import os
@@ -21,8 +23,8 @@ import time
 import traceback
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Coroutine, Iterable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Coroutine, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from . import _codehash
 from ._codec import (
@@ -50,6 +52,24 @@ from .exceptions import SerializationError, StepChangedError, StepInterruptedErr
 log = logging.getLogger("resumable")
 
 
+class Later:
+    """A module of this package, imported when first used."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(importlib.import_module(self._name, __package__), attr)
+
+
+# Steps run without history and why until a step runs or a run closes: `import resumable`
+# does not load them.
+if TYPE_CHECKING:
+    from . import _history, _why
+else:
+    _history, _why = Later("._history"), Later("._why")
+
+
 LARGE_OUTPUT = 100 * 1024 * 1024  # outputs larger than this log a warning
 RETRY_BASE_DELAY = 0.5  # seconds before the first retry; doubles each attempt
 RETRY_MAX_DELAY = 60.0
@@ -63,7 +83,7 @@ LAG = 8 * 1024  # bytes of log a named session's manifest.json may lag (replayed
 class Execution:
     """The step running in this context (so batch helpers inside it know their slot)."""
 
-    __slots__ = ("batches", "loops", "plan", "run", "spec")
+    __slots__ = ("batches", "loops", "plan", "retry_in", "run", "spec")
 
     def __init__(self, run: RunState, spec: StepView, plan: Plan) -> None:
         self.run = run
@@ -72,32 +92,18 @@ class Execution:
         # numbers the step's unnamed batches in call order (next() is atomic: threads may share it)
         self.batches = itertools.count()
         self.loops = Loops()  # its `checkpointed` loops still open
+        self.retry_in = 0.0  # seconds before the next attempt, once this one failed
 
 
-class Loops:
+class Loops(weakref.WeakSet[Any]):
     """
     The ``checkpointed`` loops of a step call (or of a run, outside steps) not finished yet:
     closed as an exception leaves the step (or the run), which commits their finished rows
     while the run can still write them (a loop in a variable outlives the exception).
     """
 
-    __slots__ = ("_open",)
-
-    def __init__(self) -> None:
-        # made by the first loop: most step calls open none, and a WeakSet is not free
-        self._open: weakref.WeakSet[Any] | None = None
-
-    def add(self, loop: Any) -> None:
-        if self._open is None:
-            self._open = weakref.WeakSet()
-        self._open.add(loop)
-
-    def discard(self, loop: Any) -> None:
-        if self._open is not None:
-            self._open.discard(loop)
-
     def close(self) -> None:
-        for loop in list(self._open or ()):
+        for loop in list(self):
             loop.close()
 
 
@@ -287,7 +293,10 @@ class RunState:
                 # lagging: the close is durable in the log (one fsync), not in manifest.json
                 self.journal.record("run_finished", sync=lagging, defined=sorted(defined), **fields)
             if not self.maintenance:  # a maintenance lock (CLI, reset ...) keeps all history
-                self.prune()
+                self.journal.write_pending(durable=False)  # the log must hold every event replayed
+                _history.prune(
+                    self.store, self.secret, self.keep_checkpoints, self.journal.manifest, durable=False
+                )
                 file_digests.save(self.store, self.secret)
             if lagging and not self.maintenance:
                 self.journal.write_pending(durable=False)
@@ -297,15 +306,6 @@ class RunState:
                 self.journal.flush(durable=self.durable)
         finally:
             self._release()
-
-    def prune(self) -> int:
-        """Delete kept output versions that no retained checkpoint needs any more (at the close)."""
-        from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
-
-        self.journal.write_pending(durable=False)  # the log must hold every event replayed
-        return _history.prune(
-            self.store, self.secret, self.keep_checkpoints, self.journal.manifest, durable=False
-        )
 
     def _release(self) -> None:
         lock, self._lock = self._lock, None
@@ -407,8 +407,9 @@ class RunState:
             self._skipped.add(plan.slot)
             code = header.get("code")
             kept = spec.version is not None and isinstance(code, str) and code != plan.identity.code
-            if kept:
-                self._kept(spec, plan, str(code))
+            if kept:  # a pinned version kept an output made by other code (for `why`)
+                self._record_code(spec, plan)
+                self.journal.record("step_kept", slot=plan.slot, code=plan.identity.code, was=code)
             # The skips of the slots completed last are logged (why and report show them);
             # older ones change nothing: a run replaying a conversation of 200 turns would
             # otherwise log 200 skips, and the log would grow with the square of its length.
@@ -474,15 +475,8 @@ class RunState:
         """Keep the code a step runs for `resumable why`: once per code and run, again if it failed."""
         if plan.identity.code in self._code_recorded:
             return
-        from . import _why  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
-
         if _why.record_code(self.store, spec.name, plan.identity):
             self._code_recorded.add(plan.identity.code)
-
-    def _kept(self, spec: StepView, plan: Plan, was: str) -> None:
-        """Record that a pinned version kept an output made by other code (for `why`)."""
-        self._record_code(spec, plan)
-        self.journal.record("step_kept", slot=plan.slot, code=plan.identity.code, was=was)
 
     def _old_code(self, step: str) -> dict[str, str] | None:
         return self._code_before.get(step) or self.journal.manifest.code.get(step)
@@ -508,8 +502,6 @@ class RunState:
             old = str(stored).removeprefix("version:").removeprefix("code:")[:12]
             reason, detail = "version changed", f"{old} -> {spec.version}"
         else:
-            from . import _why  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
-
             old_components = _why.code_components(self.store, was) or self._old_code(spec.name)
             reason, detail = "code changed", _codehash.describe_change(old_components, ident.components)
         found = Found(hit=False, reason=reason, detail=detail, was=was, params=params)
@@ -567,25 +559,6 @@ class RunState:
         )
         return time.perf_counter()
 
-    def _retry_delay(
-        self, spec: StepView, plan: Plan, exc: BaseException, started: float, attempt: int
-    ) -> float | None:
-        """
-        After a failed attempt: the delay before the next one (exponential backoff with
-        jitter); None, with the failure recorded, for an exception not worth a retry.
-        """
-        if not (isinstance(exc, Exception) and isinstance(exc, spec.retry_on) and attempt <= spec.retries):
-            self._failed_noting(spec, plan, exc, started, attempt)
-            return None
-        delay = min(RETRY_BASE_DELAY * 2.0 ** (attempt - 1), RETRY_MAX_DELAY)
-        delay *= random.uniform(0.5, 1.0)  # noqa: S311 - spreading retries, not secrets
-        log.warning(
-            "step %r attempt %d of %d failed (%s: %s); retrying in %.1fs",
-            plan.slot, attempt, spec.retries + 1, type(exc).__name__, exc, delay,
-        )  # fmt: skip
-        self.journal.record("step_retry", slot=plan.slot, attempt=attempt + 1, error=_error_fields(exc))
-        return delay
-
     def complete(self, spec: StepView, plan: Plan, value: Any, started: float, attempts: int) -> None:
         """Store the output atomically, then record the step as completed."""
         try:
@@ -616,8 +589,6 @@ class RunState:
                 "step %r output is %s; large outputs slow every save and load", plan.slot, human_size(size)
             )
         if plan.replaces is not None and self.keep_checkpoints > 0:
-            from . import _history  # noqa: PLC0415 - lazy: history and why add ~40% to the package's own import time
-
             _history.keep_version(self.store, plan.slot, plan.replaces, durable=self.durable)
         try:
             self.store.write(slot_file(plan.slot), framed.chunks(), durable=self.durable)
@@ -690,25 +661,45 @@ class RunState:
             error=_error_fields(exc),
         )
 
+    @contextlib.contextmanager
+    def _attempt(self, spec: StepView, plan: Plan, started: float, attempt: int) -> Iterator[Execution]:
+        """
+        One attempt of a step, as the :class:`Execution` of this context. An exception worth a
+        retry is logged and leaves ``retry_in`` set (exponential backoff with jitter); any
+        other is recorded and raised.
+        """
+        execution = Execution(self, spec, plan)
+        token = current_execution.set(execution)
+        try:
+            yield execution
+        except BaseException as exc:
+            execution.loops.close()
+            if not (
+                isinstance(exc, Exception) and isinstance(exc, spec.retry_on) and attempt <= spec.retries
+            ):
+                self._failed_noting(spec, plan, exc, started, attempt)
+                raise
+            delay = min(RETRY_BASE_DELAY * 2.0 ** (attempt - 1), RETRY_MAX_DELAY)
+            execution.retry_in = delay = delay * random.uniform(0.5, 1.0)  # noqa: S311 - spreading retries, not secrets
+            log.warning(
+                "step %r attempt %d of %d failed (%s: %s); retrying in %.1fs",
+                plan.slot, attempt, spec.retries + 1, type(exc).__name__, exc, delay,
+            )  # fmt: skip
+            self.journal.record("step_retry", slot=plan.slot, attempt=attempt + 1, error=_error_fields(exc))
+        finally:
+            current_execution.reset(token)
+
     def execute(self, spec: StepView, plan: Plan, found: Found, call: Callable[[], Any]) -> Any:
         """Run a step that missed, with retries, and store its output."""
         started = self.begin(spec, plan, found)
-        delay: float | None = 0.0
+        delay = 0.0
         for attempt in itertools.count(1):
-            execution = Execution(self, spec, plan)
-            token = current_execution.set(execution)
-            try:
+            with self._attempt(spec, plan, started, attempt) as execution:
                 if delay:  # a retry: an interrupt while it waits ends the step as one inside it would
                     time.sleep(delay)
                 value = call()
                 break
-            except BaseException as exc:
-                execution.loops.close()
-                delay = self._retry_delay(spec, plan, exc, started, attempt)
-                if delay is None:
-                    raise
-            finally:
-                current_execution.reset(token)
+            delay = execution.retry_in
         self.complete(spec, plan, value, started, attempt)
         return value
 
@@ -719,22 +710,14 @@ class RunState:
         import asyncio  # noqa: PLC0415 - loaded by the async caller already; slow to import
 
         started = self.begin(spec, plan, found)
-        delay: float | None = 0.0
+        delay = 0.0
         for attempt in itertools.count(1):
-            execution = Execution(self, spec, plan)
-            token = current_execution.set(execution)
-            try:
-                if delay:  # a retry: an interrupt while it waits ends the step as one inside it would
+            with self._attempt(spec, plan, started, attempt) as execution:
+                if delay:
                     await asyncio.sleep(delay)
                 value = await call()
                 break
-            except BaseException as exc:
-                execution.loops.close()
-                delay = self._retry_delay(spec, plan, exc, started, attempt)
-                if delay is None:
-                    raise
-            finally:
-                current_execution.reset(token)
+            delay = execution.retry_in
         if self.durable:  # an fsync takes milliseconds: keep the event loop serving others
             await asyncio.to_thread(self.complete, spec, plan, value, started, attempt)
         else:
