@@ -293,45 +293,6 @@ def _remove_dirs(store: Store) -> None:
             os.rmdir(directory)
 
 
-def _linked(key: str) -> bool:
-    """Files that never change once written: shared by a fork (hard links, server-side copies)."""
-    return is_output_file(key) or key.startswith(
-        (f"{OBJECTS}/", f"{INTERNAL_DIR}/code/")
-    )  # (older code records)
-
-
-def copy_state(  # noqa: PLR0913 - the two sessions, as stores and as prefixes
-    root: Store, src: Store, dst: Store, *, src_prefix: str, dst_prefix: str, durable: bool
-) -> int:
-    """
-    Copy *src*'s state into the empty *dst*, in the order a run writes it (the manifest, the
-    event log up to its last whole line, then the rest): a state a kill could have left,
-    which every run resumes. Immutable files are linked; returns the bytes copied.
-    """
-
-    copied = 0
-    link = _local_linker(src, dst)
-    firsts = read_head(src)
-    for key in sorted(src.list()):
-        name = key.rpartition("/")[2]
-        if key in firsts or key in {INCOMPLETE, LOCK} or (name.startswith(".") and name.endswith(".tmp")):
-            continue
-        try:
-            if _linked(key):
-                if link is None or not link(key):
-                    root.copy(f"{src_prefix}/{key}", f"{dst_prefix}/{key}", durable=False)
-            else:
-                data = bytes(src.read(key))
-                dst.write(key, [data], durable=False)
-                copied += len(data)
-        except FileNotFoundError:
-            continue  # removed meanwhile (a running source pruned an old version)
-    for key, data in firsts.items():
-        dst.write(key, [data], durable=durable)
-        copied += len(data)
-    return copied
-
-
 def _local_linker(src: Store, dst: Store) -> Callable[[str], bool] | None:
     """
     Between two local session directories: a hard link per file, made straight at its name
@@ -369,7 +330,10 @@ _NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP,
 def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
     """
     Holding *dst*'s lock (its store: *store*), before its state is read: mark it incomplete,
-    empty it, and copy *src*'s state into it. The marker stays until the fork is complete.
+    empty it, and copy *src*'s state into it in the order a run writes it (the manifest,
+    the event log up to its last whole line, then the rest): a state a kill could have
+    left, which every run resumes. Outputs, which never change once written, are linked
+    (hard links, server-side copies). The marker stays until the fork is complete.
 
     Raises:
         UsageError: *dst* holds a session already.
@@ -382,9 +346,21 @@ def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
         if key != INCOMPLETE:
             store.delete(key, durable=False)
     source = session_store(root, src)
-    copy_state(
-        root, source, store, src_prefix=session_prefix(src), dst_prefix=session_prefix(dst), durable=False
-    )
+    link = _local_linker(source, store)
+    firsts = read_head(source)
+    for key in sorted(source.list()):
+        name = key.rpartition("/")[2]
+        if key in firsts or key in {INCOMPLETE, LOCK} or (name.startswith(".") and name.endswith(".tmp")):
+            continue
+        try:
+            if not (is_output_file(key) or key.startswith(f"{OBJECTS}/")):
+                store.write(key, [bytes(source.read(key))], durable=False)
+            elif link is None or not link(key):
+                root.copy(f"{session_prefix(src)}/{key}", f"{session_prefix(dst)}/{key}", durable=False)
+        except FileNotFoundError:
+            continue  # removed meanwhile (a running source pruned an old version)
+    for key, data in firsts.items():
+        store.write(key, [data], durable=False)
 
 
 # reading a session without running it ----------------------------------------------------
