@@ -134,9 +134,8 @@ def _error_fields(exc: BaseException) -> dict[str, str]:
 
 
 # Small files skipped more than once in a run are kept verified in memory, stamped (at most
-# these sizes and count): a later skip of the same slot decodes from memory.
-_VERIFIED_MAX_FILE = 64 * 1024
-_VERIFIED_MAX_TOTAL = 16 * 1024 * 1024
+# this size and count): a later skip of the same slot decodes from memory.
+_VERIFIED_MAX_FILE = 16 * 1024
 _VERIFIED_MAX_FILES = 1024
 
 
@@ -218,7 +217,6 @@ class RunState:
         self._code_recorded: set[str] = set()  # code digests whose record is in the store (_why)
         # slot -> (stamp, verified file) of files skipped again in this run
         self._verified: OrderedDict[str, tuple[Stamp, Verified]] = OrderedDict()
-        self._verified_bytes = 0
 
     # lifecycle ---------------------------------------------------------------------------
 
@@ -285,25 +283,24 @@ class RunState:
         """
         try:
             self.loops.close()  # loops of named batches left by an exception: commit their rows
+            if self.maintenance:  # a maintenance lock (CLI, reset ...) keeps all history
+                if self.journal.unsaved:  # a look at the state writes nothing
+                    self.journal.flush(durable=self.durable)
+                return
             lagging = self.lagging_manifest and not self.journal.rebuilt
-            if not self.maintenance:
-                fields: dict[str, Any] = {"status": status}
-                if error is not None and status == "failed" and error is not self.last_failure:
-                    fields["error"] = _error_fields(error)
-                # lagging: the close is durable in the log (one fsync), not in manifest.json
-                self.journal.record("run_finished", sync=lagging, defined=sorted(defined), **fields)
-            if not self.maintenance:  # a maintenance lock (CLI, reset ...) keeps all history
-                self.journal.write_pending(durable=False)  # the log must hold every event replayed
-                _history.prune(
-                    self.store, self.secret, self.keep_checkpoints, self.journal.manifest, durable=False
-                )
-                file_digests.save(self.store, self.secret)
-            if lagging and not self.maintenance:
-                self.journal.write_pending(durable=False)
-                if self.journal.manifest.events_offset - self.journal.saved_offset >= LAG:
-                    self.journal.flush(durable=False)
-            elif not self.maintenance or self.journal.unsaved:  # a look at the state writes nothing
+            fields: dict[str, Any] = {"status": status}
+            if error is not None and status == "failed" and error is not self.last_failure:
+                fields["error"] = _error_fields(error)
+            # lagging: the close is durable in the log (one fsync), not in manifest.json
+            self.journal.record("run_finished", sync=lagging, defined=sorted(defined), **fields)
+            self.journal.write_pending(durable=False)  # the log must hold every event prune replays
+            manifest = self.journal.manifest
+            _history.prune(self.store, self.secret, self.keep_checkpoints, manifest, durable=False)
+            file_digests.save(self.store, self.secret)
+            if not lagging:
                 self.journal.flush(durable=self.durable)
+            elif manifest.events_offset - self.journal.saved_offset >= LAG:
+                self.journal.flush(durable=False)
         finally:
             self._release()
 
@@ -370,7 +367,14 @@ class RunState:
 
     def _unusable(self, plan: Plan, exc: Exception) -> Found:
         """The miss for a slot whose file is missing, or whose header is damaged."""
-        return self._missing(plan) if isinstance(exc, FileNotFoundError) else self._corrupt(plan, str(exc))
+        if not isinstance(exc, FileNotFoundError):
+            return self._corrupt(plan, str(exc))
+        rec = self.journal.manifest.steps.get(plan.slot)
+        if rec is not None and rec.status == "reset":
+            return Found(hit=False, reason="reset")
+        if rec is not None and rec.status in {"failed", "interrupted"}:
+            return Found(hit=False, reason="new", detail=f"the previous attempt {rec.status}")
+        return Found(hit=False, reason="new")
 
     def _check_header(self, spec: StepView, plan: Plan, header: dict[str, Any]) -> Found | None:
         if header["slot"] != plan.slot:
@@ -380,26 +384,14 @@ class RunState:
             return self._mismatch(spec, plan, header)
         return None
 
-    def _missing(self, plan: Plan) -> Found:
-        rec = self.journal.manifest.steps.get(plan.slot)
-        if rec is not None and rec.status == "reset":
-            return Found(hit=False, reason="reset")
-        if rec is not None and rec.status in {"failed", "interrupted"}:
-            return Found(hit=False, reason="new", detail=f"the previous attempt {rec.status}")
-        return Found(hit=False, reason="new")
-
     def _keep_verified(self, slot: str, stamp: Stamp, checked: Verified) -> None:
         # small files without out-of-band buffers only: their values never share the data's memory
-        data = checked.data
-        if checked.header["buffers"] or len(data) > _VERIFIED_MAX_FILE:
+        if checked.header["buffers"] or len(checked.data) > _VERIFIED_MAX_FILE:
             return
-        old = self._verified.pop(slot, None)
-        if old is not None:
-            self._verified_bytes -= len(old[1].data)
-        self._verified[slot] = (stamp, Verified(bytes(data), checked.header, checked.head_len))
-        self._verified_bytes += len(data)
-        while self._verified_bytes > _VERIFIED_MAX_TOTAL or len(self._verified) > _VERIFIED_MAX_FILES:
-            self._verified_bytes -= len(self._verified.popitem(last=False)[1][1].data)
+        self._verified.pop(slot, None)
+        self._verified[slot] = (stamp, Verified(bytes(checked.data), checked.header, checked.head_len))
+        if len(self._verified) > _VERIFIED_MAX_FILES:
+            self._verified.popitem(last=False)
 
     def _hit(self, spec: StepView, plan: Plan, value: Any, header: dict[str, Any], head_len: int) -> Found:
         self.last_outcome = "ok"
