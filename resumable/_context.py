@@ -56,11 +56,6 @@ _default: Any = None
 _default_factory: Callable[[], Any] | None = None
 
 
-def steps_of(pipeline: Host | None) -> dict[str, Any]:
-    """The registry of *pipeline*'s own steps (of the unbound steps for None), live."""
-    return _unbound if pipeline is None else pipeline._steps  # noqa: SLF001 - the Host protocol
-
-
 def unbound_steps() -> dict[str, Any]:
     """A copy of the steps decorated with the module-level ``step``."""
     with _lock:
@@ -70,7 +65,7 @@ def unbound_steps() -> dict[str, Any]:
 def register(spec: Registered) -> None:
     """Add a step to its pipeline's registry, refusing a second function with its name."""
     with _lock:
-        registry = steps_of(spec.pipeline)
+        registry = _unbound if spec.pipeline is None else spec.pipeline._steps  # noqa: SLF001 - the Host protocol
         existing = registry.get(spec.name)
         if existing is not None and existing.qualname != spec.qualname:
             msg = (

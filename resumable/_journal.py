@@ -469,13 +469,7 @@ class Journal:
             self.unsaved = True
             if sync or not self.store.slow_appends:
                 self._write_pending(durable=sync and self.durable)
-        self._rewrite_if_due()
-
-    def _rewrite_if_due(self) -> None:
-        """Rewrite ``manifest.json`` if it is older than its interval and behind the events."""
-        if self.readonly or not self.unsaved:
-            return
-        if time.monotonic() - self._manifest_written < self._manifest_interval:
+        if time.monotonic() - self._manifest_written < self._manifest_interval or not self.unsaved:
             return
         try:
             self.flush(durable=False)

@@ -57,11 +57,7 @@ _encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=st
 def fold(lines: Iterator[bytes]) -> dict[str, dict[str, Any]]:
     """The summaries a log's lines leave, by id."""
     found: dict[str, dict[str, Any]] = {}
-    texts = [line for line in lines if line]
-    records = _parsed(b"[" + b",".join(texts) + b"]")  # one parse for all lines
-    if records is None:  # a line cut short by a kill, or damaged
-        records = [_parsed(t) for t in texts]
-    for rec in records:
+    for rec in map(_parsed, lines):  # a line cut short by a kill, or damaged, is None
         if type(rec) is not dict or type(sid := rec.get("id")) is not str:
             continue
         if rec.get("deleted"):
