@@ -237,29 +237,22 @@ def exists(root: Store, session: str) -> bool:
 # fork and delete -------------------------------------------------------------------------
 
 
-def _holder(what: str) -> dict[str, Any]:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "since": utcnow(), "argv": [what]}
-
-
-def _lock(store: Store, session: str, what: str) -> Any:
-    try:
-        return store.lock(_holder(what))
-    except StateLockedError as exc:
-        raise SessionBusyError(session, store.location, exc.holder) from None
-
-
 def delete(root: Store, session: str, *, durable: bool) -> None:
     """
     Remove session *session*, crash-safely: the ``incomplete`` marker is written (durably)
     before anything is deleted, and whoever opens the session next finishes the delete.
     """
     store = session_store(root, session)
-    if not exists(root, session) and not incomplete(store):
+    if not store.list():  # (a half-deleted session lists its marker)
         with contextlib.suppress(OSError):  # the index is a cache (see record)
             index_of(root).drop(session)
         msg = f"no session {session!r} in {root.location} (see `resumable sessions`)"
         raise UsageError(msg)
-    lock = _lock(store, session, "delete")
+    try:
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": utcnow(), "argv": ["delete"]}
+        lock = store.lock(holder)
+    except StateLockedError as exc:
+        raise SessionBusyError(session, store.location, exc.holder) from None
     try:
         store.write(INCOMPLETE, [b"delete\n"], durable=True)
         wipe(store, durable=durable)
