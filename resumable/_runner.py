@@ -8,7 +8,7 @@ its stored digests); it is read only when a step that runs needs its value.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from ._codec import DamagedFileError, value_digest
@@ -53,12 +53,7 @@ def run_without_state(owner: str, specs: list[StepSpec[Any, Any]], inputs: Mappi
     for spec in specs:
         args, kwargs = _arguments(owner, spec, outputs, inputs)
         call = _call(spec, args, kwargs)
-        if spec.is_async:
-            import asyncio  # noqa: PLC0415 - only async steps need it; it takes longer to import than this package
-
-            outputs[spec.name] = asyncio.run(call())
-        else:
-            outputs[spec.name] = call()
+        outputs[spec.name] = _run_async(spec, call) if spec.is_async else call()
     return Run(outputs, [spec.name for spec in specs], [])
 
 
@@ -160,12 +155,16 @@ def _call(spec: StepSpec[Any, Any], args: list[Any], kwargs: dict[str, Any]) -> 
 def _execute(run: RunState, spec: StepSpec[Any, Any], plan: Plan, found: Found, call: Any) -> Any:
     if not spec.is_async:
         return run.execute(spec, plan, found, call)
+    return _run_async(spec, functools.partial(run.execute_async, spec, plan, found, call))
+
+
+def _run_async(spec: StepSpec[Any, Any], coroutine: Callable[[], Coroutine[Any, Any, Any]]) -> Any:
     import asyncio  # noqa: PLC0415 - only async steps need it; it takes longer to import than this package
 
     try:
         asyncio.get_running_loop()
     except RuntimeError:
-        return asyncio.run(run.execute_async(spec, plan, found, call))
+        return asyncio.run(coroutine())
     msg = (
         f"Pipeline.run() cannot run async step {spec.name!r} inside a running event loop; "
         "call the step and await it instead"
