@@ -254,13 +254,19 @@ class Journal:
                 )
         return self.manifest
 
-    def _read_manifest(self) -> tuple[Manifest | None, str | None]:
+    def _read(self, key: str, start: int = 0) -> bytes | bytearray | None:
+        """*key* from *start*, None if it is missing; a :class:`StateDirectoryError` if it cannot be read."""
         try:
-            raw = self.store.read(MANIFEST)
+            return self.store.read(key, start)
         except FileNotFoundError:
-            return None, "missing"
+            return None
         except OSError as exc:
-            raise state_error(exc, self.store, MANIFEST) from exc
+            raise state_error(exc, self.store, key) from exc
+
+    def _read_manifest(self) -> tuple[Manifest | None, str | None]:
+        raw = self._read(MANIFEST)
+        if raw is None:
+            return None, "missing"
         # a large manifest is rewritten less often (see flush)
         self._manifest_interval = _rewrite_interval(len(raw))
         self.large = len(raw) > LARGE_MANIFEST
@@ -280,14 +286,8 @@ class Journal:
 
     def records_problem(self, step: str) -> tuple[dict[str, StepRecord] | None, str | None]:
         """The records of keyed *step* in its file, or what is wrong with that file."""
-        key = records_file(step)
-        try:
-            data = self.store.read(key)
-        except FileNotFoundError:
-            return None, "missing"
-        except OSError as exc:
-            raise state_error(exc, self.store, key) from exc
-        return parse_records(step, data, self.secret)
+        data = self._read(records_file(step))
+        return (None, "missing") if data is None else parse_records(step, data, self.secret)
 
     def _keyed_records(self, manifest: Manifest, step: str) -> dict[str, StepRecord]:
         """The records of keyed *step*: from its file, or rebuilt from its outputs if that is damaged."""
@@ -323,15 +323,12 @@ class Journal:
         The log from *start*, with *start*; None if *start* is not where a line of the log
         begins (the manifest is then out of step with the log).
         """
-        try:
-            if start == 0:
-                return 0, self.store.read(EVENTS)
-            # one byte more: the one before *start* must end a line
-            tail = self.store.read(EVENTS, start - 1)
-        except FileNotFoundError:
+        # from one byte before: it must end a line
+        tail = self._read(EVENTS, max(start - 1, 0))
+        if tail is None:
             return 0, b""  # no log (yet, or deleted): the manifest is all there is
-        except OSError as exc:
-            raise state_error(exc, self.store, EVENTS) from exc
+        if start == 0:
+            return 0, tail
         return (start, tail[1:]) if tail[:1] == b"\n" else None
 
     def _replay(self, start: int, tail: bytes | bytearray) -> int:
