@@ -23,7 +23,6 @@ import json
 import threading
 import time
 import uuid
-import warnings
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -46,7 +45,7 @@ from ._manifest import (
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, records_file
 from ._stores import Store, unchanged_since
 from ._warn import warn
-from .exceptions import ResumableWarning, StateDirectoryError, StateFormatError
+from .exceptions import StateDirectoryError, StateFormatError
 
 FLUSH_INTERVAL = 0.2
 _MAX_INTERVAL = 10.0
@@ -207,7 +206,6 @@ class Journal:
         self._log_entry_durable = True
         self.rebuilt = False  # load found no usable manifest.json and rebuilt it
         self.large = False  # the manifest read was over LARGE_MANIFEST bytes
-        self.quiet = False  # damaged records files are rebuilt without a warning
         self.unsaved = False  # the manifest holds something manifest.json does not
         self.saved_offset = 0  # how much of the log manifest.json (as read or last written) covers
 
@@ -247,7 +245,8 @@ class Journal:
         if problem is not None or manifest.status == "running":
             # a run that did not close may have stored outputs whose events it never wrote
             restored = self._reconcile()
-            if problem is not None and (problem != "missing" or restored or self._offset):
+            noticed = problem != "missing" or restored or self._offset  # (a new state is not news)
+            if problem is not None and noticed and not self.readonly:
                 warn(
                     f"{self.store.location}/{MANIFEST} was {problem}; rebuilt it from the "
                     f"event log and {restored} step file(s)."
@@ -311,7 +310,7 @@ class Journal:
                 bytes=event["bytes"],
                 file=event["file"],
             )
-        if not self.quiet:
+        if not self.readonly:  # (a look at the state: damage is handled quietly)
             warn(
                 f"{self.store.location}/{records_file(step)} was {problem}; rebuilt the records of "
                 f"{len(records)} completed slot(s) of {step} from their output files."
@@ -605,11 +604,7 @@ def read_state(
     *records*, keyed steps' records are read when used, not now (what only needs the
     completed slots, as ``resumable diff``); either way, damage is handled quietly.
     """
-    journal = Journal(store, pipeline=pipeline, secret=secret, readonly=True)
-    journal.quiet = True
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResumableWarning)
-        manifest = journal.load()
+    manifest = Journal(store, pipeline=pipeline, secret=secret, readonly=True).load()
     if records:
         manifest.steps.parse_all()
     return manifest
