@@ -553,12 +553,6 @@ class RunState:
 
     def complete(self, spec: StepView, plan: Plan, value: Any, started: float, attempts: int) -> None:
         """Store the output atomically, then record the step as completed."""
-        try:
-            encoded = encode(value, allow_pickle=self.allow_pickle, what=f"the output of step {plan.slot!r}")
-        except SerializationError as exc:
-            exc.step = spec.name
-            self._failed_noting(spec, plan, exc, started, attempts)
-            raise
         ident = plan.identity
         meta = {
             "slot": plan.slot,
@@ -570,23 +564,26 @@ class RunState:
             "args": plan.args,
             "params": plan.params,
         }
-        # passed on unloaded (the runner), the output counts as its content does
-        plain = plan.output_plain_digest = content_digest(value)
-        if plain is not None:
-            meta["pdigest"] = plain
-        framed = frame(encoded, meta, secret=self.secret)
+        try:
+            encoded = encode(value, allow_pickle=self.allow_pickle, what=f"the output of step {plan.slot!r}")
+            # passed on unloaded (the runner), the output counts as its content does
+            plain = plan.output_plain_digest = content_digest(value)
+            if plain is not None:
+                meta["pdigest"] = plain
+            framed = frame(encoded, meta, secret=self.secret)
+            if plan.replaces is not None and self.keep_checkpoints > 0:
+                _history.keep_version(self.store, plan.slot, plan.replaces, durable=self.durable)
+            self.store.write(slot_file(plan.slot), framed.chunks(), durable=self.durable)
+        except BaseException as exc:
+            if isinstance(exc, SerializationError):
+                exc.step = spec.name
+            self._failed(spec, plan, exc, started, attempts)
+            raise
         header, size = framed.header, framed.size
         if size > LARGE_OUTPUT:
             log.warning(
                 "step %r output is %s; large outputs slow every save and load", plan.slot, human_size(size)
             )
-        if plan.replaces is not None and self.keep_checkpoints > 0:
-            _history.keep_version(self.store, plan.slot, plan.replaces, durable=self.durable)
-        try:
-            self.store.write(slot_file(plan.slot), framed.chunks(), durable=self.durable)
-        except BaseException as exc:
-            self._failed_noting(spec, plan, exc, started, attempts)
-            raise
         plan.output_digest = value_digest(header)
         _remember(value, header, loaded=False)
         if plan.slot in self.journal.manifest.batches:  # the output now holds what they held
@@ -625,33 +622,31 @@ class RunState:
             self.journal.record("batch_done", batch=batch)
         return len(keys)
 
-    def _failed_noting(
-        self, spec: StepView, plan: Plan, exc: BaseException, started: float, attempts: int
-    ) -> None:
-        """Record a failure to store; if the log cannot take it either, the first error wins."""
-        try:
-            self.failed(spec, plan, exc, started, attempts)
-        except OSError as log_error:  # e.g. the disk is full: report the output's error
-            exc.add_note(f"(the failure could not be recorded in the event log either: {log_error})")
-
-    def failed(self, spec: StepView, plan: Plan, exc: BaseException, started: float, attempts: int) -> None:
-        """Record an exception that escapes a step (it is re-raised by the caller)."""
+    def _failed(self, spec: StepView, plan: Plan, exc: BaseException, started: float, attempts: int) -> None:
+        """
+        Record an exception that escapes a step (the caller re-raises it); if the log cannot
+        take it either (a full disk), the step's error wins, with a note.
+        """
         self.last_outcome = "failed" if isinstance(exc, Exception) else "interrupted"
-        if not isinstance(exc, Exception):
-            self.journal.record(
-                "step_interrupted", slot=plan.slot, duration_s=round(time.perf_counter() - started, 6)
+        duration = round(time.perf_counter() - started, 6)
+        try:
+            if not isinstance(exc, Exception):
+                self.journal.record("step_interrupted", slot=plan.slot, duration_s=duration)
+                return
+            self.last_failure = exc
+            log.info(
+                "step %r failed after %d attempt(s): %s: %s", plan.slot, attempts, type(exc).__name__, exc
             )
-            return
-        self.last_failure = exc
-        log.info("step %r failed after %d attempt(s): %s: %s", plan.slot, attempts, type(exc).__name__, exc)
-        self.journal.record(  # raises OSError only if the log cannot be written: the caller notes it
-            "step_failed",
-            slot=plan.slot,
-            step=spec.name,
-            attempts=attempts,
-            duration_s=round(time.perf_counter() - started, 6),
-            error=_error_fields(exc),
-        )
+            self.journal.record(
+                "step_failed",
+                slot=plan.slot,
+                step=spec.name,
+                attempts=attempts,
+                duration_s=duration,
+                error=_error_fields(exc),
+            )
+        except OSError as log_error:
+            exc.add_note(f"(the failure could not be recorded in the event log either: {log_error})")
 
     @contextlib.contextmanager
     def _attempt(self, spec: StepView, plan: Plan, started: float, attempt: int) -> Iterator[Execution]:
@@ -669,7 +664,7 @@ class RunState:
             if not (
                 isinstance(exc, Exception) and isinstance(exc, spec.retry_on) and attempt <= spec.retries
             ):
-                self._failed_noting(spec, plan, exc, started, attempt)
+                self._failed(spec, plan, exc, started, attempt)
                 raise
             delay = min(RETRY_BASE_DELAY * 2.0 ** (attempt - 1), RETRY_MAX_DELAY)
             execution.retry_in = delay = delay * random.uniform(0.5, 1.0)  # noqa: S311 - spreading retries, not secrets
