@@ -130,22 +130,18 @@ def incomplete(store: Store) -> bool:
     return True
 
 
-def wipe(store: Store, *, durable: bool) -> None:
-    """Delete every file of a session but its lock, and last the ``incomplete`` marker."""
+def prepare(store: Store, *, durable: bool) -> None:
+    """
+    Called holding the session's lock, before its state is read: finish what a killed fork
+    or delete left. Every file of the session but its lock goes, the ``incomplete`` marker last.
+    """
+    if not incomplete(store):
+        return
     store.remove_temp_files()
     for key in sorted(store.list(), key=lambda k: -k.count("/")):  # deepest first
         if key not in {INCOMPLETE, LOCK}:
             store.delete(key, durable=False)
     store.delete(INCOMPLETE, durable=durable)
-
-
-def prepare(store: Store, *, durable: bool) -> None:
-    """
-    Called holding the session's lock, before its state is read: finish what a killed fork
-    or delete left (the session then starts empty).
-    """
-    if incomplete(store):
-        wipe(store, durable=durable)
 
 
 def claim(
@@ -255,7 +251,7 @@ def delete(root: Store, session: str, *, durable: bool) -> None:
         raise SessionBusyError(session, store.location, exc.holder) from None
     try:
         store.write(INCOMPLETE, [b"delete\n"], durable=True)
-        wipe(store, durable=durable)
+        prepare(store, durable=durable)
         with contextlib.suppress(OSError):
             index_of(root).drop(session, durable=durable)
         _remove_dirs(store)

@@ -99,8 +99,9 @@ class LogIndex:
             finally:
                 os.close(fd)  # drops the flock
 
-    def _append(self, record: Mapping[str, Any], *, durable: bool) -> None:
-        data = _line(record)
+    def put(self, summary: Mapping[str, Any], *, durable: bool = False) -> None:
+        """Record *summary* (a dict with an ``id``) as the session's current one."""
+        data = _line(summary)
         with self._locked() as (fd, size):
             if size and os.pread(fd, 1, size - 1) != b"\n":
                 data = b"\n" + data  # the last append was cut by a kill: start a new line
@@ -113,13 +114,9 @@ class LogIndex:
                 if size + len(data) > 2 * max(folded, _MIN_COMPACT // 2):
                     self._compact(durable=durable)
 
-    def put(self, summary: Mapping[str, Any], *, durable: bool = False) -> None:
-        """Record *summary* (a dict with an ``id``) as the session's current one."""
-        self._append(summary, durable=durable)
-
     def drop(self, session: str, *, durable: bool = False) -> None:
         """Forget *session* (deleted)."""
-        self._append({"id": session, "deleted": True}, durable=durable)
+        self.put({"id": session, "deleted": True}, durable=durable)
 
     def _lines(self) -> Iterator[bytes]:
         try:
