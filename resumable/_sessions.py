@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ._codec import DamagedFileError, parse_header, read_verified, utcnow
+from ._codec import DamagedFileError, read_verified, utcnow
 from ._fingerprint import Outputs, StoredOutput
-from ._journal import read_head
+from ._journal import read_head, read_header
 from ._manifest import Record
 from ._sessions_index import index_of
 from ._slots import (
@@ -377,13 +377,11 @@ def outputs(
 
 
 def _original_key(store: Store, slot: str) -> str | None:
-    encoded = slot.split("/", 1)[1]
-    key = decode_key(encoded)
+    key = decode_key(slot.split("/", 1)[1])
     if key is not None:
         return key
     try:  # a long key is shortened in its file name: the header has it
-        head = store.read(slot_file(slot), 0, 64 * 1024)
-        header, _ = parse_header(head)
+        header, _ = read_header(store, slot_file(slot))
     except (FileNotFoundError, DamagedFileError):
         return None
     found = header.get("key")
