@@ -201,11 +201,10 @@ class RunState:
         self.loops = Loops()  # `checkpointed` loops of named batches, outside steps
         self._lock: Any = None
         self.token = os.urandom(8).hex()
-        self._single_slot: dict[str, str] = {}
+        self._single_slot: dict[str, str | None] = {}  # step -> its first arguments (None: warned)
         # one call at a time per slot of an idempotent=False step (see slot_lock)
         self._slot_locks: dict[tuple[str, bool], Any] = {}
         self._slot_locks_lock = threading.Lock()
-        self._warned: set[str] = set()
         self.maintenance = False
         self.last_failure: BaseException | None = None
         # how the last step call of this run ended: "ok", "failed" or "interrupted"
@@ -503,8 +502,8 @@ class RunState:
 
     def _check_single_slot(self, spec: StepView, plan: Plan) -> None:
         first = self._single_slot.setdefault(spec.name, plan.args)
-        if first != plan.args and spec.name not in self._warned:
-            self._warned.add(spec.name)
+        if first is not None and first != plan.args:
+            self._single_slot[spec.name] = None
             warn(
                 f"step {spec.name!r} was called twice in this run with different arguments, "
                 "but it has a single slot: each call replaces the stored output, so a rerun "
