@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import importlib
 import json
 import os
 import socket
@@ -29,7 +28,7 @@ from ._journal import read_head, read_state
 from ._manifest import Manifest
 from ._plan import Plan
 from ._runner import Run, run_steps, run_without_state
-from ._session import RunState
+from ._session import Later, RunState
 from ._slots import (
     BATCHES,
     LOCK,
@@ -49,17 +48,6 @@ from .exceptions import (
     UsageError,
 )
 
-
-class _Later:
-    """A module of this package, imported when first used."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __getattr__(self, attr: str) -> Any:
-        return getattr(importlib.import_module(self._name, __package__), attr)
-
-
 # History, reports and sessions are not needed to run steps, and importing them would make
 # `import resumable` take half as long again.
 if TYPE_CHECKING:
@@ -68,7 +56,7 @@ if TYPE_CHECKING:
     from ._sessions import SessionInfo
     from ._why import Decision
 else:
-    _history, _report, _sessions, _why = map(_Later, ("._history", "._report", "._sessions", "._why"))
+    _history, _report, _sessions, _why = map(Later, ("._history", "._report", "._sessions", "._why"))
 
 P = ParamSpec("P")
 R = TypeVar("R")
