@@ -283,7 +283,11 @@ class _Feeder:
     def feed(self, obj: Any) -> None:
         tp = type(obj)
         if tp in _LEAVES:
-            self._write(self._leaf(obj))
+            packed = self._leaf(obj)
+            if len(packed) < _DIRECT:
+                self.out += packed  # most leaves: a call fewer
+            else:
+                self._write(packed)
         elif self.outputs and self._output(obj):
             return
         elif tp is dict:
@@ -395,6 +399,14 @@ class _Feeder:
 
     def _scalars(self, items: list[Any] | tuple[Any, ...]) -> None:
         """Plain scalars (or rows of them): an array header, then as msgpack writes them, in chunks."""
+        if len(items) <= _CHUNK:
+            try:  # most lists: the header and the items in one piece
+                packed = self._pack(items)
+            except _UNPACKABLE:
+                pass  # item by item, below
+            else:
+                self._write(packed)
+                return
         self.out += self._header(len(items))
         for start in range(0, len(items), _CHUNK):
             chunk = items[start : start + _CHUNK]

@@ -140,12 +140,12 @@ class _FileLock:
 class AppendFile:
     """A file of a :class:`LocalStore` open for appending (by the process that opened it) until closed."""
 
-    def __init__(self, store: LocalStore, path: str, fd: int) -> None:
+    def __init__(self, store: LocalStore, path: str, fd: int, *, new: bool) -> None:
         self.path = path
         self.pid = os.getpid()
         self._store = store
         self._fd = fd
-        self._new = os.fstat(fd).st_size == 0  # maybe just created: its name is not fsynced yet
+        self._new = new  # just created: its name is not fsynced yet
 
     def append(self, data: bytes, *, durable: bool) -> None:
         """Append all of *data* or raise (an ``OSError`` naming the file); with *durable*, fsync it."""
@@ -364,21 +364,28 @@ class LocalStore(Store):
             fsync_dir(directory)
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:
-        with contextlib.closing(self.open_append(key, durable=durable)) as file:
+        file = self.open_append(key, durable=durable)
+        try:
             file.append(data, durable=durable)
+        finally:
+            file.close()
 
     def open_append(self, key: str, *, durable: bool) -> AppendFile:
         """*key* opened to append to it (created, with its directories, if missing); close it when done."""
         path = self.path(key)
         self._check_dirs(key)
-        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT
+        flags = os.O_WRONLY | os.O_APPEND
         try:
             try:
-                fd = self._open(path, flags, own=True)
+                return AppendFile(self, path, self._open(path, flags, own=True), new=False)
+            except FileNotFoundError:
+                pass  # created below
+            try:
+                fd = self._open(path, flags | os.O_CREAT, own=True)
             except FileNotFoundError:
                 self._makedirs(os.path.dirname(path), durable=durable)
-                fd = self._open(path, flags, own=True)
-            return AppendFile(self, path, fd)
+                fd = self._open(path, flags | os.O_CREAT, own=True)
+            return AppendFile(self, path, fd, new=True)
         except OSError as exc:
             raise self.error(exc, path) from None
 
