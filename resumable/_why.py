@@ -38,13 +38,12 @@ _DIGEST = re.compile(r"[0-9a-f]{32}")
 
 def record_code(store: Store, step: str, identity: Identity) -> bool:
     """
-    Keep the components of the code a step is about to run; False if they could not be
-    written. Records are named by their digest: the sessions of a store share them (they
-    go to the store the session is in).
+    Keep the components of the code a step is about to run, once per code digest, in the
+    store its sessions share; False if they could not be written.
     """
     store = root_of(store)
     key = f"{CODE_DIR}{identity.code}.json"
-    with contextlib.suppress(OSError):  # written once: a record is named by the digest of what it holds
+    with contextlib.suppress(OSError):  # already there
         store.read(key, 0, 0)
         return True
     record = {
@@ -165,23 +164,18 @@ def explain(
         if event.get("event") == "step_skipped":
             decision = Decision(slot, "skipped" if when == run else "not called", when, at)
             pinned = kept.get(slot)
-            if pinned is not None and pinned[0] == when:
-                decision = _kept(store, decision, pinned[1])
+            if pinned is not None and pinned[0] == when:  # another code's output, kept by a pinned version
+                changes = code_diff(store, pinned[1].get("was"), pinned[1].get("code"))
+                decision = attrs.evolve(decision, reason="kept: version pinned", changes=changes)
         else:
-            decision = _ran(store, slot, when if when == run else None, at, event)
+            decision = _ran(store, slot, when, at, event)
             if when != run:
-                decision = attrs.evolve(decision, outcome="not called", run=when)
+                decision = attrs.evolve(decision, outcome="not called")
         decisions.append(decision)
     return decisions
 
 
-def _kept(store: Store, decision: Decision, event: dict[str, Any]) -> Decision:
-    """A skip of an output other code made, kept because the step's version is pinned."""
-    changes = code_diff(store, event.get("was"), event.get("code"))
-    return attrs.evolve(decision, reason="kept: version pinned", changes=changes)
-
-
-def _ran(store: Store, slot: str, run: int | None, at: str | None, event: dict[str, Any]) -> Decision:
+def _ran(store: Store, slot: str, run: int, at: str | None, event: dict[str, Any]) -> Decision:
     reason = event.get("reason") if isinstance(event.get("reason"), str) else None
     detail = event.get("detail") if isinstance(event.get("detail"), str) else None
     changes = code_diff(store, event.get("was"), event.get("code")) if reason == "code changed" else []
