@@ -204,13 +204,9 @@ def code_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
             changes.append(Change(kind, name, old["values"].get(label), new["values"].get(label)))
             continue
 
-        a, b = old["sources"].get(label), new["sources"].get(label)
-        diff = None
-        if a is not None or b is not None:
-            lines = difflib.unified_diff(
-                (a or "").splitlines(), (b or "").splitlines(), "before", "after", lineterm="", n=2
-            )
-            diff = "\n".join(lines) or None
+        a, b = old["sources"].get(label, ""), new["sources"].get(label, "")
+        lines = difflib.unified_diff(a.splitlines(), b.splitlines(), "before", "after", lineterm="", n=2)
+        diff = "\n".join(lines) or None
         changes.append(Change(kind, name, before.get(label), after.get(label), diff))
     return changes
 
