@@ -420,9 +420,11 @@ class _Builder:
         defaults = func.__defaults__ or ()
         for i, value in enumerate(defaults):
             param = positional[len(positional) - len(defaults) + i]
-            self.reference(f"{func.__name__}({param}=)", value, _default(func, i), home)
-        for param, value in (func.__kwdefaults__ or {}).items():
-            self.reference(f"{func.__name__}({param}=)", value, _kwdefault(func, param), home)
+            read = functools.partial(operator.getitem, defaults, i)  # a new tuple makes the shape again
+            self.reference(f"{func.__name__}({param}=)", value, read, home)
+        kwdefaults = func.__kwdefaults__ or {}
+        for param, value in kwdefaults.items():
+            self.reference(f"{func.__name__}({param}=)", value, _entry(kwdefaults, param), home)
 
     def reference(self, name: str, value: object, read: Callable[[], object], home: dict[str, Any]) -> None:
         shape = self.shape
@@ -470,14 +472,6 @@ def _home(obj: object) -> dict[str, Any]:
 
 def _entry(mapping: dict[str, Any], key: str) -> Callable[[], object]:
     return functools.partial(mapping.get, key, _MISSING)
-
-
-def _default(func: types.FunctionType, i: int) -> Callable[[], object]:
-    return lambda: (func.__defaults__ or ())[i]
-
-
-def _kwdefault(func: types.FunctionType, param: str) -> Callable[[], object]:
-    return lambda: (func.__kwdefaults__ or {}).get(param, _MISSING)
 
 
 def _class_call(obj: object) -> object:
