@@ -51,10 +51,7 @@ class _Unhashable(Exception):  # noqa: N818 - internal signal turned into Finger
 
 
 class StoredOutput:
-    """
-    A skipped step's output that has not been loaded (the runner's lazy value): as an
-    argument it counts as the loaded value would, without being loaded.
-    """
+    """A skipped step's output not loaded yet: as an argument it counts as the loaded value would."""
 
     __slots__ = ("_load", "_loaded", "_value", "digest", "plain_digest", "slot")
 
@@ -161,9 +158,6 @@ class _Provenance:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
-
-    def __bool__(self) -> bool:
-        return bool(self._entries)
 
 
 def _encoding_checksum(obj: object, pads: tuple[int, ...]) -> str:
@@ -660,9 +654,7 @@ def argument_digest(step: str, name: str, value: object) -> bytes:
     try:
         try:
             feeder.feed(value)
-        except _Unhashable:
-            if not provenance:
-                raise
+        except _Unhashable:  # it may hold outputs with no digest of their own: by their stored checksum
             feeder = _Feeder(describe, outputs=True)
             feeder.feed(value)
     except _Unhashable as exc:
