@@ -282,9 +282,8 @@ def _helper(value: object, home: dict[str, Any]) -> types.FunctionType | None:
     return None
 
 
-def _functions_inside(value: object, module: dict[str, Any]) -> list[tuple[str, types.FunctionType]] | None:
+def _functions_inside(table: Any, module: dict[str, Any]) -> list[tuple[str, types.FunctionType]] | None:
     """The same-module functions held by a dict, list or tuple (a dispatch table), or None."""
-    table: Any = value
     tp = type(table)
     if not (tp is dict or tp is list or tp is tuple) or len(table) > _MAX_CONSTANT_ITEMS:
         return None  # data, not a table: looking through a large value would cost every first call
