@@ -78,10 +78,6 @@ def _tz_key(tz: dt.tzinfo | None) -> str | None:
     return key if isinstance(key, str) else None
 
 
-def _portable_tz(tz: dt.tzinfo | None) -> bool:
-    return tz is None or type(tz) is dt.timezone or _tz_key(tz) is not None
-
-
 class Encoder:
     """Packs one value; collects out-of-band buffers and notes whether it pickled."""
 
@@ -131,7 +127,9 @@ class Encoder:
                 return self.pickle_fallback(obj, why)
             if kind == "enum":
                 return self.ext(ENUM, [tp.__module__, tp.__qualname__, obj.value])  # type: ignore[attr-defined]
-            return self.ext(OBJECT, [kind, tp.__module__, tp.__qualname__, _object_state(kind, obj)])
+            # pydantic's own pickle state (taken without pickling), or the fields
+            state = obj.__getstate__() if kind == "pydantic" else dict(object_fields(obj) or ())
+            return self.ext(OBJECT, [kind, tp.__module__, tp.__qualname__, state])
         encoded = encode_array(self, obj)
         if encoded is not None:
             return encoded
@@ -251,16 +249,10 @@ def object_fields(obj: Any) -> list[tuple[str, Any]] | None:
     return list(obj) if kind == "pydantic" else None
 
 
-def _object_state(kind: str, obj: Any) -> dict[str, Any]:
-    if kind == "pydantic":  # pydantic's own pickle state, taken without pickling
-        state: dict[str, Any] = obj.__getstate__()
-        return state
-    return dict(object_fields(obj) or ())
-
-
 def _encode_when(code: int) -> Callable[[Encoder, Any], object]:
     def encode(enc: Encoder, obj: Any) -> object:
-        if not _portable_tz(obj.tzinfo):
+        tz = obj.tzinfo
+        if not (tz is None or type(tz) is dt.timezone or _tz_key(tz) is not None):
             return enc.pickle_fallback(obj, "its tzinfo is not a ZoneInfo or a fixed offset")
         return enc.ext(code, [obj.isoformat(), _tz_key(obj.tzinfo), obj.fold])
 

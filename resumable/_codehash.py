@@ -163,8 +163,15 @@ def _function_node(fn: types.FunctionType) -> ast.AST | None:
     return found
 
 
-def _bytecode_digest(code: types.CodeType, doc: str | None) -> str:
+def function_digest(fn: types.FunctionType, node: ast.AST | None) -> str:
+    """
+    Digest of one function's own logic from its syntax tree *node* (from its bytecode if
+    None). Its default values are not part of it: they are arguments, or values it reads.
+    """
+    if node is not None:
+        return blake3.blake3(_canon(node, top=True).encode()).hexdigest()
     h = blake3.blake3()
+    code, doc = fn.__code__, fn.__doc__
 
     def feed(c: types.CodeType) -> None:
         h.update(c.co_code)
@@ -176,17 +183,7 @@ def _bytecode_digest(code: types.CodeType, doc: str | None) -> str:
                 h.update(repr(const).encode())
 
     feed(code)
-    return h.hexdigest()
-
-
-def function_digest(fn: types.FunctionType, node: ast.AST | None) -> str:
-    """
-    Digest of one function's own logic from its syntax tree *node* (from its bytecode if
-    None). Its default values are not part of it: they are arguments, or values it reads.
-    """
-    if node is not None:
-        return blake3.blake3(_canon(node, top=True).encode()).hexdigest()
-    return "bytecode:" + _bytecode_digest(fn.__code__, fn.__doc__)
+    return "bytecode:" + h.hexdigest()
 
 
 _MAX_SOURCE = 20_000  # characters of a component's source kept for `resumable why`
