@@ -20,7 +20,6 @@ import pickle
 import struct
 import sys
 import uuid
-import zoneinfo
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -452,6 +451,8 @@ def _decode_when(dec: Decoder, payload: bytes, parse: Callable[[str], Any]) -> A
     iso, key, fold = _fields(dec, payload, (str, (str, type(None)), int))
     value = parse(iso)
     if key is not None:
+        import zoneinfo  # noqa: PLC0415 - slow to import; only zone-aware values need it
+
         value = value.replace(tzinfo=zoneinfo.ZoneInfo(key))
     return value.replace(fold=fold)
 
