@@ -19,11 +19,10 @@ machinery works on it unchanged. This module adds what is about sessions as a wh
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import os
 import socket
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -43,7 +42,7 @@ from ._slots import (
     slot_file,
     step_of,
 )
-from ._stores import Store, check_key
+from ._stores import Store
 from ._stores._local import LocalStore
 from ._stores._prefix import sub_store
 from .exceptions import ResumableError, SessionBusyError, StateLockedError, UsageError
@@ -259,16 +258,11 @@ def delete(root: Store, session: str, *, durable: bool) -> None:
         lock.release()
 
 
-def _local_root(store: Store) -> str | None:
-    """The directory of a local store (None for other stores)."""
-    return store.root if isinstance(store, LocalStore) else None
-
-
 def _remove_dirs(store: Store) -> None:
     """What is left of a deleted local session (files no listing shows, directories), its lock last."""
-    root = _local_root(store)
-    if root is None or not os.path.isdir(root):
+    if not isinstance(store, LocalStore) or not os.path.isdir(store.root):
         return
+    root = store.root
     lock = f"{root}/{LOCK}"
     for directory, _dirs, files in os.walk(root, topdown=False):
         for name in files:
@@ -282,46 +276,12 @@ def _remove_dirs(store: Store) -> None:
             os.rmdir(directory)
 
 
-def _local_linker(src: Store, dst: Store) -> Callable[[str], bool] | None:
-    """
-    Between two local session directories: a hard link per file, made straight at its name
-    (the new session is empty, locked and marked incomplete: nothing there to replace, no one
-    to see a file half made); False where the file system cannot link (then it is copied).
-    """
-    src_root, dst_root = _local_root(src), _local_root(dst)
-    if src_root is None or dst_root is None:
-        return None
-    made: set[str] = set()
-
-    def link(key: str) -> bool:
-        check_key(key, dst_root)
-        directory = key.rpartition("/")[0]
-        if directory and directory not in made:
-            path = f"{dst_root}/{directory}"
-            os.makedirs(path, mode=0o700, exist_ok=True)
-            if os.path.realpath(path) != os.path.join(os.path.realpath(dst_root), directory):
-                return False  # a symbolic link on the way: the store's own copy refuses it
-            made.add(directory)
-        try:
-            os.link(f"{src_root}/{key}", f"{dst_root}/{key}", follow_symlinks=False)
-        except OSError as exc:
-            if exc.errno in _NO_LINK:
-                return False
-            raise
-        return True
-
-    return link
-
-
-_NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
-
-
 def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
     """
     Holding *dst*'s lock (its store: *store*), before its state is read: mark it incomplete,
     empty it, and copy *src*'s state into it in the order a run writes it (the manifest,
     the event log up to its last whole line, then the rest): a state a kill could have
-    left, which every run resumes. Outputs, which never change once written, are linked
+    left, which every run resumes. Outputs, which never change once written, are shared
     (hard links, server-side copies). The marker stays until the fork is complete.
 
     Raises:
@@ -335,7 +295,6 @@ def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
         if key != INCOMPLETE:
             store.delete(key, durable=False)
     source = session_store(root, src)
-    link = _local_linker(source, store)
     firsts = read_head(source)
     for key in sorted(source.list()):
         name = key.rpartition("/")[2]
@@ -344,7 +303,7 @@ def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
         try:
             if not (is_output_file(key) or key.startswith(f"{OBJECTS}/")):
                 store.write(key, [bytes(source.read(key))], durable=False)
-            elif link is None or not link(key):
+            else:
                 root.copy(f"{session_prefix(src)}/{key}", f"{session_prefix(dst)}/{key}", durable=False)
         except FileNotFoundError:
             continue  # removed meanwhile (a running source pruned an old version)
