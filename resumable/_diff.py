@@ -57,11 +57,10 @@ def side_now(name: str, store: Store, secret: bytes | None) -> Side:
 
 def side_at(name: str, store: Store, secret: bytes | None, target: int | str) -> Side:
     """A session's state at checkpoint *target*."""
-    points = replay(store, secret)
-    number = find(points, target)
+    number = find(replay(store, secret), target)
     if number == 0:
         return Side(name, store, [], {})
-    point = next(p for p in replay(store, secret, restore=number) if p.checkpoint.id == number)
+    point = replay(store, secret, restore=number)[-1]
     order = list(point.checkpoint.completed_steps)
     files: dict[str, str] = {}
     steps = point.steps or {}
@@ -86,8 +85,7 @@ def side(root: Store, text: str, secret: bytes | None) -> Side:
     """
     sid, at = text, None
     if "@" in text and not _sessions.exists(root, text):
-        sid, _, point = text.rpartition("@")
-        at = int(point) if point.isdigit() else point
+        sid, _, at = text.rpartition("@")
     default = sid in {".", ""}
     if not default and not _sessions.exists(root, sid):
         msg = f"no session {sid!r} in {root.location} (see `resumable sessions`; '.' is the default session)"

@@ -63,8 +63,7 @@ def sessions_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:
     """``resumable sessions [fork SRC DST | delete ID...]``."""
     if args.action == "fork":
         pipe = Pipeline("resumable-cli", store=root)
-        at = int(args.at) if args.at is not None and args.at.isdigit() else args.at
-        info = pipe.fork(args.src, args.dst, at=at)
+        info = pipe.fork(args.src, args.dst, at=args.at)
         out(f"forked {args.src!r} into {info.id!r}: {info.completed} slot(s) completed")
         return 0
     if args.action == "delete":
