@@ -39,11 +39,6 @@ def when(stamp: object) -> float | None:
         return None
 
 
-def _key_of(slot: str) -> str | None:
-    """The key of a keyed slot as the user gave it (None for a shortened long key)."""
-    return decode_key(slot.split("/", 1)[1]) if "/" in slot else None
-
-
 class _Run:
     def __init__(self, number: int, start: float | None) -> None:
         self.number = number
@@ -419,13 +414,13 @@ def _slots(
         if info.get("reason") == "code changed":
             pair = (info.get("was"), info.get("code"))
             if pair not in code_cache:
-                code_cache[pair] = _code_diff(store, *pair)
+                code_cache[pair] = [_change_row(c) for c in _why.code_diff(store, *pair)]
             changes = code_cache[pair]
         changes = changes + [{"kind": "parameter", "name": p} for p in info.get("params") or []]
         row = {
             "slot": slot,
             "step": step_of(slot),
-            "key": scan.keys.get(slot, _key_of(slot)),
+            "key": scan.keys.get(slot, decode_key(slot.split("/", 1)[1]) if "/" in slot else None),
             "run": run.number,
             "outcome": outcome,
             "reason": info.get("reason"),
@@ -461,10 +456,6 @@ def _listed(last: dict[str, Any], groups: dict[str, dict[str, Any]]) -> list[str
             picked.add(slot)
             room -= 1
     return [s for s in slots if s in picked]
-
-
-def _code_diff(store: Store, was: object, code: object) -> list[dict[str, Any]]:
-    return [_change_row(c) for c in _why.code_diff(store, was, code)]
 
 
 def _change_row(c: _why.Change) -> dict[str, Any]:
@@ -588,7 +579,7 @@ def _against_run(
         verdict = _verdict(a, b)
         row = {"slot": slot, "verdict": verdict, "a": _side(a), "b": _side(b), "changes": []}
         if verdict == "code changed" and a is not None and b is not None:
-            row["changes"] = _code_diff(store, a.code, b.code)
+            row["changes"] = [_change_row(c) for c in _why.code_diff(store, a.code, b.code)]
         if first is None and verdict != "same":
             first = slot
         rows.append(row)
