@@ -47,11 +47,7 @@ def index_of(store: Store) -> LogIndex | ObjectIndex:
 def _line(record: Mapping[str, Any]) -> bytes:
     # what is None or empty is left out (read back as such): a smaller index reads faster
     kept = {k: v for k, v in record.items() if v is not None and v != {}}
-    return _encode(kept).encode() + b"\n"
-
-
-# one encoder for every line: json.dumps with options builds a new encoder at each call
-_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, default=str).encode
+    return json.dumps(kept, separators=(",", ":"), ensure_ascii=False, default=str).encode() + b"\n"
 
 
 def fold(lines: Iterator[bytes]) -> dict[str, dict[str, Any]]:
@@ -108,11 +104,8 @@ class LogIndex:
             os.write(fd, data)
             if durable:
                 os.fsync(fd)
-            first = os.pread(fd, 128, 0) if size > _MIN_COMPACT else b""
-            if first:
-                folded = _folded_size(first)
-                if size + len(data) > 2 * max(folded, _MIN_COMPACT // 2):
-                    self._compact(durable=durable)
+            if size > _MIN_COMPACT and size + len(data) > 2 * max(_folded_size(fd), _MIN_COMPACT // 2):
+                self._compact(durable=durable)
 
     def drop(self, session: str, *, durable: bool = False) -> None:
         """Forget *session* (deleted)."""
@@ -152,8 +145,9 @@ class LogIndex:
         os.replace(tmp, self.log)
 
 
-def _folded_size(first: bytes) -> int:
-    rec = _parsed(first.split(b"\n", 1)[0])
+def _folded_size(fd: int) -> int:
+    """The size of the fold the log starts with, as its first line says (0 if it says none)."""
+    rec = _parsed(os.pread(fd, 128, 0).split(b"\n", 1)[0])
     if isinstance(rec, dict) and rec.get("id") == "" and isinstance(rec.get("folded"), int):
         return int(rec["folded"])
     return 0
@@ -190,13 +184,10 @@ class ObjectIndex:
         """Nothing to do: no log."""
 
     def read(self) -> dict[str, dict[str, Any]]:
-        return self._summaries(self.store.list())
-
-    def _summaries(self, keys: list[str]) -> dict[str, dict[str, Any]]:
-        """The summaries of the objects *keys*: from their names, else read (on a remote store in threads)."""
+        """The summaries: from the objects' names, else read (on a remote store in threads)."""
         found: list[dict[str, Any]] = []
         unread: list[str] = []
-        for key in keys:
+        for key in self.store.list():
             folder, _, name = key.partition("/")
             sid = decode_key(folder) or None  # (no session has the empty id)
             summary = _named(name)
