@@ -1,19 +1,9 @@
 """
-Sessions: named, independent slices of one store (SPEC §13).
-
-A named session is a store of its own under ``.sessions/<id encoded as keys are>/`` of the
-pipeline's store, in the default session's layout, with a lock of its own: the run
-machinery works on it unchanged. This module adds what is about sessions as a whole:
-
-- a ``session`` event in each session's log, which its manifest folds into ``session``:
-  its id, creation time, parent and metadata;
-- ``.resumable/incomplete`` in a session being forked or deleted: whoever takes the
-  session's lock next finds it and empties the session before anything reads it, so a
-  kill at any instant never leaves a half-forked session or a deleted one's outputs;
-- the index of summaries (:mod:`._sessions_index`), which ``sessions`` and ``status`` read;
-- fork, delete, listing, and reading a session's outputs without running it.
-
-``pipe.session(id)`` (``_pipeline.Session``) is built on these.
+Sessions (SPEC §13): a named session is a store of its own under ``.sessions/<id encoded>/``,
+in the default session's layout, with its own lock. This module adds what is about sessions
+as a whole: the ``session`` event (id, creation time, parent, metadata), the ``incomplete``
+marker of a fork or delete (whoever takes the session's lock next empties it, so a kill never
+leaves half a session), the index of summaries, fork, delete, listing, and reading outputs.
 """
 
 from __future__ import annotations
@@ -22,7 +12,7 @@ import contextlib
 import functools
 import os
 import socket
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -169,11 +159,11 @@ def claim(
     journal.write_pending(durable=False)
 
 
-def summary(session: str, manifest: Manifest) -> dict[str, Any]:
-    """The index summary of a session from its manifest."""
+def record(root: Store, session: str, manifest: Manifest) -> None:
+    """Put a session's summary in the index (a cache: a failure to write it is not an error)."""
     meta = manifest.session or {}
     created = meta.get("created_at")
-    return {
+    summary = {
         "id": session,
         "created_at": created,
         "parent": meta.get("parent"),
@@ -188,12 +178,8 @@ def summary(session: str, manifest: Manifest) -> dict[str, Any]:
         else None,
         "bytes": manifest.steps.completed_bytes(),
     }
-
-
-def record(root: Store, session: str, manifest: Manifest) -> None:
-    """Put a session's summary in the index (a cache: a failure to write it is not an error)."""
     with contextlib.suppress(OSError):
-        index_of(root).put(summary(session, manifest))
+        index_of(root).put(summary)
 
 
 # listing ---------------------------------------------------------------------------------
@@ -210,17 +196,8 @@ def list_sessions(
         found = [s for s in found if (s.get("status") or "new") == status]
     if prefix is not None:
         found = [s for s in found if s["id"].startswith(prefix)]
-    found = newest_first(found)
+    found.sort(key=lambda s: (u if isinstance(u := s.get("updated_at"), str) else "", s["id"]), reverse=True)
     return [SessionInfo.of(s) for s in (found if limit is None else found[:limit])]
-
-
-def newest_first(summaries: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Index summaries, the last updated first."""
-    return sorted(
-        summaries,
-        key=lambda s: (u if isinstance(u := s.get("updated_at"), str) else "", s["id"]),
-        reverse=True,
-    )
 
 
 def exists(root: Store, session: str) -> bool:

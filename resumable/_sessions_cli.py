@@ -24,16 +24,14 @@ Out = Callable[[str], None]
 
 def summary(root: Store) -> dict[str, Any] | None:
     """Counts by status, the latest session, the failed ones; None if the store has no sessions."""
-    found = index_of(root).read()
-    if not found:
+    infos = _sessions.list_sessions(root)
+    if not infos:
         return None
-    # as `resumable sessions` lists them (a damaged line too)
-    infos = [_sessions.SessionInfo.of(s) for s in _sessions.newest_first(found.values())]
     statuses = Counter(i.status for i in infos)
     latest = infos[0]
     failed = [i.id for i in infos if i.status == "failed"]
     return {
-        "count": len(found),
+        "count": len(infos),
         "by_status": dict(statuses.most_common()),
         "latest": {"id": latest.id, "status": latest.status, "updated_at": latest.updated_at},
         "failed": failed[:10],
