@@ -1,11 +1,7 @@
 """
-``resumable report``: one self-contained HTML file that shows a run as a person wants to see it.
-
-The page is rendered here, in Python: the header, the timeline (SVG), the runs, the steps,
-batches, a comparison and the last error read with scripts off. A small inline script adds
-sorting and filtering. Everything read from the state is text, escaped here. A
-Content-Security-Policy forbids every fetch and allows only this page's own style and script
-(by hash). The same state gives the same bytes.
+``resumable report``'s page (docs/report.md): rendered here so that it reads with scripts
+off; everything from the state is escaped text; a Content-Security-Policy allows only the
+page's own style and script (by hash).
 """
 
 from __future__ import annotations
@@ -276,7 +272,7 @@ def _ticks(  # noqa: PLR0913 - the span, the plot's box, where the labels go
 
 
 def _svg(classes: str, label: str, height: float, axis: float) -> str:
-    """The opening of a timeline's drawing, with its time axis (*axis* seconds wide)."""
+    """A timeline's opening tag and its time axis (*axis* seconds wide)."""
     head = f'<svg class="{classes}" viewBox="0 0 {WIDTH} {height}" role="img" aria-label="{e(label)}">'
     return head + _ticks(axis, LABEL, PLOT, TOP, height - TOP - 4)
 
@@ -461,7 +457,7 @@ def _story(data: dict[str, Any]) -> str:
 
 
 def _table(table_id: str | None, heads: list[str], rows: list[str], numeric: Sequence[str] = ()) -> str:
-    """A table (sortable if it has an id); the columns named in *numeric* are right-aligned."""
+    """A table, sortable if it has an id."""
     th = "".join(f'<th class="num">{h}</th>' if h in numeric else f"<th>{h}</th>" for h in heads)
     table = f'<table class="sortable" id="{table_id}">' if table_id else "<table>"
     return f"{table}<thead><tr>{th}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
@@ -705,7 +701,7 @@ def _error(data: dict[str, Any]) -> str:
 
 
 def write_file(path: str | os.PathLike[str], data: bytes) -> str:
-    """Write *data* to *path* (a temporary file, fsynced, renamed over it); returns the absolute path."""
+    """Write *data* to *path* atomically; returns the absolute path."""
     target = os.path.abspath(os.fspath(path))
     tmp = f"{target}.{os.getpid()}.tmp"
     with open(tmp, "wb") as f:
@@ -720,9 +716,6 @@ def report(  # noqa: PLR0913 - what to show, and where the state is
     store: Any, secret: bytes | None, path: str | os.PathLike[str], *, run: int | str = "all",
     compare: int | str | None = None, root: Any = None, session: str | None = None,
 ) -> str:  # fmt: skip
-    """
-    Read the state *store* (no lock, nothing written in it) and write its report to *path*;
-    *root* and *session* say which session of which store it is, for comparing with another.
-    """
+    """Write the report of *store* (session *session* of *root*) to *path*; reads only."""
     data = collect(store, secret, run=run, compare=compare, root=root, session=session)
     return write_file(path, render(data).encode())
