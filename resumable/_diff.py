@@ -1,12 +1,8 @@
 """
 ``resumable diff A B``: where two sessions (or checkpoints) diverged, slot by slot, and why.
-
-Each side is a session's current state or its state at a checkpoint (``SESSION@CHECKPOINT``,
-the checkpoint an id, a label or a step as in ``rollback``). Each completed slot's output
-header says what made it: its fingerprint, the identity of its code, the digest of each
-argument and the code record it ran (see :mod:`._why`). Two slots are then the same (same
-fingerprint), differ by their inputs (which parameters), by their code (which components,
-with the unified diff ``why`` shows), or exist on one side only. Reads only.
+Reads only. Each completed slot's output header says what made it (fingerprint, code
+identity, the digest of each argument, the code record): two slots are the same, differ by
+their inputs, by their code, or exist on one side only.
 """
 
 from __future__ import annotations

@@ -141,10 +141,9 @@ def claim(
     known: Mapping[str, Any] | None = None,
 ) -> None:
     """
-    Make the manifest of *journal* (an open run's, state loaded) name *session*: a ``session``
-    event when it names none or another one (a new session, a directory copied from
-    another), keeping *known* if that was this session's (its state was replaced), and when
-    *metadata* is given and differs from what is kept.
+    Make the manifest of *journal* (an open run's) name *session*, with a ``session`` event if
+    it names none or another one (keeping *known* if that was this session's: its state was
+    replaced), or if *metadata* is given and differs from what is kept.
     """
     meta: Mapping[str, Any] | None = journal.manifest.session
     if meta is not None and meta.get("id") == session:
@@ -256,10 +255,8 @@ def _remove_dirs(store: Store) -> None:
 def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
     """
     Holding *dst*'s lock (its store: *store*), before its state is read: mark it incomplete,
-    empty it, and copy *src*'s state into it in the order a run writes it (the manifest,
-    the event log up to its last whole line, then the rest): a state a kill could have
-    left, which every run resumes. Outputs, which never change once written, are shared
-    (hard links, server-side copies). The marker stays until the fork is complete.
+    empty it, and copy *src*'s state into it as a run writes it (the manifest and the log's
+    whole lines first), sharing the outputs. The marker stays until the fork is complete.
 
     Raises:
         UsageError: *dst* holds a session already.
@@ -274,8 +271,7 @@ def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
     source = session_store(root, src)
     firsts = read_head(source)
     for key in sorted(source.list()):
-        name = key.rpartition("/")[2]
-        if key in firsts or key in {INCOMPLETE, LOCK} or (name.startswith(".") and name.endswith(".tmp")):
+        if key in firsts or key in {INCOMPLETE, LOCK}:
             continue
         try:
             if not (is_output_file(key) or key.startswith(f"{OBJECTS}/")):

@@ -1,17 +1,7 @@
 """
-The index of a store's named sessions: one summary per session, for ``sessions`` and ``status``.
-
-It is a cache: each session's own files (its manifest and event log) are the truth,
-and a summary lost to a crash is read from them again. Two forms:
-
-- a local directory keeps ``.sessions/.index.jsonl``: one JSON line per change (a session's
-  whole summary, or its removal), appended under a short ``flock`` of the log itself
-  and compacted (the fold, written to a temporary file renamed over the log) when it has
-  grown to twice its folded size. A line cut by a kill is skipped, and the next append
-  starts on a new line. Folding is idempotent: each line holds a whole summary.
-- other stores keep one object per session, ``.sessions/.index/<id encoded>/<summary>``
-  (:class:`ObjectIndex`), written by the run holding the session's lock, so writers never
-  share an object.
+The index of a store's named sessions: one summary per session, for ``sessions`` and
+``status``. It is a cache: each session's own files are the truth, and a summary lost to a
+crash is read from them again.
 """
 
 from __future__ import annotations
@@ -72,7 +62,11 @@ def _parsed(text: bytes) -> Any:
 
 
 class LogIndex:
-    """The local form: an appended JSON-lines log, compacted in place."""
+    """
+    A local directory's ``.sessions/.index.jsonl``: one JSON line per change (a whole summary,
+    or a removal), appended under a ``flock`` of the log and compacted (its fold, renamed over
+    it) when it has grown to twice its folded size. A line cut by a kill is skipped.
+    """
 
     def __init__(self, root: str) -> None:
         self.log = f"{root}/{INDEX_LOG}"
