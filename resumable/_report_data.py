@@ -1,10 +1,7 @@
 """
-What ``resumable report`` shows, gathered from a state root as plain data.
-
-One pass over the event log (no lock, nothing written) gives, per run, what each slot did,
-batches' progress over time, and the state of every slot after each run, for comparisons with
-a run (a checkpoint or another session is compared as ``resumable diff`` does). Values are
-read only to be summarised, never unpickled.
+What ``resumable report`` shows, as plain data: one pass over the event log gives, per run,
+what each slot did, batches' progress, and the state after each run (to compare runs; a
+checkpoint or another session is compared as ``resumable diff`` does). Reads only.
 """
 
 from __future__ import annotations
@@ -511,16 +508,13 @@ def _comparison(  # noqa: PLR0913 - the state, what to compare, and where the ot
 ) -> dict[str, Any] | None:
     """
     The state now (or after run *against*) against what *compare* names: run N (``3``,
-    ``run3``), checkpoint N (``checkpoint12``) or, with *root*, another session.
+    ``run3``), checkpoint N (``checkpoint12``) or another session of *root*.
     """
     if compare is None:
         return None
     number = re.fullmatch(r"(run|checkpoint)?[\s:=]*(\d+)", str(compare).strip().lower())
     if number is not None and number[1] != "checkpoint":
         return _against_run(store, scan, manifest, int(number[2]), against)
-    if number is None and root is None:
-        msg = f"--compare {compare!r}: pass a run number (3 or run3) or a checkpoint (checkpoint12)"
-        raise UsageError(msg)
     name = "." if session is None else session  # checkpoints and sessions are read as `resumable diff` does
     this = _diff.side_now(name, store, secret)
     if number is not None:
