@@ -40,19 +40,6 @@ def _line(record: Mapping[str, Any]) -> bytes:
     return json.dumps(kept, separators=(",", ":"), ensure_ascii=False, default=str).encode() + b"\n"
 
 
-def fold(lines: Iterator[bytes]) -> dict[str, dict[str, Any]]:
-    """The summaries a log's lines leave, by id."""
-    found: dict[str, dict[str, Any]] = {}
-    for rec in map(_parsed, lines):  # a line cut short by a kill, or damaged, is None
-        if type(rec) is not dict or type(sid := rec.get("id")) is not str:
-            continue
-        if rec.get("deleted"):
-            found.pop(sid, None)
-        else:
-            found[sid] = rec
-    return found
-
-
 def _parsed(text: bytes) -> Any:
     """The JSON value of *text*, or None if it is not JSON (a kill cut it short, or it is damaged)."""
     try:
@@ -105,18 +92,23 @@ class LogIndex:
         """Forget *session* (deleted)."""
         self.put({"id": session, "deleted": True}, durable=durable)
 
-    def _lines(self) -> Iterator[bytes]:
+    def read(self) -> dict[str, dict[str, Any]]:
+        """Every session's summary, by id (the log folded); reads only, takes no lock."""
         try:
             fd = os.open(self.log, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)  # a FIFO must not block
         except (FileNotFoundError, NotADirectoryError):
-            return iter(())
+            return {}
         with open(fd, "rb") as f:
             data = f.read() if stat.S_ISREG(os.fstat(fd).st_mode) else b""  # not a file: no summaries
-        return iter(data.splitlines())
-
-    def read(self) -> dict[str, dict[str, Any]]:
-        """Every session's summary, by id; reads only, takes no lock."""
-        return fold(self._lines())
+        found: dict[str, dict[str, Any]] = {}
+        for rec in map(_parsed, data.splitlines()):  # a line cut short by a kill, or damaged, is None
+            if type(rec) is not dict or type(sid := rec.get("id")) is not str:
+                continue
+            if rec.get("deleted"):
+                found.pop(sid, None)
+            else:
+                found[sid] = rec
+        return found
 
     def compact(self, *, durable: bool = False) -> None:
         """Rewrite the log as its fold."""
