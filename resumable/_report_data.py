@@ -266,7 +266,9 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
         "state": {"slots": len(manifest.steps), "completed": len(manifest.completed_steps)},
         "runs": [_run_row(scan, r) for r in scan.runs],
     }
-    data["counts"] = _sum_counts([row for row, r in zip(data["runs"], scan.runs, strict=True) if r in chosen])
+    counted = [row for row, r in zip(data["runs"], scan.runs, strict=True) if r in chosen]
+    data["counts"] = {k: sum(r[k] for r in counted) for k in ("ran", "skipped", "failed", "retried")}
+    data["counts"]["saved_s"] = round(sum(r["saved_s"] for r in counted), 6)
     data["timelines"] = [_timeline(scan, r) for r in chosen[-TIMELINES:]]
     data["timelines_left_out"] = max(0, len(chosen) - TIMELINES)
     data["slots"], data["groups"] = _slots(store, secret, scan, chosen, manifest)
@@ -301,12 +303,6 @@ def _run_row(scan: _Scan, run: _Run) -> dict[str, Any]:
         "saved_unknown": took.count(None),
         "skipped_from": sorted(n for n in made if n is not None),
     }
-
-
-def _sum_counts(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {k: sum(r[k] for r in rows) for k in ("ran", "skipped", "failed", "retried")}
-    out["saved_s"] = round(sum(r["saved_s"] for r in rows), 6)
-    return out
 
 
 def _timeline(scan: _Scan, run: _Run) -> dict[str, Any]:
