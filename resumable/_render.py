@@ -145,10 +145,7 @@ def pretty(value: Any) -> str:
 
 
 def as_json(value: Any) -> str:
-    """
-    A summarised value as JSON, indented by two; a list of plain values that fits in
-    :data:`JSON_WIDTH` characters stays on one line. What JSON cannot hold is shown as text.
-    """
+    """A summarised value as JSON (docs/cli.md, ``show --json``); what JSON cannot hold as text."""
     return _dump(_jsonable(summarise(value)), 0)
 
 

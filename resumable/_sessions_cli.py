@@ -59,13 +59,12 @@ def render_summary(info: dict[str, Any], *, default: bool) -> str:
 
 def sessions_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:
     """``resumable sessions [fork SRC DST | delete ID...]``."""
+    pipe = Pipeline("resumable-cli", store=root)
     if args.action == "fork":
-        pipe = Pipeline("resumable-cli", store=root)
         info = pipe.fork(args.src, args.dst, at=args.at)
         out(f"forked {args.src!r} into {info.id!r}: {info.completed} slot(s) completed")
         return 0
     if args.action == "delete":
-        pipe = Pipeline("resumable-cli", store=root)
         for sid in args.ids:
             pipe.delete_session(sid)
             out(f"deleted session {sid!r}")
