@@ -202,9 +202,8 @@ def _store(args: argparse.Namespace) -> Store:
 def _state(args: argparse.Namespace) -> Store:
     """The store, which must hold state: :class:`_NoState` otherwise. Creates nothing."""
     store = _store(args)
-    root = store.root if isinstance(store, LocalStore) else None
-    if root is not None and os.path.exists(root) and not os.path.isdir(root):
-        raise StateDirectoryError(root, "it is a file, not a directory")
+    if isinstance(store, LocalStore) and os.path.exists(store.root) and not os.path.isdir(store.root):
+        raise StateDirectoryError(store.root, "it is a file, not a directory")
     if _session_id(args) is not None and _sessions.incomplete(store):
         raise _NoState(store.location)  # a fork or delete was killed: it holds nothing
     for key in (MANIFEST, EVENTS):
@@ -221,11 +220,10 @@ def _state(args: argparse.Namespace) -> Store:
 
 
 def _pipeline(args: argparse.Namespace, store: Store | None = None, **options: int) -> Pipeline:
+    """On the root store (*store*, of the default session, if given), in the session --session names."""
     sid = _session_id(args)
-    if sid is not None:  # the session's own lock, and its summary in the index kept up to date
-        return Pipeline("resumable-cli", store=_root(args), session=sid, **options)  # type: ignore[arg-type]
-    store = store if store is not None else _store(args)
-    return Pipeline("resumable-cli", store=store, **options)  # type: ignore[arg-type]
+    root = store if store is not None and sid is None else _root(args)
+    return Pipeline("resumable-cli", store=root, session=sid, **options)  # type: ignore[arg-type]
 
 
 def _out(text: str) -> None:
@@ -376,11 +374,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _clean(args: argparse.Namespace) -> int:
-    if args.sessions or args.idle is not None:
-        if not (args.sessions and args.idle is not None):
-            raise UsageError(
-                "clean --sessions needs --idle AGE (e.g. --idle 30d), and --idle needs --sessions"
-            )
+    if args.sessions != (args.idle is not None):
+        raise UsageError("clean --sessions needs --idle AGE (e.g. --idle 30d), and --idle needs --sessions")
+    if args.sessions:
         return _sessions_cli.clean_sessions(_root(args), args.idle, dry_run=args.dry_run, out=_out)
 
     pipe = _pipeline(args, _state(args), keep_checkpoints=args.keep)
