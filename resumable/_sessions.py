@@ -254,20 +254,19 @@ def _remove_dirs(store: Store) -> None:
 
 def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
     """
-    Holding *dst*'s lock (its store: *store*), before its state is read: mark it incomplete,
-    empty it, and copy *src*'s state into it as a run writes it (the manifest and the log's
-    whole lines first), sharing the outputs. The marker stays until the fork is complete.
+    Holding *dst*'s lock (its store: *store*), before its state is read: finish what a killed
+    fork or delete left, mark it incomplete, and copy *src*'s state into it as a run writes it
+    (the manifest and the log's whole lines first), sharing the outputs. The marker stays
+    until the fork is complete.
 
     Raises:
         UsageError: *dst* holds a session already.
     """
-    if any(k != INCOMPLETE for k in store.list()) and not incomplete(store):
+    prepare(store, durable=False)
+    if store.list():
         msg = f"session {dst!r} already exists in {root.location}: delete it first, or fork into a new id"
         raise UsageError(msg)
     store.write(INCOMPLETE, [b"fork\n"], durable=True)
-    for key in store.list():
-        if key != INCOMPLETE:
-            store.delete(key, durable=False)
     source = session_store(root, src)
     firsts = read_head(source)
     for key in sorted(source.list()):
