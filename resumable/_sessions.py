@@ -9,10 +9,11 @@ leaves half a session), the index of summaries, fork, delete, listing, and readi
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -32,7 +33,7 @@ from ._slots import (
     slot_file,
     step_of,
 )
-from ._stores import Store
+from ._stores import Store, check_key
 from ._stores._local import LocalStore
 from ._stores._prefix import sub_store
 from .exceptions import ResumableError, SessionBusyError, StateLockedError, UsageError
@@ -234,11 +235,16 @@ def delete(root: Store, session: str, *, durable: bool) -> None:
         lock.release()
 
 
+def _local_root(store: Store) -> str | None:
+    """The directory of a local store (None for other stores)."""
+    return store.root if isinstance(store, LocalStore) else None
+
+
 def _remove_dirs(store: Store) -> None:
     """What is left of a deleted local session (files no listing shows, directories), its lock last."""
-    if not isinstance(store, LocalStore) or not os.path.isdir(store.root):
+    root = _local_root(store)
+    if root is None or not os.path.isdir(root):
         return
-    root = store.root
     lock = f"{root}/{LOCK}"
     for directory, _dirs, files in os.walk(root, topdown=False):
         for name in files:
@@ -252,12 +258,46 @@ def _remove_dirs(store: Store) -> None:
             os.rmdir(directory)
 
 
+def _local_linker(src: Store, dst: Store) -> Callable[[str], bool] | None:
+    """
+    Between two local session directories: a hard link per file, made straight at its name
+    (the new session is empty, locked and marked incomplete: nothing there to replace, no one
+    to see a file half made); False where the file system cannot link (then it is copied).
+    """
+    src_root, dst_root = _local_root(src), _local_root(dst)
+    if src_root is None or dst_root is None:
+        return None
+    made: set[str] = set()
+
+    def link(key: str) -> bool:
+        check_key(key, dst_root)
+        directory = key.rpartition("/")[0]
+        if directory and directory not in made:
+            path = f"{dst_root}/{directory}"
+            os.makedirs(path, mode=0o700, exist_ok=True)
+            if os.path.realpath(path) != os.path.join(os.path.realpath(dst_root), directory):
+                return False  # a symbolic link on the way: the store's own copy refuses it
+            made.add(directory)
+        try:
+            os.link(f"{src_root}/{key}", f"{dst_root}/{key}", follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno in _NO_LINK:
+                return False
+            raise
+        return True
+
+    return link
+
+
+_NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
+
+
 def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
     """
     Holding *dst*'s lock (its store: *store*), before its state is read: finish what a killed
     fork or delete left, mark it incomplete, and copy *src*'s state into it as a run writes it
-    (the manifest and the log's whole lines first), sharing the outputs. The marker stays
-    until the fork is complete.
+    (the manifest and the log's whole lines first), linking the outputs (hard links,
+    server-side copies). The marker stays until the fork is complete.
 
     Raises:
         UsageError: *dst* holds a session already.
@@ -268,6 +308,7 @@ def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
         raise UsageError(msg)
     store.write(INCOMPLETE, [b"fork\n"], durable=True)
     source = session_store(root, src)
+    link = _local_linker(source, store)
     firsts = read_head(source)
     for key in sorted(source.list()):
         if key in firsts or key in {INCOMPLETE, LOCK}:
@@ -275,7 +316,7 @@ def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
         try:
             if not (is_output_file(key) or key.startswith(f"{OBJECTS}/")):
                 store.write(key, [bytes(source.read(key))], durable=False)
-            else:
+            elif link is None or not link(key):
                 root.copy(f"{session_prefix(src)}/{key}", f"{session_prefix(dst)}/{key}", durable=False)
         except FileNotFoundError:
             continue  # removed meanwhile (a running source pruned an old version)
