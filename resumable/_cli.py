@@ -183,28 +183,12 @@ def _parser() -> argparse.ArgumentParser:  # noqa: PLR0915 - one statement per o
 _SESSION_HELP = "a named session of the store (default $RESUMABLE_SESSION, else the default session)"
 
 
-def _session_id(args: argparse.Namespace) -> str | None:
-    sid = getattr(args, "session", None) or os.environ.get("RESUMABLE_SESSION") or None
-    return None if sid is None else check_session_id(sid)
-
-
-def _root(args: argparse.Namespace) -> Store:
-    location = args.state_dir or os.environ.get("RESUMABLE_STATE_DIR") or "state"
-    return open_store(location)
-
-
-def _store(args: argparse.Namespace) -> Store:
-    root = _root(args)
-    sid = _session_id(args)
-    return root if sid is None else _sessions.session_store(root, sid)
-
-
 def _state(args: argparse.Namespace) -> Store:
-    """The store, which must hold state: :class:`_NoState` otherwise. Creates nothing."""
-    store = _store(args)
+    """The session's store, which must hold state: :class:`_NoState` otherwise. Creates nothing."""
+    store = args.root if args.session is None else _sessions.session_store(args.root, args.session)
     if isinstance(store, LocalStore) and os.path.exists(store.root) and not os.path.isdir(store.root):
         raise StateDirectoryError(store.root, "it is a file, not a directory")
-    if _session_id(args) is not None and _sessions.incomplete(store):
+    if args.session is not None and _sessions.incomplete(store):
         raise _NoState(store.location)  # a fork or delete was killed: it holds nothing
     for key in (MANIFEST, EVENTS):
         try:
@@ -219,11 +203,10 @@ def _state(args: argparse.Namespace) -> Store:
     return store
 
 
-def _pipeline(args: argparse.Namespace, store: Store | None = None, **options: int) -> Pipeline:
-    """On the root store (*store*, of the default session, if given), in the session --session names."""
-    sid = _session_id(args)
-    root = store if store is not None and sid is None else _root(args)
-    return Pipeline("resumable-cli", store=root, session=sid, **options)  # type: ignore[arg-type]
+def _pipeline(args: argparse.Namespace, **options: int) -> Pipeline:
+    """The pipeline of a command that changes state (there must be some): the session's own lock."""
+    _state(args)
+    return Pipeline("resumable-cli", store=args.root, session=args.session, **options)  # type: ignore[arg-type]
 
 
 def _out(text: str) -> None:
@@ -234,7 +217,7 @@ def _out(text: str) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    summary = None if _session_id(args) is not None else _sessions_cli.summary(_root(args))
+    summary = None if args.session is not None else _sessions_cli.summary(args.root)
     manifest = None
     try:
         store = _state(args)
@@ -300,7 +283,7 @@ def _why_cmd(args: argparse.Namespace) -> int:
 def _reset(args: argparse.Namespace) -> int:
     if args.all == bool(args.steps):
         raise UsageError("name the steps to reset, or pass --all (not both)")
-    forgotten = _pipeline(args, _state(args)).reset(*args.steps, downstream=not args.only)
+    forgotten = _pipeline(args).reset(*args.steps, downstream=not args.only)
     _out(f"forgot {len(forgotten)} slot(s): {', '.join(forgotten)}" if forgotten else "nothing to forget")
     return 0
 
@@ -316,7 +299,7 @@ def _history_cmd(args: argparse.Namespace) -> int:
 
 
 def _rollback(args: argparse.Namespace) -> int:
-    checkpoint = _pipeline(args, _state(args)).rollback(args.target)
+    checkpoint = _pipeline(args).rollback(args.target)
     what = f"snapshot {checkpoint.label!r}" if checkpoint.label else f"after step {checkpoint.slot}"
     if checkpoint.id == 0:
         what = "the empty state"
@@ -339,7 +322,7 @@ def _import(args: argparse.Namespace) -> int:
             state = msgpack.unpackb(f.read(), raw=False)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
         raise DamagedStateError(f"{args.file} is not an export of resumable state ({exc})") from None
-    pipe = _pipeline(args)
+    pipe = Pipeline("resumable-cli", store=args.root, session=args.session)
     pipe.load_state(state)
     _out(f"imported {len(state['files'])} file(s) from {args.file} into {pipe.store.location}")
     return 0
@@ -348,7 +331,7 @@ def _import(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     path = write_report(
         _state(args), secret_bytes(None), args.output, run=args.run, compare=args.compare,
-        root=_root(args), session=_session_id(args),
+        root=args.root, session=args.session,
     )  # fmt: skip
     _out(f"wrote {path}")
     if args.open:
@@ -377,9 +360,9 @@ def _clean(args: argparse.Namespace) -> int:
     if args.sessions != (args.idle is not None):
         raise UsageError("clean --sessions needs --idle AGE (e.g. --idle 30d), and --idle needs --sessions")
     if args.sessions:
-        return _sessions_cli.clean_sessions(_root(args), args.idle, dry_run=args.dry_run, out=_out)
+        return _sessions_cli.clean_sessions(args.root, args.idle, dry_run=args.dry_run, out=_out)
 
-    pipe = _pipeline(args, _state(args), keep_checkpoints=args.keep)
+    pipe = _pipeline(args, keep_checkpoints=args.keep)
     report = clean_state(pipe, older_than=args.older_than, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for line in report.lines:
@@ -400,8 +383,8 @@ _COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "verify": _verify,
     "clean": _clean,
     "report": _report,
-    "sessions": lambda args: _sessions_cli.sessions_cmd(args, _root(args), _out),
-    "diff": lambda args: _sessions_cli.diff_cmd(args, _root(args), _out),
+    "sessions": lambda args: _sessions_cli.sessions_cmd(args, args.root, _out),
+    "diff": lambda args: _sessions_cli.diff_cmd(args, args.root, _out),
 }
 
 
@@ -409,6 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code."""
     args = _parser().parse_args(argv)
     try:
+        # every command works on one store, and on one session of it (None: the default one)
+        args.session = args.session or os.environ.get("RESUMABLE_SESSION") or None
+        args.session = None if args.session is None else check_session_id(args.session)
+        args.root = open_store(args.state_dir or os.environ.get("RESUMABLE_STATE_DIR") or "state")
         code = _COMMANDS[args.command](args)
         try:
             sys.stdout.flush()
