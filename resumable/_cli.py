@@ -64,10 +64,8 @@ def _age(text: str) -> dt.timedelta:
     return dt.timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
 
 
-class _NoState(Exception):  # noqa: N818 - a signal turned into EXIT_NO_STATE
-    def __init__(self, location: str) -> None:
-        self.location = location
-        super().__init__(location)
+class _NoState(Exception):  # noqa: N818 - a signal turned into EXIT_NO_STATE; its argument: where
+    pass
 
 
 class _StdoutClosed(Exception):  # noqa: N818 - a signal: the reader of our output went away
@@ -407,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _silence_stdout()
         return EXIT_OK
     except _NoState as exc:
-        return _fail(f"no state in {exc.location} (nothing has run with this state directory)", EXIT_NO_STATE)
+        return _fail(f"no state in {exc.args[0]} (nothing has run with this state directory)", EXIT_NO_STATE)
     except UsageError as exc:
         return _fail(str(exc), EXIT_USAGE)
     except StateLockedError as exc:
