@@ -73,11 +73,8 @@ def side_at(name: str, store: Store, secret: bytes | None, target: int | str) ->
 
 def side(root: Store, text: str, secret: bytes | None) -> Side:
     """
-    The side *text* names in the store *root*: a session id ('.' for the default session) for
-    its current state, or ``SESSION@CHECKPOINT`` for its state at a checkpoint.
-
-    Raises:
-        UsageError: no such session.
+    The side *text* names in *root*: a session id ('.': the default session) for its current
+    state, or ``SESSION@CHECKPOINT``. A :class:`UsageError` if there is no such session.
     """
     sid, at = text, None
     if "@" in text and not _sessions.exists(root, text):
