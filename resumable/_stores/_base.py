@@ -1,22 +1,17 @@
-"""
-The contract of a store: :class:`Store`, the base class of every backend. Of a local
-directory the core asks more: the :data:`Stamp` of a file version (:func:`stamp_of`),
-which tells an unchanged file without reading it, and a log kept open while a batch appends.
-"""
+"""The contract of a store: :class:`Store`, the base class of every backend."""
 
 from __future__ import annotations
 
 import abc
 import builtins
 import errno
-import os
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from ..exceptions import UsageError
 
 Buffer = bytes | bytearray | memoryview
-Stamp = tuple[int, int, int, int, int]
+Stamp = tuple[int, int, int, int, int]  # device, inode, size, mtime_ns, ctime_ns: one file version
 
 
 @runtime_checkable
@@ -131,8 +126,3 @@ def with_path(exc: OSError, path: str) -> OSError:
         return type(exc)(exc.errno or errno.EIO, exc.strerror or str(exc), path)
     except TypeError:  # pragma: no cover - an OSError subclass with its own signature
         return OSError(exc.errno or errno.EIO, exc.strerror or str(exc), path)
-
-
-def stamp_of(st: os.stat_result) -> Stamp:
-    """What identifies one version of a file: a rename or a write changes it."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)

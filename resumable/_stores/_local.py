@@ -1,16 +1,6 @@
 """
-The local directory store: temp file, fsync, rename, directory fsync.
-
-Nothing in the state directory is followed out of it: state files are opened with
-``O_NOFOLLOW``, the lock file and the logs must be plain files with one link, a write,
-append, copy or delete refuses a key whose directories include a symbolic link, and
-listing never descends into one. Nothing is read from a file that is not a plain file (a
-FIFO would block). The run lock is a ``flock`` that forked children (process-pool
-workers) give up at once, so a run killed with its workers still alive never blocks the
-next one.
-
-A durable write returns once its file is fsynced, renamed into place and its directory
-fsynced (which makes the new name itself survive a power loss).
+The local directory store: temp file, fsync, rename, directory fsync; nothing followed out
+of the directory; a ``flock`` as the run lock (docs/storage.md, "The local directory").
 """
 
 from __future__ import annotations
@@ -24,12 +14,12 @@ import json
 import os
 import stat
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from .._slots import INTERNAL_DIR, SESSIONS_DIR
 from ..exceptions import StateDirectoryError, StateLockedError
-from ._base import Buffer, Stamp, Store, check_key, stamp_of, with_path
+from ._base import Buffer, Stamp, Store, check_key, with_path
 
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _counter = itertools.count()
@@ -42,9 +32,6 @@ _UNUSABLE = {
     errno.EISDIR: "a directory is in the way",
     errno.ENOTDIR: "a file is in the way of a directory",
 }
-
-
-_WRITE_MAX = 1 << 30  # bytes per write() call; Linux caps a single write just below 2 GiB
 
 
 def fsync_dir(path: str) -> None:
@@ -64,7 +51,7 @@ def write_all(fd: int, chunks: Sequence[Buffer]) -> None:
     for chunk in chunks:
         view = memoryview(chunk).cast("B")
         while view:
-            written = os.write(fd, view[:_WRITE_MAX])
+            written = os.write(fd, view)
             if written <= 0:  # no progress: the disk is full (a regular file never returns 0 else)
                 raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
             view = view[written:]
@@ -227,7 +214,7 @@ class LocalStore(Store):
         try:
             fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
         except FileNotFoundError:
-            raise
+            raise  # the common miss (an output not stored yet): as it is, at no cost
         except OSError as exc:
             if exc.errno == errno.ENXIO:  # a FIFO with no reader, opened to write
                 raise self.linked(path, "not a plain file") from None
@@ -279,17 +266,48 @@ class LocalStore(Store):
 
     def stamp(self, key: str) -> Stamp:
         """What identifies the current version of *key* (see :func:`key_stamp`); raises FileNotFoundError."""
-        return stamp_of(os.stat(self.path(key)))
+        st = os.stat(self.path(key))
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     # writing -----------------------------------------------------------------------------
 
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
-        self._replace(key, lambda fd: write_all(fd, chunks), durable=durable)
+        """Write a temp file, rename it over *key*; with *durable*, fsync it and the directory."""
+        target = self.path(key)
+        self._check_dirs(key)
+        directory = os.path.dirname(target)
+        tmp = _temp_path(target)
+        # O_EXCL: never opens an existing file, nor follows a symbolic link planted there
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            try:
+                fd = os.open(tmp, flags, 0o600)
+            except FileNotFoundError:
+                self._makedirs(directory, durable=durable)
+                fd = os.open(tmp, flags, 0o600)
+        except OSError as exc:
+            raise self.error(exc, target) from None
+        try:
+            try:
+                write_all(fd, chunks)
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, target)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            if isinstance(exc, OSError):
+                raise self.error(exc, target) from exc
+            raise
+        if durable:
+            fsync_dir(directory)
 
     def copy(self, src: str, dst: str, *, durable: bool) -> None:
         """
         Make *dst* the same file as *src*, atomically: a hard link, no bytes copied, where
-        the file system allows one; else a durable copy (written like :meth:`write`).
+        the file system allows one; else a copy (read, then written like :meth:`write`).
         """
         target = self.path(dst)
         self._check_dirs(src)
@@ -307,59 +325,13 @@ class LocalStore(Store):
         except OSError as exc:
             if exc.errno not in _NO_LINK:
                 raise self.error(exc, target) from None
-            self._copy_bytes(src, dst, durable=durable)
+            super().copy(src, dst, durable=durable)
             return
         os.replace(tmp, target)
         # rename() does nothing when both names are links to one file already (a rollback to
         # the version in place): then the temporary name is still there
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if durable:
-            fsync_dir(directory)
-
-    def _copy_bytes(self, src: str, dst: str, *, durable: bool) -> None:
-        """Copy *src* to *dst* through a temp file, fsync and rename (for when a link cannot be made)."""
-        fd_in = self._open(self.path(src), os.O_RDONLY)
-
-        def fill(fd: int) -> None:
-            while data := os.read(fd_in, 1 << 20):
-                write_all(fd, [data])
-
-        try:
-            self._replace(dst, fill, durable=durable)
-        finally:
-            os.close(fd_in)
-
-    def _replace(self, key: str, fill: Callable[[int], None], *, durable: bool) -> None:
-        """Write a temp file with *fill*, rename it over *key*; with *durable*, fsync it and the directory."""
-        target = self.path(key)
-        self._check_dirs(key)
-        directory = os.path.dirname(target)
-        tmp = _temp_path(target)
-        # O_EXCL: never opens an existing file, nor follows a symbolic link planted there
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        try:
-            try:
-                fd = os.open(tmp, flags, 0o600)
-            except FileNotFoundError:
-                self._makedirs(directory, durable=durable)
-                fd = os.open(tmp, flags, 0o600)
-        except OSError as exc:
-            raise self.error(exc, target) from None
-        try:
-            try:
-                fill(fd)
-                if durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, target)
-        except BaseException as exc:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            if isinstance(exc, OSError):
-                raise self.error(exc, target) from exc
-            raise
         if durable:
             fsync_dir(directory)
 
@@ -471,7 +443,7 @@ class LocalStore(Store):
             os.close(fd)
             if exc.errno not in {errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES}:
                 raise self.error(exc, path) from exc
-            raise StateLockedError(self.location, self._holder(path)) from None
+            raise StateLockedError(self.location, self._holder()) from None
         # The kernel drops a flock when its process dies, so a crash never blocks the next run.
         lock = _FileLock(fd)
         try:
@@ -492,12 +464,9 @@ class LocalStore(Store):
             raise self.error(exc, path) from exc
         return lock
 
-    @staticmethod
-    def _holder(path: str) -> dict[str, Any] | None:
+    def _holder(self) -> dict[str, Any] | None:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-            with open(fd, encoding="utf-8") as f:
-                info = json.loads(f.read(64 * 1024))
+            info = json.loads(self.read(_LOCK_FILE))
         except (OSError, ValueError):
             return None
         return info if isinstance(info, dict) else None
