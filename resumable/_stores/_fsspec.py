@@ -1,21 +1,10 @@
 """
 Stores reached through fsspec: ``s3://bucket/prefix`` and any other fsspec URL.
 
-Every object is written whole: one PUT on object stores (S3, GCS, Azure, fsspec's memory
-file system), where a PUT is atomic; elsewhere a temporary object moved over its key. An
-appended key (the event log) is kept as segments, and the run lock is a lease (see
-docs/storage.md, "The event log on an object store" and "One run at a time: the lease").
-
-Layout under the store's root, besides the keys resumable writes::
-
-    .resumable/lease.json                the run lock (see _lease.py)
-    .resumable/segments/<key>/...        appended keys, in segments
-    <dir>/.<name>.<token>.tmp            objects being written (non-object-store file systems)
-
-``list`` shows appended keys as one key each and never shows the lease, segments or
-temporary objects. While this store holds the run's lease, no other process writes to it,
-so it lists the root once and keeps that listing up to date itself: ``list``, a read of a
-missing key and an append then cost no round trip.
+Every object is written whole: one PUT on object stores, elsewhere a temporary object moved
+over its key. Appended keys are kept as segments, the run lock is a lease, and the listing
+is kept up to date while the lease is held (docs/storage.md, "S3 and other fsspec URLs":
+its layout, "The event log on an object store", "One run at a time: the lease").
 """
 
 from __future__ import annotations
@@ -183,8 +172,7 @@ class FsspecStore(Store):
     def _find(self, directory: str) -> builtins.list[str]:
         """The paths of every object under *directory* ("" for all), listed afresh."""
         path = self._path(directory).rstrip("/")
-        with contextlib.suppress(AttributeError):
-            self.fs.invalidate_cache(path)
+        self.fs.invalidate_cache(path)
         try:
             return builtins.list(self.fs.find(path))
         except FileNotFoundError:
@@ -242,25 +230,20 @@ class FsspecStore(Store):
             raise with_path(exc, where) from exc
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
-        data = self._read(key, start, end)
-        # a whole object in a fresh writable buffer, as from a local file: arrays decoded from it are writable
-        return bytearray(data) if start == 0 and end is None else data
-
-    def _read(self, key: str, start: int, end: int | None) -> bytes:
         if end is not None and end <= start:
-            self._read(key, 0, 1)  # nothing to read, but a missing key is still an error
+            self.read(key, 0, 1)  # nothing to read, but a missing key is still an error
             return b""
         known = self._known()
-        if known is not None:
-            with self._mutex:
-                plain = key in known.objects
-            if plain:
-                return self._cat(self._path(key), self._where(key), start, end)
-            return self._read_log(key, start, end)  # (no segments either: FileNotFoundError)
-        try:
-            return self._cat(self._path(key), self._where(key), start, end)
-        except FileNotFoundError:
-            return self._read_log(key, start, end)
+        with self._mutex:
+            plain = known is None or key in known.objects  # (not known: try it)
+        data = None
+        if plain:
+            with contextlib.suppress(FileNotFoundError):
+                data = self._cat(self._path(key), self._where(key), start, end)
+        if data is None:
+            data = self._read_log(key, start, end)  # (no segments either: FileNotFoundError)
+        # a whole object in a fresh writable buffer, as from a local file: arrays decoded from it are writable
+        return bytearray(data) if start == 0 and end is None else data
 
     # writing ----------------------------------------------------------------------------
 
@@ -309,7 +292,7 @@ class FsspecStore(Store):
         """Make *dst* a copy of *src*, atomically; on object stores the server copies it."""
         self._check_fence()
         if not self.atomic_put or self._segments(src):
-            self.write(dst, [self._read(src, 0, None)], durable=durable)
+            self.write(dst, [self.read(src)], durable=durable)
             return
         try:
             self.fs.cp_file(self._path(src), self._path(dst))
@@ -322,7 +305,11 @@ class FsspecStore(Store):
 
     def delete(self, key: str, *, durable: bool) -> None:  # noqa: ARG002 - a DELETE is durable once it returns
         self._check_fence()
-        self._delete_log(key)
+        if self._segments(key):
+            # an empty plain object wins over the segments while they are deleted, so no
+            # reader ever sees some of them
+            self._put(self._path(key), b"", self._where(key))
+            self._drop_log(key)
         try:
             self._rm([self._path(key)])
         except OSError as exc:
@@ -430,14 +417,6 @@ class FsspecStore(Store):
 
     def _drop_log(self, key: str) -> None:
         self._rm_segments(key, self._segments(key))
-
-    def _delete_log(self, key: str) -> None:
-        """Delete *key*'s segments, if it has any, leaving an empty plain object in their place."""
-        if self._segments(key):
-            # an empty plain object wins over the segments while they are deleted, so no
-            # reader ever sees some of them
-            self._put(self._path(key), b"", self._where(key))
-            self._drop_log(key)
 
     def _add_segment(self, key: str, seg: Segment, data: bytes) -> None:
         self._put(self._seg_path(key, seg), data, self._where(key))
