@@ -118,6 +118,12 @@ def check_key(key: str, location: str) -> str:
     return key
 
 
+def is_temp(key: str) -> bool:
+    """True for the temporary objects writers make (``.<name>.<token>.tmp``), by key or path."""
+    name = key.rpartition("/")[2]
+    return name.startswith(".") and name.endswith(".tmp")
+
+
 def with_path(exc: OSError, path: str) -> OSError:
     """The same kind of error, naming *path* (os.write's and object stores' errors often name nothing)."""
     if exc.filename is not None:

@@ -22,7 +22,7 @@ import blake3
 
 from .._slots import INTERNAL_DIR, SESSIONS_DIR
 from ..exceptions import ResumableError
-from ._base import Buffer, Store, check_key, with_path
+from ._base import Buffer, Store, check_key, is_temp, with_path
 from ._lease import LEASE_KEY, Lease, LeaseConflict, ttl_seconds
 
 # Protocols where writing an object in one request is atomic.
@@ -152,23 +152,6 @@ class FsspecStore(Store):
     def _where(self, key: str) -> str:
         return f"{self.location}/{key}"
 
-    def _classify(self, path: str, index: Index) -> None:
-        if not path.startswith(self._prefix):
-            return
-        rel = path[len(self._prefix) :]
-        if rel.startswith(_SESSIONS):
-            return  # named sessions are stores of their own
-        if rel.startswith(SEGMENTS + "/"):
-            key, _, name = rel[len(SEGMENTS) + 1 :].rpartition("/")
-            seg = Segment.parse(name)
-            if key and seg is not None:
-                index.logs.setdefault(key, set()).add(seg)
-            return
-        name = rel.rpartition("/")[2]
-        if rel == LEASE_KEY or (name.startswith(".") and name.endswith(".tmp")):
-            return
-        index.objects.add(rel)
-
     def _find(self, directory: str) -> builtins.list[str]:
         """The paths of every object under *directory* ("" for all), listed afresh."""
         path = self._path(directory).rstrip("/")
@@ -182,8 +165,16 @@ class FsspecStore(Store):
         """The objects under the directories *dirs*, and the segments of appended keys there."""
         index = Index()
         for d in dirs:
-            for p in self._find(d):
-                self._classify(p, index)
+            for path in self._find(d):
+                rel = path.removeprefix(self._prefix)
+                if rel.startswith(SEGMENTS + "/"):
+                    key, _, name = rel[len(SEGMENTS) + 1 :].rpartition("/")
+                    seg = Segment.parse(name)
+                    if key and seg is not None:
+                        index.logs.setdefault(key, set()).add(seg)
+                # (named sessions are stores of their own)
+                elif not (rel.startswith(_SESSIONS) or rel == LEASE_KEY or is_temp(rel)):
+                    index.objects.add(rel)
         return index
 
     def _known(self) -> Index | None:
@@ -328,13 +319,10 @@ class FsspecStore(Store):
 
     def remove_temp_files(self, *, dry_run: bool = False) -> builtins.list[str]:
         """Delete what a killed writer left: temp objects, unfinished S3 multipart uploads."""
-        removed: builtins.list[str] = []
-        for p in self._find("") if not self.atomic_put else []:
-            name = p.rpartition("/")[2]
-            if name.startswith(".") and name.endswith(".tmp"):
-                if not dry_run:
-                    self._rm([p])
-                removed.append(p[len(self._prefix) :])
+        temps = [] if self.atomic_put else [p for p in self._find("") if is_temp(p)]
+        if not dry_run:
+            self._rm(temps)
+        removed = [p.removeprefix(self._prefix) for p in temps]
         if self._s3:
             removed += self._abort_uploads(dry_run=dry_run)
         return removed

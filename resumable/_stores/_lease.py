@@ -1,11 +1,6 @@
 """
-The run lock of remote stores: a lease with an owner and an expiry (docs/storage.md, "One
-run at a time: the lease").
-
-The lease is taken, renewed and released with conditional writes where the backend has
-them (S3); elsewhere a condition is emulated by reading first, and the lease is read back
-after writing it: of two runs writing it at once, only the one whose token is read back
-goes on. One thread per process renews the leases it holds.
+The run lock of remote stores: a lease with an owner and an expiry, renewed by one thread
+per process (docs/storage.md, "One run at a time: the lease").
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from typing import Any
 
 from .._slots import INTERNAL_DIR, SESSIONS_DIR
 from ..exceptions import StateDirectoryError, StateLockedError
-from ._base import Buffer, Stamp, Store, check_key, with_path
+from ._base import Buffer, Stamp, Store, check_key, is_temp, with_path
 
 _LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _counter = itertools.count()
@@ -81,11 +81,6 @@ def _temp_path(target: str) -> str:
     """A new temporary file's path beside *target* (``.<name>.<pid>-<thread>-<n>.tmp``)."""
     directory, name = os.path.split(target)
     return os.path.join(directory, f".{name}.{os.getpid()}-{threading.get_ident()}-{next(_counter)}.tmp")
-
-
-def _is_temp(key: str) -> bool:
-    name = key.rpartition("/")[2]
-    return name.startswith(".") and name.endswith(".tmp")
 
 
 # Descriptors of the run locks this process holds. A forked child shares their open file
@@ -388,7 +383,7 @@ class LocalStore(Store):
         Delete the temporary files killed writers left behind (``.<name>.<pid>-...tmp``);
         return their keys. Call it holding the lock. Each named session sweeps its own.
         """
-        keys = sorted(k for k in self._files("", sessions=False) if _is_temp(k))
+        keys = sorted(k for k in self._files("", sessions=False) if is_temp(k))
         if not dry_run:
             for key in keys:
                 with contextlib.suppress(FileNotFoundError):
@@ -402,7 +397,7 @@ class LocalStore(Store):
         return [
             k
             for k in self._files(base, sessions=prefix.startswith(SESSIONS_DIR))
-            if k.startswith(prefix) and k not in {_LOCK_FILE, GITIGNORE} and not _is_temp(k)
+            if k.startswith(prefix) and k not in {_LOCK_FILE, GITIGNORE} and not is_temp(k)
         ]
 
     def _files(self, base: str, *, sessions: bool) -> Iterator[str]:
