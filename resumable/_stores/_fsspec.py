@@ -200,7 +200,9 @@ class FsspecStore(Store):
 
     # reading ----------------------------------------------------------------------------
 
-    def _cat(self, path: str, where: str, start: int = 0, end: int | None = None) -> bytes:
+    def _cat(self, key: str, start: int = 0, end: int | None = None) -> bytes:
+        """Bytes *start* to *end* of the plain object at *key*."""
+        path, where = self._path(key), self._where(key)
         try:
             if start == 0 and end is None:
                 # one GET: s3fs would send a HEAD first to split a large object into parts
@@ -230,7 +232,7 @@ class FsspecStore(Store):
         data = None
         if plain:
             with contextlib.suppress(FileNotFoundError):
-                data = self._cat(self._path(key), self._where(key), start, end)
+                data = self._cat(key, start, end)
         if data is None:
             data = self._read_log(key, start, end)  # (no segments either: FileNotFoundError)
         # a whole object in a fresh writable buffer, as from a local file: arrays decoded from it are writable
@@ -445,7 +447,7 @@ class FsspecStore(Store):
             # the plain object is the content, its segments leftovers of an interrupted write
             # or conversion: copy it into a segment, then delete it
             self._rm_segments(key, segments)
-            data = self._cat(self._path(key), self._where(key))
+            data = self._cat(key)
             chain = [Segment(0, len(data), _COPY_LEVEL)] if data else []
             for seg in chain:
                 self._add_segment(key, seg, data)
@@ -490,7 +492,7 @@ class FsspecStore(Store):
     def lease_read(self) -> bytes | None:
         """The lease object, or None if there is none."""
         try:
-            return self._cat(self._path(LEASE_KEY), self._where(LEASE_KEY))
+            return self._cat(LEASE_KEY)
         except FileNotFoundError:
             return None
 
