@@ -80,20 +80,15 @@ class FileDigests:
 
     def _directory(self, root: str) -> bytes:
         digest = blake3.blake3(b"directory")
-        entries: list[tuple[str, str]] = []
-        for directory, subdirs, files in os.walk(root):
-            subdirs.sort()
-            entries.extend(
-                (os.path.join(directory, f), os.path.relpath(os.path.join(directory, f), root)) for f in files
-            )
-        for full, relative in sorted(entries, key=lambda e: e[1]):
+        # sorted full paths: the order of their paths relative to root, which they all start with
+        for full in sorted(os.path.join(d, f) for d, _, files in os.walk(root) for f in files):
             try:
                 st = os.stat(full)
             except OSError:
                 continue  # removed while walking, or a dangling link
             if not stat.S_ISREG(st.st_mode):
                 continue
-            name = relative.encode("utf-8", "surrogateescape")
+            name = os.path.relpath(full, root).encode("utf-8", "surrogateescape")
             digest.update(len(name).to_bytes(8, "little") + name)
             digest.update(self._file(os.path.abspath(full), st))
         return digest.digest()
