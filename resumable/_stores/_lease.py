@@ -108,8 +108,7 @@ class Lease:
         self.ttl = float(ttl)
         self.token = uuid.uuid4().hex
         self.expires_at = 0.0
-        self._tag: str | None = None
-        self._released = False
+        self._tag: str | None = None  # the lease object's version while we hold it
         self.next_renewal = 0.0
         self._mutex = threading.Lock()
         # who holds the lease after we lost it (None while we hold it)
@@ -199,7 +198,7 @@ class Lease:
         retried at the next renewal, or raised if *strict* (a write waits on it).
         """
         with self._mutex:
-            if self.lost or self._released or self._tag is None:
+            if self.lost or self._tag is None:  # (lost, released, or never taken)
                 return
             try:
                 self._write(self._tag)
@@ -225,7 +224,6 @@ class Lease:
 
     def release(self) -> None:
         """Stop renewing and delete the lease if it is still ours. Calling it twice is harmless."""
-        self._released = True
         with _renewer.wake:
             _renewer.leases.discard(self)
             _renewer.wake.notify()
