@@ -20,11 +20,8 @@ __all__ = ["Buffer", "Stamp", "Store", "StoreLock", "check_key", "key_stamp", "o
 
 def key_stamp(store: Store, key: str) -> Stamp | None:
     """
-    What identifies the current version of *key* (device, inode, size, times) in a local
-    directory; ``None`` in any other store (then nothing is cached by version).
-
-    Raises:
-        FileNotFoundError: a local directory holds no such file.
+    The :data:`Stamp` of *key*'s current version in a local directory (FileNotFoundError if
+    there is none); ``None`` in any other store, where nothing is cached by version.
     """
     return store.stamp(key) if isinstance(store, LocalStore) else None
 

@@ -98,15 +98,9 @@ _NO_DIR = frozenset({"", ".", ".."})  # components a key's directories cannot be
 
 def check_key(key: str, location: str) -> str:
     """
-    Return *key* if it is a relative path inside the store; raise otherwise.
-
-    Keys come from the library (slots are encoded so that they cannot leave the state),
-    but a second line of defence refuses any key that could: an absolute path, a ``.`` or
-    ``..`` component, an empty component (a trailing ``/`` marks a prefix and is allowed),
-    or a NUL byte.
-
-    Raises:
-        UsageError: it is not such a key.
+    Return *key* if it is a relative path inside the store, else raise :class:`UsageError`:
+    a second line of defence (slots are encoded so that they cannot leave the state) against
+    an absolute path, a ``.``, ``..`` or empty directory component, or a NUL byte.
     """
     *dirs, name = key.split("/")
     if key.startswith("/") or "\x00" in key or name in {".", ".."} or not _NO_DIR.isdisjoint(dirs):
