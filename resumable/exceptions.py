@@ -182,9 +182,9 @@ class DamagedStateError(ResumableError, ValueError):
     """State data given to ``load_state`` (or ``resumable import``) is damaged or not state data."""
 
 
-def _holder(holder: Mapping[str, Any], unknown: str) -> str:
+def _holder(holder: Mapping[str, Any]) -> str:
     if not holder:
-        return unknown
+        return "another process"
     return f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')} since {holder.get('since', '?')}"
 
 
@@ -195,7 +195,7 @@ class StateLockedError(ResumableError, RuntimeError):
         self.location = location
         self.holder = dict(holder or {})
         super().__init__(
-            f"{location} is in use by a run of {_holder(self.holder, 'another process')}. Only one run "
+            f"{location} is in use by a run of {_holder(self.holder)}. Only one run "
             "at a time may use a state directory: wait for it to finish, stop it, or use another "
             "state directory (state_dir= or $RESUMABLE_STATE_DIR)."
         )
@@ -208,7 +208,7 @@ class SessionBusyError(StateLockedError):
         super().__init__(location, holder)
         self.session = session
         message = (
-            f"session {session!r} is in use by a run of {_holder(self.holder, 'another process')}. A "
+            f"session {session!r} is in use by a run of {_holder(self.holder)}. A "
             "session has one run at a time: retry later, or pass wait=SECONDS to pipe.session() "
             "to wait for it."
         )
