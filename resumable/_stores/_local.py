@@ -11,6 +11,7 @@ import errno
 import fcntl
 import itertools
 import json
+import mmap
 import os
 import stat
 import threading
@@ -302,7 +303,7 @@ class LocalStore(Store):
     def copy(self, src: str, dst: str, *, durable: bool) -> None:
         """
         Make *dst* the same file as *src*, atomically: a hard link, no bytes copied, where
-        the file system allows one; else a copy (read, then written like :meth:`write`).
+        the file system allows one; else a copy (written like :meth:`write`).
         """
         target = self.path(dst)
         self._check_dirs(src)
@@ -320,7 +321,13 @@ class LocalStore(Store):
         except OSError as exc:
             if exc.errno not in _NO_LINK:
                 raise self.error(exc, target) from None
-            super().copy(src, dst, durable=durable)
+            fd = self._open(self.path(src), os.O_RDONLY)
+            try:  # mapped, not read: an output of many GB is copied without holding it in memory
+                size = os.fstat(fd).st_size
+                data = memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ)) if size else b""
+                self.write(dst, [data], durable=durable)
+            finally:
+                os.close(fd)
             return
         os.replace(tmp, target)
         # rename() does nothing when both names are links to one file already (a rollback to
