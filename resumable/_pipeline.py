@@ -746,7 +746,6 @@ class Session(Pipeline):
             keep_checkpoints=parent.keep_checkpoints,
             session=session,
         )
-        self._root = parent._root_store  # noqa: SLF001
         self._steps = parent._steps  # noqa: SLF001 - the same step definitions
         self._parent = parent
         self._wait = wait
@@ -762,11 +761,6 @@ class Session(Pipeline):
         """The session's id."""
         assert self._session_id is not None  # noqa: S101 - a Session is always named
         return self._session_id
-
-    @property
-    def name(self) -> str:
-        """The pipeline's name."""
-        return self._parent.name
 
     # entering ----------------------------------------------------------------------------
 
