@@ -11,7 +11,6 @@ import contextvars
 import functools
 import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -295,29 +294,28 @@ class Pipeline:
         """
         with self._lock:
             run, own = (self._run, False) if self._run is not None else self._maintenance_run()
-            if not own:
-                yield run
-                return
             try:
                 yield run
             finally:
-                try:
-                    if tidy:
-                        self.store.remove_temp_files()
-                finally:
-                    run.close("completed")
-                    self._index_session(run)
+                if own:
+                    try:
+                        if tidy:
+                            self.store.remove_temp_files()
+                    finally:
+                        run.close("completed")
+                        self._index_session(run)
 
     def _maintenance_run(self) -> tuple[RunState, bool]:
         """A run of our own that counts no run (True), or the open run holding the lock here (False)."""
         try:
             return self._new_run(maintenance=True), True
         except StateLockedError as exc:
-            held = _held_here(exc)
-            if held is None:
-                raise
             # Another Pipeline object of this process runs over the same state (the default
-            # pipeline in a notebook): the state is changed through its run.
+            # pipeline in a notebook): the state is changed through its run. (A forked child
+            # inherits the parent's runs, not its lock.)
+            held = _open_runs.get(str(exc.holder.get("run_token")))
+            if held is None or held.closed or exc.holder.get("pid") != os.getpid():
+                raise
             return held, False
 
     # the runner --------------------------------------------------------------------------
@@ -639,15 +637,6 @@ class Pipeline:
 
 # The runs this process has open, by the token their lock names (held no longer than they are).
 _open_runs: weakref.WeakValueDictionary[str, RunState] = weakref.WeakValueDictionary()
-
-
-def _held_here(exc: StateLockedError) -> RunState | None:
-    """The open run of this process that holds the lock *exc* found taken, if it is one."""
-    holder = exc.holder
-    if holder.get("pid") != os.getpid() or holder.get("host") != socket.gethostname():
-        return None
-    run = _open_runs.get(str(holder.get("run_token")))
-    return run if run is not None and not run.closed else None
 
 
 def _close_dropped(run: RunState) -> None:
