@@ -53,7 +53,7 @@ _sessions: contextvars.ContextVar[tuple[tuple[Any, Any], ...]] = contextvars.Con
 # inherit context variables).
 _entered: list[Any] = []
 _default: Any = None
-_default_factory: Callable[[], Any] | None = None
+_default_factory: Callable[[], Any]  # the Pipeline class, set as the package is imported
 
 
 def unbound_steps() -> dict[str, Any]:
@@ -112,9 +112,6 @@ def default_pipeline() -> Any:
     global _default  # noqa: PLW0603 - created on first use, so importing stays cheap
     with _lock:
         if _default is None:
-            if _default_factory is None:  # pragma: no cover - the package sets it on import
-                msg = "resumable is not fully imported: import resumable before calling steps"
-                raise RuntimeError(msg)
             _default = _default_factory()
         return _default
 
