@@ -1,10 +1,4 @@
-"""
-The run state: one open run of a pipeline (in one session of its store). It holds the lock
-and the journal, looks step calls up (a skip, or a miss with its reason) and runs the misses:
-``step_started`` logged (fsynced for ``idempotent=False`` steps), the function run with
-retries, its output encoded before anything is overwritten, written atomically, and
-``step_completed`` logged.
-"""
+"""The run state: one open run of a pipeline, in one session of its store (:class:`RunState`)."""
 
 from __future__ import annotations
 
@@ -137,28 +131,6 @@ def _error_fields(exc: BaseException) -> dict[str, str]:
 # this size and count): a later skip of the same slot decodes from memory.
 _VERIFIED_MAX_FILE = 16 * 1024
 _VERIFIED_MAX_FILES = 1024
-
-
-def _changed_phrase(found: Found) -> str:
-    """``its code changed (const PRICE)`` style, for StepChangedError."""
-    what = {"inputs changed": "its arguments", "version changed": "its version", "code changed": "its code"}
-    detail = f" ({found.detail})" if found.detail else ""
-    return f"{what.get(found.reason, 'its fingerprint')} changed{detail}"
-
-
-_NAMING_TYPES = (str, int)  # argument values that make a readable, faithful slot key
-
-
-def _key_advice(spec: StepView, plan: Plan) -> str:
-    """A key= that works for these arguments: a naming argument if there is one, else all of them."""
-    if plan.bound is None:  # a memoized call: its arguments are all simple values
-        naming = list(spec.signature.parameters)[:1]
-    else:
-        naming = [name for name, value in plan.bound.items() if type(value) in _NAMING_TYPES]
-    by_all = "@step(key=resumable.by_arguments) (one slot per distinct set of arguments)"
-    if naming:
-        return f"key=, e.g. @step(key='{{{naming[0]}}}') if {naming[0]} tells the calls apart, or {by_all}"
-    return by_all
 
 
 class Found(NamedTuple):
@@ -488,27 +460,38 @@ class RunState:
         was = header.get("code") if isinstance(header.get("code"), str) else None
         made = header.get("created_at") if isinstance(header.get("created_at"), str) else None
         if stored == ident.identity:
-            reason, detail = "inputs changed", ", ".join(params or [])
+            reason, what, detail = "inputs changed", "its arguments", ", ".join(params or [])
         elif spec.version is not None or str(stored).startswith("version:"):
             old = str(stored).removeprefix("version:").removeprefix("code:")[:12]
-            reason, detail = "version changed", f"{old} -> {spec.version}"
+            reason, what, detail = "version changed", "its version", f"{old} -> {spec.version}"
         else:
             old_components = _why.code_components(self.store, was) or self._old_code(spec.name)
-            reason, detail = "code changed", _codehash.describe_change(old_components, ident.components)
-        found = Found(hit=False, reason=reason, detail=detail, was=was, params=params)
+            changed = _codehash.describe_change(old_components, ident.components)
+            reason, what, detail = "code changed", "its code", changed
         if not spec.idempotent:
-            raise StepChangedError(plan.slot, _changed_phrase(found), made, step=spec.name)
-        return found
+            change = f"{what} changed ({detail})" if detail else f"{what} changed"
+            raise StepChangedError(plan.slot, change, made, step=spec.name)
+        return Found(hit=False, reason=reason, detail=detail, was=was, params=params)
 
     def _check_single_slot(self, spec: StepView, plan: Plan) -> None:
         first = self._single_slot.setdefault(spec.name, plan.args)
-        if first is not None and first != plan.args:
-            self._single_slot[spec.name] = None
-            warn(
-                f"step {spec.name!r} was called twice in this run with different arguments, "
-                "but it has a single slot: each call replaces the stored output, so a rerun "
-                f"recomputes all but the last. Give it one slot per call with {_key_advice(spec, plan)}."
-            )
+        if first is None or first == plan.args:
+            return
+        self._single_slot[spec.name] = None
+        # advise a key from an argument that names the call well (str or int), else all of them
+        if plan.bound is None:  # a memoized call: its arguments are all simple values
+            names = list(spec.signature.parameters)[:1]
+        else:
+            names = [name for name, value in plan.bound.items() if type(value) in {str, int}]
+        advice = "@step(key=resumable.by_arguments) (one slot per distinct set of arguments)"
+        if names:
+            example = f"@step(key='{{{names[0]}}}')"
+            advice = f"key=, e.g. {example} if {names[0]} tells the calls apart, or {advice}"
+        warn(
+            f"step {spec.name!r} was called twice in this run with different arguments, "
+            "but it has a single slot: each call replaces the stored output, so a rerun "
+            f"recomputes all but the last. Give it one slot per call with {advice}."
+        )
 
     @property
     def closed(self) -> bool:
