@@ -214,7 +214,11 @@ class StepSpec(Generic[P, R]):
         values, left_out = found
         if last is not None and last[0] == values and last[1] == left_out:
             return last[2]  # type: ignore[no-any-return]
-        ident = self._make_identity(shape, values, left_out)
+        components = {**shape.static, **values}
+        code = _codehash.combine(components)
+        label = f"version:{self.version}" if self.version is not None else f"code:{code}"
+        left = {**shape.left_out, **left_out}
+        ident = Identity(label, code, components, shape.sources, left, shape.reads)
         shape.last = (values, left_out, ident)
         return ident
 
@@ -236,13 +240,6 @@ class StepSpec(Generic[P, R]):
             shape.static["code"] = blake3.blake3(self.qualname.encode()).hexdigest()[:16]
             return shape
         return _codeshape.code_shape(self.fn, _step_of, self)
-
-    def _make_identity(self, shape: Any, values: dict[str, str], left_out: dict[str, str]) -> Identity:
-        components = {**shape.static, **values}
-        code = _codehash.combine(components)
-        label = f"version:{self.version}" if self.version is not None else f"code:{code}"
-        left = {**shape.left_out, **left_out}
-        return Identity(label, code, components, shape.sources, left, shape.reads)
 
     # binding -----------------------------------------------------------------------------
 
@@ -308,10 +305,7 @@ class StepSpec(Generic[P, R]):
     # calling -----------------------------------------------------------------------------
 
     def host(self) -> Host:
-        """
-        The pipeline this call runs in: the step's own, else the current one; in its named
-        session if one is entered in this context.
-        """
+        """The step's own pipeline, else the current one; in its named session if one is entered here."""
         if self.pipeline is None:
             current: Host = current_pipeline()  # (a named session is the current pipeline there)
             return current
@@ -357,29 +351,6 @@ def _step_of(value: object) -> StepSpec[Any, Any] | None:
     """The step *value* is, or None (for code digests of steps calling steps)."""
     spec = getattr(value, "__resumable_step__", None)
     return spec if isinstance(spec, StepSpec) else None
-
-
-def _make(fn: Callable[P, R], **options: Any) -> Step[P, R]:
-    spec: StepSpec[P, R] = StepSpec(fn, **options)
-    wrapper: Any
-    if spec.is_async:
-
-        @functools.wraps(fn)
-        async def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return await spec.call_async(args, kwargs)
-
-    else:
-
-        @functools.wraps(fn)
-        def wrapper(*args: Any, **kwargs: Any) -> Any:
-            return spec.call(args, kwargs)
-
-    wrapper.__resumable_step__ = spec
-    wrapper.is_cached = spec.is_cached
-    wrapper.forget = spec.forget
-    register(spec)
-    result: Step[P, R] = wrapper
-    return result
 
 
 @overload
@@ -433,16 +404,37 @@ def step(  # noqa: PLR0913 - the documented options
         StepDefinitionError: the name, key or an option is invalid, or another function
             already uses the name.
     """
-    options: dict[str, Any] = {
-        "name": name,
-        "version": version,
-        "key": key,
-        "ignore": ignore,
-        "retries": retries,
-        "retry_on": retry_on,
-        "idempotent": idempotent,
-        "pipeline": pipeline,
-    }
-    if fn is None:
-        return lambda fn: _make(fn, **options)
-    return _make(fn, **options)
+
+    def decorate(fn: Callable[P, R]) -> Step[P, R]:
+        spec: StepSpec[P, R] = StepSpec(
+            fn,
+            name=name,
+            version=version,
+            key=key,
+            ignore=ignore,
+            retries=retries,
+            retry_on=retry_on,
+            idempotent=idempotent,
+            pipeline=pipeline,
+        )
+        wrapper: Any
+        if spec.is_async:
+
+            @functools.wraps(fn)
+            async def wrapper(*args: Any, **kwargs: Any) -> Any:
+                return await spec.call_async(args, kwargs)
+
+        else:
+
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                return spec.call(args, kwargs)
+
+        wrapper.__resumable_step__ = spec
+        wrapper.is_cached = spec.is_cached
+        wrapper.forget = spec.forget
+        register(spec)
+        result: Step[P, R] = wrapper
+        return result
+
+    return decorate if fn is None else decorate(fn)
