@@ -32,6 +32,7 @@ from ._slots import (
     BATCHES,
     LOCK,
     OUTPUT_SUFFIX,
+    STEP_BATCHES,
     check_session_id,
     is_output_file,
     slot_file,
@@ -441,22 +442,20 @@ class Pipeline:
         with self._maintenance(tidy=True) as run:
             manifest = run.journal.manifest
             known, batches = self._known_slots(run)
-            forgotten = []
             if not steps:
-                slots = known
-                forgotten = sorted(batches)
+                slots, forgotten = known, sorted(batches)
             else:
-                slots = set()
-                names = {step_of(s) for s in known} | set(self._registry())
+                slots, forgotten = set(), []
+                defined = set(self._registry())
                 for target in steps:
                     # Only what the state holds can be named: a name is never made into a path.
                     matched = {s for s in known if s == target or step_of(s) == target}
                     if target in batches:
                         forgotten.append(target)
-                    elif not matched and target not in names:
+                    elif not matched and target not in defined:
                         msg = (
                             f"nothing to reset: no step, slot or batch {target!r} in "
-                            f"{self.store.location} (known: {describe_slots(known | names, batches)})"
+                            f"{self.store.location} (known: {describe_slots(known | defined, batches)})"
                         )
                         raise UsageError(msg)
                     slots |= matched
@@ -480,11 +479,11 @@ class Pipeline:
         slots = {k[: -len(OUTPUT_SUFFIX)] for k in listed if is_output_file(k)}
         slots |= {s for s, rec in manifest.steps.items() if rec.status != "reset"}
         batches: set[str] = set()
-        steps_dir, named_dir = f"{BATCHES}/steps/", f"{BATCHES}/named/"
+        named_dir = f"{BATCHES}/named/"
         for key in listed:
-            if key.startswith(steps_dir):
+            if key.startswith(STEP_BATCHES):
                 # steps/<step>/[<key>/][<sub-batch>/]<chunk>: the slot is at most two levels
-                slots.add("/".join(key[len(steps_dir) :].split("/")[:-1][:2]))
+                slots.add("/".join(key[len(STEP_BATCHES) :].split("/")[:-1][:2]))
             elif key.startswith(named_dir):
                 batches.add(key[len(named_dir) :].split("/", 1)[0])
         return {s for s in slots if is_output_file(slot_file(s))}, batches
