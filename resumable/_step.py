@@ -109,19 +109,16 @@ class StepSpec(Generic[P, R]):
         self.fn = fn
         self.name = check_name(name if name is not None else getattr(fn, "__name__", None))
         if version is not None and (not isinstance(version, str) or not version):
-            msg = f"step {self.name!r}: version must be a non-empty str, got {version!r}"
-            raise StepDefinitionError(msg, step=self.name)
+            raise self._invalid(f"version must be a non-empty str, got {version!r}")
         if type(retries) is not int or retries < 0:
-            msg = f"step {self.name!r}: retries must be an int >= 0, got {retries!r}"
-            raise StepDefinitionError(msg, step=self.name)
+            raise self._invalid(f"retries must be an int >= 0, got {retries!r}")
         types = retry_on if isinstance(retry_on, tuple) else (retry_on,)
         if not types or not all(isinstance(t, type) and issubclass(t, Exception) for t in types):
             shown = types[0] if len(types) == 1 else types
-            msg = (
-                f"step {self.name!r}: retry_on must be an exception class or a tuple of them "
+            raise self._invalid(
+                "retry_on must be an exception class or a tuple of them "
                 f"(subclasses of Exception), got {shown!r}"
             )
-            raise StepDefinitionError(msg, step=self.name)
         self.version = version
         self.retries = retries
         self.retry_on: tuple[type[BaseException], ...] = types
@@ -133,8 +130,7 @@ class StepSpec(Generic[P, R]):
         self.ignore = frozenset((ignore,) if isinstance(ignore, str) else ignore)
         unknown = sorted(self.ignore - set(params))
         if unknown:
-            msg = f"step {self.name!r}: ignore= names {unknown}, which are not parameters of it"
-            raise StepDefinitionError(msg, step=self.name)
+            raise self._invalid(f"ignore= names {unknown}, which are not parameters of it")
         self.key = self._check_key(key, params)
         self._memo_defaults = self._immutable_defaults()
         self._shape: Any = None  # the _codeshape.CodeShape of the step, once known
@@ -147,20 +143,22 @@ class StepSpec(Generic[P, R]):
             _codeshape.check_identity(fn)
         except _codeshape.NoIdentity as exc:
             if self.version is None:
-                msg = (
-                    f"step {self.name!r}: cannot tell when the code of {fn!r} changes ({exc}); "
+                raise self._invalid(
+                    f"cannot tell when the code of {fn!r} changes ({exc}); "
                     "pass version='1' to @step, and change it when the step should rerun"
-                )
-                raise StepDefinitionError(msg, step=self.name) from None
+                ) from None
             self._identifiable = False
         _codeshape.snapshot_source(fn)
+
+    def _invalid(self, problem: str) -> StepDefinitionError:
+        """The error for a bad option or key of this step, naming it."""
+        return StepDefinitionError(f"step {self.name!r}: {problem}", step=self.name)
 
     def _signature(self) -> inspect.Signature:
         try:
             return inspect.signature(self.fn)
         except (TypeError, ValueError) as exc:
-            msg = f"step {self.name!r}: cannot read the signature of {self.fn!r} ({exc})"
-            raise StepDefinitionError(msg, step=self.name) from None
+            raise self._invalid(f"cannot read the signature of {self.fn!r} ({exc})") from None
 
     def _immutable_defaults(self) -> bool:
         """True if no default can change in place (a call using defaults may then be memoized)."""
@@ -173,21 +171,18 @@ class StepSpec(Generic[P, R]):
         if key is None or callable(key):
             return key
         if not isinstance(key, str):
-            msg = f"step {self.name!r}: key must be a format string or a callable, got {key!r}"
-            raise StepDefinitionError(msg, step=self.name)
+            raise self._invalid(f"key must be a format string or a callable, got {key!r}")
         try:
             fields = [f for _, f, _, _ in string.Formatter().parse(key) if f is not None]
         except ValueError as exc:
-            msg = f"step {self.name!r}: key {key!r} is not a valid format string ({exc})"
-            raise StepDefinitionError(msg, step=self.name) from None
+            raise self._invalid(f"key {key!r} is not a valid format string ({exc})") from None
         for field in fields:
             root = re.split(r"[.\[]", field, maxsplit=1)[0]
             if root not in params:
-                msg = (
-                    f"step {self.name!r}: key {key!r} refers to {{{field}}}, but the step has "
+                raise self._invalid(
+                    f"key {key!r} refers to {{{field}}}, but the step has "
                     f"no parameter {root!r}; name parameters, e.g. key='{{{next(iter(params), 'x')}}}'"
                 )
-                raise StepDefinitionError(msg, step=self.name)
         return key
 
     # identity ----------------------------------------------------------------------------
@@ -261,19 +256,16 @@ class StepSpec(Generic[P, R]):
             try:
                 key = spec.format_map(bound)
             except (AttributeError, LookupError, ValueError, TypeError) as exc:
-                msg = f"step {self.name!r}: cannot format key {spec!r}: {type(exc).__name__}: {exc}"
-                raise StepDefinitionError(msg, step=self.name) from None
+                raise self._invalid(f"cannot format key {spec!r}: {type(exc).__name__}: {exc}") from None
         else:
             key = spec(*args, **kwargs)
         if not isinstance(key, str):
-            msg = f"step {self.name!r}: the key function returned {type(key).__name__} {key!r}; return a str"
-            raise StepDefinitionError(msg, step=self.name)
+            raise self._invalid(f"the key function returned {type(key).__name__} {key!r}; return a str")
         if re.search(r" at 0x[0-9a-fA-F]+", key):
-            msg = (
-                f"step {self.name!r}: key {key!r} contains a memory address, which changes "
+            raise self._invalid(
+                f"key {key!r} contains a memory address, which changes "
                 "every run; build the key from a stable attribute instead"
             )
-            raise StepDefinitionError(msg, step=self.name)
         return key
 
     def plan(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
