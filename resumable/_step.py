@@ -77,11 +77,9 @@ class Step(Protocol[P, R_co]):
 
     def is_cached(self, *args: P.args, **kwargs: P.kwargs) -> bool:
         """True if a call with these arguments would return a stored output."""
-        ...
 
     def forget(self, *args: P.args, **kwargs: P.kwargs) -> None:
         """Drop the stored output of the slot these arguments map to."""
-        ...
 
 
 class StepSpec(Generic[P, R]):
