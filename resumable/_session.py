@@ -16,7 +16,6 @@ import threading
 import time
 import traceback
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -187,7 +186,7 @@ class RunState:
         self._recent: set[str] = set()  # the slots completed last when the run opened
         self._code_recorded: set[str] = set()  # code digests whose record is in the store (_why)
         # slot -> (stamp, verified file) of files skipped again in this run
-        self._verified: OrderedDict[str, tuple[Stamp, Verified]] = OrderedDict()
+        self._verified: dict[str, tuple[Stamp, Verified]] = {}
 
     # lifecycle ---------------------------------------------------------------------------
 
@@ -359,10 +358,9 @@ class RunState:
         # small files without out-of-band buffers only: their values never share the data's memory
         if checked.header["buffers"] or len(checked.data) > _VERIFIED_MAX_FILE:
             return
-        self._verified.pop(slot, None)
+        if len(self._verified) >= _VERIFIED_MAX_FILES:
+            self._verified.clear()
         self._verified[slot] = (stamp, Verified(bytes(checked.data), checked.header, checked.head_len))
-        if len(self._verified) > _VERIFIED_MAX_FILES:
-            self._verified.popitem(last=False)
 
     def _hit(self, spec: StepView, plan: Plan, value: Any, header: dict[str, Any], head_len: int) -> Found:
         self.last_outcome = "ok"
