@@ -386,7 +386,14 @@ class RunState:
                     file=header["hsum"],
                 )
         if log.isEnabledFor(logging.INFO):
-            log.info("step %r skipped: %s", plan.slot, self._skip_note(spec, plan, header))
+            note = f"stored {header.get('created_at', '?')}"
+            if spec.version is not None and header.get("code") not in {None, plan.identity.code}:
+                changed = _codehash.describe_change(self._old_code(spec.name), plan.identity.components)
+                note += (
+                    f"; kept despite a code change ({changed or 'its code'}) "
+                    f"because version {spec.version!r} is pinned"
+                )
+            log.info("step %r skipped: %s", plan.slot, note)
         return Found(hit=True, value=value)
 
     def load(self, spec: StepView, plan: Plan) -> Any:
@@ -402,17 +409,6 @@ class RunState:
             raise SerializationError(msg, step=spec.name) from None
         _remember(value, checked.header)
         return value
-
-    def _skip_note(self, spec: StepView, plan: Plan, header: dict[str, Any]) -> str:
-        note = f"stored {header.get('created_at', '?')}"
-        ident = plan.identity
-        if spec.version is not None and header.get("code") not in {None, ident.code}:
-            changed = _codehash.describe_change(self._old_code(spec.name), ident.components)
-            note += (
-                f"; kept despite a code change ({changed or 'its code'}) "
-                f"because version {spec.version!r} is pinned"
-            )
-        return note
 
     def slot_lock(self, slot: str, *, asynchronous: bool = False) -> Any:
         """
