@@ -19,8 +19,6 @@ import weakref
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-import attrs
-
 from . import _codehash
 from ._codec import (
     DamagedFileError,
@@ -75,6 +73,21 @@ SKIPS_LOGGED = 32
 LAG = 8 * 1024  # bytes of log a named session's manifest.json may lag (replayed by each open)
 
 
+class Execution:
+    """The step running in this context (so batch helpers inside it know their slot)."""
+
+    __slots__ = ("batches", "loops", "plan", "retry_in", "run", "spec")
+
+    def __init__(self, run: RunState, spec: StepView, plan: Plan) -> None:
+        self.run = run
+        self.spec = spec
+        self.plan = plan
+        # numbers the step's unnamed batches in call order (next() is atomic: threads may share it)
+        self.batches = itertools.count()
+        self.loops = Loops()  # its `checkpointed` loops still open
+        self.retry_in = 0.0  # seconds before the next attempt, once this one failed
+
+
 class Loops(weakref.WeakSet[Any]):
     """
     The ``checkpointed`` loops of a step call (or of a run, outside steps) not finished yet:
@@ -85,19 +98,6 @@ class Loops(weakref.WeakSet[Any]):
     def close(self) -> None:
         for loop in list(self):
             loop.close()
-
-
-@attrs.define(eq=False)
-class Execution:
-    """The step running in this context (so batch helpers inside it know their slot)."""
-
-    run: RunState
-    spec: StepView
-    plan: Plan
-    # numbers the step's unnamed batches in call order (next() is atomic: threads may share it)
-    batches: itertools.count[int] = attrs.Factory(itertools.count)
-    loops: Loops = attrs.Factory(Loops)  # its `checkpointed` loops still open
-    retry_in: float = 0.0  # seconds before the next attempt, once this one failed
 
 
 current_execution: contextvars.ContextVar[Execution | None] = contextvars.ContextVar(
