@@ -149,7 +149,7 @@ class ChunkStore:
     def _void(self, offsets: list[int]) -> None:
         """Append a void record: the records (or damaged bytes) at *offsets* no longer count."""
         meta = {"slot": self.label, "batch": self.directory, "void": sorted(offsets)}
-        framed = frame(encode(None, allow_pickle=False), meta, secret=self.run.secret)
+        framed = frame(encode(None, allow_pickle=False), meta, secret=self.run.secret, dated=False)
         # not fsynced: the next durable append syncs it, and a lost one is found again next run
         self._append(b"".join(framed.chunks()), durable=False)
 

@@ -371,7 +371,7 @@ class StoredLedger(Ledger):
             "digest": digest,
             "failures": failures,
         }
-        framed = frame(encoded, meta, secret=run.secret)
+        framed = frame(encoded, meta, secret=run.secret, dated=False)
         if failures and self.failure is None:
             first = next(r for r in results if type(r) is RowFailure)
             self.failure = {"row": first.index, "type": first.type, "message": first.message[:300]}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 
 import blake3
 
@@ -28,11 +27,9 @@ def hasher(data: Buffer = b"") -> blake3.blake3:
     return blake3.blake3(data, max_threads=_threads if memoryview(data).nbytes >= _LARGE else 1)
 
 
-def checksum(chunks: Iterable[Buffer]) -> str:
-    """The checksum of the concatenation of *chunks*, as recorded in a file's header."""
-    chunks = list(chunks)
-    large = sum(memoryview(chunk).nbytes for chunk in chunks) >= _LARGE
-    digest = blake3.blake3(max_threads=_threads if large else 1)
+def checksum(chunks: list[Buffer]) -> str:
+    """The checksum of the concatenation of *chunks* (bytes), as recorded in a file's header."""
+    digest = blake3.blake3(max_threads=_threads) if sum(map(len, chunks)) >= _LARGE else blake3.blake3()
     for chunk in chunks:
         digest.update(chunk)
     return PREFIX + digest.hexdigest()

@@ -139,12 +139,14 @@ def _lay_out(header: dict[str, Any], body_len: int) -> None:
         header["size"] = position - head_len
 
 
-def frame(encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = None) -> Framed:
-    """Frame *encoded* as an output file with header *meta*."""
-    header: dict[str, Any] = {
-        "format": FORMAT,
-        **meta,
-        "created_at": utcnow(),
+def frame(
+    encoded: Encoded, meta: Mapping[str, Any], *, secret: bytes | None = None, dated: bool = True
+) -> Framed:
+    """Frame *encoded* as an output file with header *meta*, and ``created_at`` if *dated*."""
+    header: dict[str, Any] = {"format": FORMAT, **meta}
+    if dated:
+        header["created_at"] = utcnow()
+    header |= {
         "encoding": "msgpack+pickle" if encoded.pickled else "msgpack",
         "checksum": PREFIX + "0" * 64,
         "size": len(encoded.body),
