@@ -7,7 +7,6 @@ every store, so a state copied between kinds of stores resumes.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, NamedTuple
@@ -126,8 +125,6 @@ class ChunkStore:
             self._torn = False
         try:
             if isinstance(store, LocalStore) and self.keep_open:
-                if self._file is not None and self._file.pid != os.getpid():
-                    self.close()  # a forked child's copy: the child opens the log itself
                 if self._file is None:
                     self._file = store.open_append(self.log_key, durable=durable)
                 self._file.append(data, durable=durable)
