@@ -162,9 +162,10 @@ def frame(
 
 
 def _frame(encoded: Encoded, header: dict[str, Any], secret: bytes | None) -> Framed:
+    chunks: list[Buffer] = [encoded.body]
     if encoded.buffers:
         _lay_out(header, len(encoded.body))
-    chunks = _value_chunks(encoded, [pad for pad, _ in header["buffers"]])
+        chunks = _value_chunks(encoded, [pad for pad, _ in header["buffers"]])
     header["checksum"] = checksum(chunks)
     packed: bytes = msgpack.packb(header)
     header["hsum"] = _header_sum(packed, signed=secret is not None)
