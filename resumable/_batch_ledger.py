@@ -20,7 +20,7 @@ from ._codec import DamagedFileError, encode, frame, read_verified
 from ._codec_types import qualified_name
 from ._session import RunState
 from ._warn import warn
-from .exceptions import InputChangedError, ResumableError
+from .exceptions import InputChangedError, ResumableError, SerializationError
 
 log = logging.getLogger("resumable")
 
@@ -362,8 +362,12 @@ class StoredLedger(Ledger):
         run = where.run
         digest = self._digester.digest(rows)
         end = start + size
-        what = f"the {_WHAT[self.kind]} of batch {where.display!r}, rows {start:,} to {end - 1:,}"
-        encoded = encode(results, allow_pickle=run.allow_pickle, what=what)
+        try:
+            encoded = encode(results, allow_pickle=run.allow_pickle)
+        except SerializationError:  # again, for a message naming the rows
+            what = f"the {_WHAT[self.kind]} of batch {where.display!r}, rows {start:,} to {end - 1:,}"
+            encode(results, allow_pickle=run.allow_pickle, what=what)
+            raise
         meta = {
             "slot": where.label,
             "batch": where.directory,
