@@ -33,8 +33,3 @@ def checksum(chunks: list[Buffer]) -> str:
     for chunk in chunks:
         digest.update(chunk)
     return PREFIX + digest.hexdigest()
-
-
-def short_digest(data: Buffer) -> str:
-    """A 32-character digest (a header's own ``hsum``)."""
-    return blake3.blake3(data).hexdigest()[:32]

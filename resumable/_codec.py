@@ -26,10 +26,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import blake3
 import msgpack
 
 from . import _codec_arrays  # noqa: F401 - adds NumPy and pandas values to the codec
-from ._checksum import PREFIX, checksum, short_digest
+from ._checksum import PREFIX, checksum
 from ._codec_types import Decoder, Encoder, StandInDecoder, Undecodable, Unstorable, find_path, qualified_name
 from .exceptions import SerializationError, StateFormatError
 
@@ -97,7 +98,7 @@ def _header_sum(raw_header: Buffer, *, signed: bool) -> str:
     ``mac``), so a damaged header is caught like a damaged value, without re-packing it.
     """
     end = len(raw_header) - _HSUM_VALUE - (_MAC_FIELD if signed else 0)
-    return short_digest(memoryview(raw_header)[:end])
+    return blake3.blake3(memoryview(raw_header)[:end]).hexdigest()[:32]
 
 
 def _sign(header: Mapping[str, Any], secret: bytes) -> str:
