@@ -125,7 +125,6 @@ class AppendFile:
 
     def __init__(self, store: LocalStore, path: str, fd: int, *, new: bool) -> None:
         self.path = path
-        self.pid = os.getpid()
         self._store = store
         self._fd = fd
         self._new = new  # just created: its name is not fsynced yet
