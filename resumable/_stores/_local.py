@@ -121,7 +121,7 @@ class _FileLock:
 
 
 class AppendFile:
-    """A file of a :class:`LocalStore` open for appending (by the process that opened it) until closed."""
+    """A file of a :class:`LocalStore` open for appending until closed."""
 
     def __init__(self, store: LocalStore, path: str, fd: int, *, new: bool) -> None:
         self.path = path
