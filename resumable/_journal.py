@@ -66,13 +66,7 @@ _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
 
 
 def _signed(data: Mapping[str, Any], secret: bytes | None) -> Mapping[str, Any]:
-    if secret is None and "mac" not in data:
-        return data  # nothing to add or take out: no copy (every event goes through here)
-    out = dict(data)
-    out.pop("mac", None)
-    if secret is not None:
-        out["mac"] = _mac(secret, _dumps(out).encode())
-    return out
+    return data if secret is None else {**data, "mac": _mac(secret, _dumps(data).encode())}
 
 
 def _packed(data: dict[str, Any], secret: bytes | None) -> bytes:
@@ -269,9 +263,6 @@ class Journal:
         # a large manifest is rewritten less often (see flush)
         self._manifest_interval = _rewrite_interval(len(raw))
         self.large = len(raw) > LARGE_MANIFEST
-        return self._parse_manifest(raw)
-
-    def _parse_manifest(self, raw: bytes | bytearray) -> tuple[Manifest | None, str | None]:
         parsed = parse_manifest(raw, self.secret, f"{self.store.location}/{MANIFEST}")
         if isinstance(parsed, str):
             return None, parsed

@@ -24,7 +24,6 @@ from typing import Any, ClassVar, Literal, NamedTuple, get_args
 import attrs
 
 from ._slots import step_of
-from .exceptions import StateFormatError
 
 FORMAT = 2
 RunStatus = Literal["running", "completed", "failed", "interrupted"]
@@ -308,17 +307,12 @@ class Manifest(Record):
         Every field is checked: data read from disk may have been damaged or edited.
 
         Raises:
-            StateFormatError: the data comes from a newer version.
-            ValueError: the data is malformed (the message says which field).
+            ValueError: the data is malformed (the message says which field), or of a format
+                this version does not read.
         """
         version = data.get("format")
-        if type(version) is not int:
-            msg = "no format number"
-            raise ValueError(msg)
-        if version > FORMAT:
-            raise StateFormatError("manifest.json", version, FORMAT)
-        if version < 1:
-            msg = f"format {version} was never written"
+        if type(version) is not int or not 1 <= version <= FORMAT:
+            msg = f"format {version!r} is not one this version reads"
             raise ValueError(msg)
         data = {**data, "format": FORMAT}  # 0.1.0's format 1 kept every record here: read as it is
         problem = manifest_problem(data)
