@@ -90,9 +90,8 @@ _UNUSABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.EISDIR, err
 
 def state_error(exc: OSError, store: Store, key: str) -> OSError:
     """
-    The error to raise for *exc*, met reading or writing *key*: a :class:`StateDirectoryError`
-    naming the file where the directory cannot be used as it is, else the same kind of
-    error, naming the file if it names none.
+    *exc*, met reading or writing *key*, as the error to raise: naming the file, and a
+    :class:`StateDirectoryError` where the directory cannot be used as it is.
     """
     where = f"{store.location}/{key}"
     if isinstance(exc, StateDirectoryError):
@@ -130,10 +129,8 @@ def parse_manifest(
     raw: bytes | bytearray, secret: bytes | None, where: str
 ) -> tuple[Manifest, dict[str, Any]] | str:
     """
-    The manifest in *raw*, with the summaries of its keyed steps; or what is wrong with it.
-
-    Raises:
-        StateFormatError: it was written by a newer version.
+    The manifest in *raw* with its keyed steps' summaries, or what is wrong with it; one of a
+    newer format raises :class:`StateFormatError`.
     """
     try:
         data = json.loads(raw)
@@ -309,10 +306,7 @@ class Journal:
         return records
 
     def _read_log(self, start: int) -> tuple[int, bytes | bytearray] | None:
-        """
-        The log from *start*, with *start*; None if *start* is not where a line of the log
-        begins (the manifest is then out of step with the log).
-        """
+        """The log from *start*, with *start*; None if no line of the log begins at *start*."""
         # from one byte before: it must end a line
         tail = self._read(EVENTS, max(start - 1, 0))
         if tail is None:
@@ -356,14 +350,10 @@ class Journal:
 
     def _reconcile(self) -> int:
         """
-        Recover outputs the manifest does not know: an output file is only written when its
-        step completes, but a killed run may not have written the event saying so.
-
-        A read-only journal folds them into its manifest; a writing one also appends a
-        ``step_completed`` event marked ``recovered`` for each (so history reaches them).
-        Only headers are read, and only of files the manifest has no record of, or (on a
-        local disk) changed since the manifest's last event. Completed slots whose file is
-        gone are dropped. Returns the number of outputs recovered.
+        Fold in the outputs a killed run stored without logging their completion (a writing
+        journal logs a ``step_completed`` marked ``recovered`` for each), and drop completed
+        slots whose file is gone; return how many were recovered. Only the headers of files
+        the manifest does not know, or (on a local disk) changed since its last event, are read.
         """
         m = self.manifest
         files = {k[: -len(OUTPUT_SUFFIX)]: k for k in self.store.list() if is_output_file(k)}
@@ -521,10 +511,7 @@ class Journal:
     def _write_state(
         self, data: dict[str, Any], records: dict[str, dict[str, list[Any]]], *, durable: bool
     ) -> int:
-        """
-        Write the records files of keyed steps, then ``manifest.json`` (which names them);
-        return the bytes written.
-        """
+        """Write the keyed steps' records files, then ``manifest.json``; return the bytes written."""
         files = {records_file(step): _packed(columns, self.secret) for step, columns in records.items()}
         files[MANIFEST] = dumps(_signed(data, self.secret))
         for key, text in files.items():
@@ -591,9 +578,8 @@ def read_state(
     store: Store, *, pipeline: str = "", secret: bytes | None = None, records: bool = True
 ) -> Manifest:
     """
-    The current manifest of a store, without locking it or writing anything. Without
-    *records*, keyed steps' records are read when used, not now (what only needs the
-    completed slots, as ``resumable diff``); either way, damage is handled quietly.
+    The current manifest of a store, without locking it or writing anything (damage is handled
+    quietly). Without *records*, keyed steps' records are read when first used.
     """
     manifest = Journal(store, pipeline=pipeline, secret=secret, readonly=True).load()
     if records:

@@ -32,10 +32,7 @@ RUN_STATUSES: tuple[RunStatus, ...] = get_args(RunStatus)
 
 
 class Record:
-    """
-    The equality and repr of the public records, as attrs would generate them: attrs compiles
-    the methods it generates for each class when resumable is imported.
-    """
+    """The equality and repr of the public records (attrs would compile them for each at import)."""
 
     __slots__ = ()
     __attrs_attrs__: ClassVar[tuple[attrs.Attribute[Any], ...]]
@@ -156,10 +153,7 @@ class Steps(MutableMapping[str, StepRecord]):
         return read + sum(int(d.summary["bytes"]) for d in self._deferred.values())
 
     def completed_files(self) -> dict[str, str]:
-        """
-        The output version (``file``) of every completed slot. A keyed step's records not
-        read yet are read but stay unread for :meth:`Manifest.dump` (its file is left as it is).
-        """
+        """The output version (``file``) of every completed slot (records not read stay unread)."""
         unread = [d.read().items() for d in list(self._deferred.values())]
         records = itertools.chain(self.parsed(), *unread)
         return {s: r.file for s, r in records if r.status == "completed" and r.file is not None}
@@ -191,12 +185,6 @@ class Steps(MutableMapping[str, StepRecord]):
     def __len__(self) -> int:
         self.parse_all()
         return sum(map(len, self._steps.values()))
-
-    def __contains__(self, slot: object) -> bool:
-        if not isinstance(slot, str):
-            return False
-        group = self._group(slot)
-        return group is not None and slot in group
 
     def __repr__(self) -> str:
         return f"{dict(self.items())!r}"
@@ -272,10 +260,8 @@ class Manifest(Record):
 
     def dump(self) -> tuple[dict[str, Any], dict[str, dict[str, list[Any]]]]:
         """
-        What to write: the data of ``manifest.json`` (the records of unkeyed slots, and a
-        summary per keyed step under ``keyed``), and the records of each keyed step read,
-        a list per field (``slots`` first) as its records file holds them. A keyed step's
-        records not read are left out: its file stays as it is.
+        The data of ``manifest.json`` (a summary per keyed step under ``keyed``) and, per keyed
+        step whose records were read, its records file's data: a list per field, ``slots`` first.
         """
         steps: dict[str, Any] = {}
         files: dict[str, dict[str, list[Any]]] = {}
@@ -301,10 +287,8 @@ class Manifest(Record):
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Manifest:
         """
-        Build a manifest from its JSON data (``keyed`` summaries are ignored: the journal
-        reads the records they stand for).
-
-        Every field is checked: data read from disk may have been damaged or edited.
+        Build a manifest from its JSON data, checking every field (``keyed`` summaries are
+        ignored: the journal reads the records they stand for).
 
         Raises:
             ValueError: the data is malformed (the message says which field), or of a format
