@@ -17,13 +17,9 @@ Closer = Callable[[str, "BaseException | None"], None]
 
 def status_for(exc: BaseException | None) -> str:
     """How a run ends, given the exception leaving it (if any)."""
-    if exc is None:
+    if exc is None or (isinstance(exc, SystemExit) and exc.code in {None, 0}):
         return "completed"
-    if isinstance(exc, SystemExit) and exc.code in {None, 0}:
-        return "completed"
-    if not isinstance(exc, Exception):  # Ctrl-C, SIGTERM, a cancelled task ...
-        return "interrupted"
-    return "failed"
+    return "failed" if isinstance(exc, Exception) else "interrupted"  # Ctrl-C, SIGTERM, a cancelled task
 
 
 class _ExitHooks:

@@ -110,20 +110,15 @@ _EMPTY = Checkpoint(0, None, None, None, [])
 
 def events(store: Store, secret: bytes | None) -> Iterator[dict[str, Any]]:
     """The valid events of the log (loading it warned about the others), in order."""
-    for _, event in _events_from(store, secret, 0):
-        yield event
+    return (event for _, event in _events_from(store, secret, 0))
 
 
 def _events_from(store: Store, secret: bytes | None, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
-    """
-    ``(offset after it, event)`` for each valid event of the log from byte *start* on, read a
-    megabyte at a time on a local disk (a replay that stops early reads no more, and the log
-    is never held whole).
-    """
+    """``(offset after it, event)`` for each valid event of the log from byte *start* on."""
     end = start  # after the last complete line
     offset = start  # where the next piece is read
     pending = bytearray()
-    # where a read is a round trip (object stores: a segment listing and requests), all at once
+    # a megabyte at a time (a replay that stops early reads no more); at once where a read is a round trip
     size = None if store.slow_appends else _LOG_PIECE
     while True:
         try:
@@ -207,12 +202,9 @@ def replay(  # noqa: C901 - one pass over the log answers every kind of history 
     base_at: int | None = None,
 ) -> list[_Point]:
     """
-    Every checkpoint in the history (from the history base, if there is one), in order; or,
-    if some are asked for, those. The points of those in *want* hold the changes of the
-    output versions (what listing and pruning need, see :func:`_each_versions`). The point of
-    checkpoint *restore* (asked alone: what a rollback needs) holds the records then. The
-    point of checkpoint *base_at* holds a copy of the whole manifest and the log offset
-    after it (what a new history base needs).
+    The checkpoints of the history (since the history base), in order: all, or those asked for.
+    Those in *want* hold the changes of output versions, *restore* the records then (it ends
+    the replay), *base_at* a copy of the manifest and the log offset after it.
     """
     wanted = set(want)
     ids = wanted | {i for i in (restore, base_at) if i is not None}
@@ -260,11 +252,7 @@ def replay(  # noqa: C901 - one pass over the log answers every kind of history 
 
 
 class _Versions:
-    """
-    The output version of every completed slot as a replay goes, updated only for the slots
-    events touch: the versions at each checkpoint asked for cost their changes, not a walk
-    of every record.
-    """
+    """The output version of every completed slot as a replay goes, updated for the slots events touch."""
 
     def __init__(self) -> None:
         self._now: dict[str, str] = {}
@@ -319,10 +307,7 @@ def _replay_start(store: Store, secret: bytes | None) -> tuple[int, Fold, Checkp
 
 
 def _each_versions(points: Iterable[_Point]) -> Iterator[tuple[_Point, dict[str, str]]]:
-    """
-    Each point asked for, with its versions: one map brought up to date point by point (use
-    it before taking the next), not a map per point.
-    """
+    """Each point asked for, with its versions: one map brought up to date (use it before the next)."""
     now: dict[str, str] = {}
     for point in points:
         if point.changes is not None:
@@ -354,10 +339,7 @@ def checkpoints(store: Store, secret: bytes | None, newest: int, manifest: Manif
 def unneeded_versions(
     store: Store, secret: bytes | None, keep: int, manifest: Manifest, since: str | None = None
 ) -> list[str]:
-    """
-    Kept versions that neither the current state nor one of the newest *keep* checkpoints
-    (nor, with *since*, a checkpoint made since then) needs.
-    """
+    """Kept versions that neither the state nor the newest *keep* checkpoints (nor those *since*) need."""
     kept = _kept(store)
     if not kept:
         return []
@@ -380,9 +362,8 @@ def _unneeded(kept: set[str], manifest: Manifest, points: Iterable[_Point]) -> l
 
 def prune(store: Store, secret: bytes | None, keep: int, manifest: Manifest, *, durable: bool) -> int:
     """
-    Delete kept versions that neither the current state nor a retained checkpoint needs;
-    and when many checkpoints older than the retained ones are replayed, fold them into a
-    new history base. One replay of the log serves both.
+    Delete kept versions that neither the state nor a retained checkpoint needs, and fold many
+    checkpoints older than the retained ones into a new history base, in one replay of the log.
     """
     kept = _kept(store)
     at = _rebase_at(store, secret, keep, manifest)
@@ -502,10 +483,7 @@ def _cannot_restore(run: Keeper, number: int, slots: list[str]) -> NoReturn:
 
 
 def _changes(now: Manifest, then: _Point, slots: Iterable[str]) -> dict[str, Any]:
-    """
-    What a rollback from the state *now* to the state of *then* changes, as a rollback event
-    carries it (*slots*: all of either): the records that differ, not every record.
-    """
+    """What a rollback from *now* to *then* changes (*slots*: all of either), as its event carries it."""
     target = then.steps or {}
     steps: dict[str, Any] = {}
     for slot in sorted(slots):
@@ -518,9 +496,9 @@ def _changes(now: Manifest, then: _Point, slots: Iterable[str]) -> dict[str, Any
 
 def _reorder(before: list[str], after: list[str]) -> tuple[list[str], list[tuple[int, str]]]:
     """
-    How to turn the list *before* into *after*: the items to drop, then those to insert, at
-    their index in *after*, in order. Items of *before* already in *after*'s order stay
-    (greedily: a slot completed again since then has moved to the end, and only it moves back).
+    The items of *before* to drop, then those of *after* to insert (at their index), to turn one
+    into the other; items already in *after*'s order stay (greedily: a slot completed again
+    since has moved to the end, and only it moves back).
     """
     where = {slot: i for i, slot in enumerate(after)}
     stay: set[str] = set()
@@ -597,11 +575,9 @@ def check_bytes(data: bytes | bytearray, key: str, secret: bytes | None) -> str 
 
 def load_state(run: Keeper, files: Mapping[str, bytes]) -> None:
     """
-    Replace every file of the state with *files* (already checked by :func:`check_state`).
-
-    All or nothing: the current files are read first, and put back if a write fails (a full
-    disk ...). The manifest is written last: a kill half-way leaves a manifest out of step
-    with the log, which the next run rebuilds.
+    Replace every file of the state with *files* (checked by :func:`check_state`), all or
+    nothing: the files before are put back if a write fails. The manifest is written last: a
+    kill half-way leaves it out of step with the log, and the next run rebuilds it.
     """
     store = run.store
     before = {key: bytes(store.read(key)) for key in store.list() if key != _LOCK_KEY}

@@ -13,11 +13,8 @@ from .exceptions import StateDirectoryError, StateFormatError
 
 def find_damage(store: Store, *, secret: bytes | None) -> tuple[int, list[tuple[str, str]]]:
     """
-    Check the manifest, the event log, every output file and every batch's chunk log.
-
-    Returns the number of files checked and ``(location, problem)`` for each problem: a
-    damaged file, a manifest with a field of the wrong type or out of step with the log, a
-    line of the log that runs skip.
+    Check the manifest, the event log, every output file and every batch's chunk log; return
+    the number of files checked and ``(location, problem)`` for each problem found.
     """
     problems: list[tuple[str, str]] = []
     checked = _check_manifest(store, secret, problems) + _check_events(store, secret, problems)
@@ -37,10 +34,7 @@ def find_damage(store: Store, *, secret: bytes | None) -> tuple[int, list[tuple[
 
 
 def _check_chunk_log(store: Store, key: str, secret: bytes | None) -> list[str]:
-    """
-    Damage in a batch's chunk log that no void record covers yet. A record cut short at the
-    end is no damage: a kill leaves it, and the next run cuts it.
-    """
+    """Damage in a batch's chunk log that no void record covers yet (a record cut short at the end is not)."""
     try:
         data = memoryview(store.read(key))
     except OSError as exc:
