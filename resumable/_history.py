@@ -88,9 +88,6 @@ def file_version(store: Store, slot: str) -> str | None:
     return str(header.get("hsum")) if header.get("slot") == slot else None
 
 
-# replaying the history -----------------------------------------------------------------
-
-
 @attrs.define
 class _Point:
     checkpoint: Checkpoint
@@ -510,9 +507,6 @@ def _reorder(before: list[str], after: list[str]) -> tuple[list[str], list[tuple
     drop = [slot for slot in before if slot not in stay]
     insert = [(i, slot) for i, slot in enumerate(after) if slot not in stay]
     return drop, insert
-
-
-# the whole state as data ---------------------------------------------------------------
 
 
 def check_state(state: object, secret: bytes | None) -> dict[str, bytes]:

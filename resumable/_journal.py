@@ -204,8 +204,6 @@ class Journal:
     def manifest(self) -> Manifest:
         return self.fold.manifest
 
-    # loading -----------------------------------------------------------------------------
-
     def load(self) -> Manifest:
         """
         Load the manifest and replay the log after it. The manifest is rebuilt from the log
@@ -419,20 +417,16 @@ class Journal:
             "created_at": header.get("created_at") or "",
         }
 
-    # recording ---------------------------------------------------------------------------
-
     def record(self, event: str, *, sync: bool = False, defer: bool = False, **fields: Any) -> None:
         """
-        Apply an event to the manifest and append it to the log; then, if ``manifest.json``
-        is older than its interval, rewrite it.
+        Apply an event (its time ``t`` is now unless given) and append it to the log, then
+        rewrite ``manifest.json`` if it is older than its interval.
 
-        A *sync* event is in the log before this returns, with every event recorded before
-        it, on every store, and fsynced unless the journal is not :attr:`durable`: what must
-        happen before a side effect (a non-idempotent step's start). On a store with slow
-        appends, other events wait for the next sync event or manifest rewrite. A *defer*
-        event (the skip of a completed slot: a kill may lose it, the files say the same)
-        waits for the next event written on every store, and does not make the manifest due
-        for a rewrite. Its field ``t``, when it happened, is now unless given.
+        A *sync* event is in the log when this returns, with every event before it, fsynced if
+        the journal is :attr:`durable`: what must precede a side effect. On a store with slow
+        appends other events wait for the next sync event or manifest rewrite. A *defer* event
+        (a skip: a kill may lose it, the files say the same) waits for the next event written,
+        and does not make the manifest due for a rewrite.
 
         Raises:
             OSError: the log could not be written (naming it); the event stays pending.
@@ -489,8 +483,6 @@ class Journal:
         """Append the events not yet in the log (the manifest is rewritten in its time)."""
         with self.lock:
             self._write_pending(durable=durable)
-
-    # writing the manifest ----------------------------------------------------------------
 
     def flush(self, *, durable: bool) -> None:
         """Write ``manifest.json`` now (and the pending log lines before it)."""
@@ -549,10 +541,9 @@ def parse_records(
 
 def read_head(store: Store) -> dict[str, bytes]:
     """
-    The manifest, the records files it names, then the event log up to its last whole line,
-    read before anything else (a line being appended is not taken): what a copy of a state
-    made without its lock starts from, since outputs are written before the events that name
-    them. Returned in the order to write them: the records files, the manifest, the log.
+    Read first: the manifest, the records files it names, and the event log up to its last
+    whole line: what a copy made without the lock starts with (outputs are written before the
+    events that name them). Returned in the order to write them, the manifest after its records.
     """
     try:
         manifest = bytes(store.read(MANIFEST))
