@@ -42,10 +42,8 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
         # gone: not defined by the latest runs, and not defined since the cutoff either
         latest = max(manifest.defined.values(), default="")
         gone = sorted(name for name, when in manifest.defined.items() if when < min(latest, cutoff))
-        slots = sorted(
-            {k[: -len(".msgpack")] for k in store.list() if is_output_file(k)} | set(manifest.steps),
-        )
-        dead = [s for s in slots if step_of(s) in gone]
+        slots = {k[: -len(".msgpack")] for k in store.list() if is_output_file(k)} | set(manifest.steps)
+        dead = sorted(s for s in slots if step_of(s) in gone)
         # a step whose process died between writing its output and deleting its chunks
         for slot, key in chunks_of_completed(store, set(manifest.completed_steps).__contains__):
             _remove(store, key, f"row chunk of completed step {slot!r}", report, dry_run=dry_run)

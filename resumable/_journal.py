@@ -23,7 +23,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -75,12 +75,15 @@ def _packed(data: dict[str, Any], secret: bytes | None) -> bytes:
     return packed if secret is None else msgpack.packb({**data, "mac": _mac(secret, packed)})
 
 
-def _authentic(data: dict[str, Any], secret: bytes | None) -> bool:
-    """Check (and remove) the ``mac`` of signed data; without a secret nothing can be checked."""
+def _authentic(
+    data: dict[str, Any], secret: bytes | None, pack: Callable[[dict[str, Any]], bytes] | None = None
+) -> bool:
+    """Check (and remove) the ``mac`` of data signed as JSON (or packed by *pack*); no secret: True."""
     mac = data.pop("mac", None)
     if secret is None:
         return True
-    return isinstance(mac, str) and hmac.compare_digest(mac, _mac(secret, _dumps(data).encode()))
+    payload = _dumps(data).encode() if pack is None else pack(data)
+    return isinstance(mac, str) and hmac.compare_digest(mac, _mac(secret, payload))
 
 
 # errors that say the state directory cannot be used as it is (read-only, not accessible,
@@ -530,10 +533,7 @@ def parse_records(
         unpacked = msgpack.unpackb(data)
     except (ValueError, TypeError):  # msgpack's errors: FormatError, StackError, ExtraData ...
         return None, "damaged (not msgpack)"
-    mac = unpacked.pop("mac", None) if type(unpacked) is dict else None
-    if secret is not None and not (
-        isinstance(mac, str) and hmac.compare_digest(mac, _mac(secret, msgpack.packb(unpacked)))
-    ):
+    if type(unpacked) is dict and not _authentic(unpacked, secret, msgpack.packb):
         return None, LINE_PROBLEMS["forged"]
     records = records_of(step, unpacked)
     return (records, None) if records is not None else (None, "damaged (a missing or wrong field)")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from ._chunklog import LOG, resolve, scan
 from ._codec import DamagedFileError, read_verified
 from ._history import check_bytes
@@ -66,26 +68,22 @@ def _check_manifest(store: Store, secret: bytes | None, problems: list[tuple[str
         manifest, problem = None, str(exc)
     if problem == "missing":
         return 0
-    try:
-        out_of_step = manifest is not None and journal._read_log(manifest.events_offset) is None  # noqa: SLF001
-    except StateDirectoryError:
-        out_of_step = False  # the check of the log reports it
-    if manifest is not None and out_of_step:
-        problem = (
-            f"events_offset {manifest.events_offset} is not the end of a line of {EVENTS} "
-            "(the next run rebuilds the manifest from the log)"
-        )
     where = f"{store.location}/{MANIFEST}"
-    if problem is not None:
-        problems.append((where, problem))
-    elif manifest is not None:
-        # a keyed step's records are checked when a run first uses them (it rebuilds a damaged
-        # file then; a run that only skips leaves it as it is): here, all of them
-        for step in manifest.steps.deferred():
-            _, damage = journal.records_problem(step)
-            if damage is not None:
-                mend = "the next run that uses its records rebuilds them from the output files"
-                problems.append((f"{store.location}/{records_file(step)}", f"{damage}; {mend}"))
+    if manifest is None:
+        problems.append((where, str(problem)))
+        return 1
+    with contextlib.suppress(StateDirectoryError):  # (the check of the log reports it)
+        if journal._read_log(manifest.events_offset) is None:  # noqa: SLF001
+            offset = f"events_offset {manifest.events_offset} is not the end of a line of {EVENTS}"
+            problems.append((where, f"{offset} (the next run rebuilds the manifest from the log)"))
+            return 1
+    # a keyed step's records are checked when a run first uses them (it rebuilds a damaged
+    # file then; a run that only skips leaves it as it is): here, all of them
+    for step in manifest.steps.deferred():
+        _, damage = journal.records_problem(step)
+        if damage is not None:
+            mend = "the next run that uses its records rebuilds them from the output files"
+            problems.append((f"{store.location}/{records_file(step)}", f"{damage}; {mend}"))
     return 1
 
 
