@@ -618,11 +618,9 @@ class Fold:
             m.current_step = self._running[-1] if self._running else None
 
     def _complete(self, slot: str) -> None:
-        done = self.manifest.completed_steps
-        if slot in self._completed:
-            done.remove(slot)
+        self.uncomplete(slot)  # (moved to the end)
         self._completed.add(slot)
-        done.append(slot)
+        self.manifest.completed_steps.append(slot)
 
     def apply(self, event: Mapping[str, Any]) -> None:
         """Apply one event (unknown events are ignored, for forward compatibility)."""
@@ -714,10 +712,9 @@ class Fold:
         rec.duration_s = event.get("duration_s")
         rec.attempts = event.get("attempts", rec.attempts)
         self.uncomplete(slot)
-        if failed:
-            self.manifest.error = ErrorRecord(slot, **event["error"])
         self._done_running(slot)
         if failed:
+            self.manifest.error = ErrorRecord(slot, **event["error"])
             self.manifest.current_step = slot
 
     def _steps_reset(self, event: Mapping[str, Any]) -> None:
