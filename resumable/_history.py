@@ -548,10 +548,9 @@ def _file_problem(key: str, data: bytes, secret: bytes | None) -> str | None:
         parsed = parse_manifest(data, secret, MANIFEST)
         return f"{MANIFEST}: {parsed}" if isinstance(parsed, str) else None
     if key.endswith(RECORDS):
-        _records, problem = parse_records(key.removesuffix(RECORDS), data, secret)
-        return None if problem is None else f"{key}: {problem}"
-    # (damaged lines of the log are skipped with a warning when replayed, like on disk)
-    problem = check_bytes(data, key, secret) if key.endswith(OUTPUT_SUFFIX) else None
+        problem = parse_records(key.removesuffix(RECORDS), data, secret)[1]
+    else:  # (damaged lines of the log are skipped with a warning when replayed, like on disk)
+        problem = check_bytes(data, key, secret) if key.endswith(OUTPUT_SUFFIX) else None
     return None if problem is None else f"{key}: {problem}"
 
 

@@ -390,11 +390,9 @@ class Journal:
 
     def _known_until(self) -> int | None:
         """Nanoseconds since the epoch before which the manifest knows every local file."""
-        if not self.manifest.last_update:
-            return None
         try:
-            last = datetime.fromisoformat(self.manifest.last_update)
-        except ValueError:
+            last = datetime.fromisoformat(self.manifest.last_update or "")
+        except ValueError:  # none, or not a time
             return None
         return int((last.timestamp() - _RECONCILE_SLACK) * 1e9)
 
