@@ -372,11 +372,9 @@ def _record(fields: Mapping[str, _Check], required: Iterable[str] | None = None)
     return check
 
 
-def _map_of(check: _Check) -> Callable[[Any], bool]:
-    """A predicate: a dict of str keys, each value fitting *check*."""
-    return lambda data: (
-        type(data) is dict and all(type(k) is str and _fits(check, v) for k, v in data.items())
-    )
+def _map_of(check: _Check, key: Callable[[Any], bool] = lambda k: type(k) is str) -> Callable[[Any], bool]:
+    """A predicate: a dict of keys fitting *key* (default: str), each value fitting *check*."""
+    return lambda data: type(data) is dict and all(key(k) and _fits(check, v) for k, v in data.items())
 
 
 def _slot(value: object) -> bool:
@@ -427,9 +425,6 @@ _SESSION_FIELDS: dict[str, _Check] = {
 }
 _SESSION = _record(_SESSION_FIELDS, ("id",))
 _CODE = _map_of(_STR_MAP)
-_STEPS = _map_of(_STEP_RECORD)
-# a keyed step's summary in manifest.json: how many of its slots have each status
-_SUMMARIES = _map_of(_record({"status": _map_of(_INT), "last_completed": _OPT_STR, "bytes": _INT}))
 
 
 def _run_status(value: object) -> bool:
@@ -445,8 +440,11 @@ _MANIFEST: dict[str, _Check] = {
     "completed_steps": _slots,
     "last_update": _OPT_STR,
     "runs": _count,
-    "steps": lambda v: _STEPS(v) and all(map(_slot, v)),
-    "keyed": lambda v: _SUMMARIES(v) and all(map(is_step_name, v)),
+    "steps": _map_of(_STEP_RECORD, _slot),
+    # per keyed step, how many of its slots have each status, the last completed and their bytes
+    "keyed": _map_of(
+        _record({"status": _map_of(_INT), "last_completed": _OPT_STR, "bytes": _INT}), is_step_name
+    ),
     "error": lambda v: v is None or _ERROR_RECORD(v),
     "batches": _map_of(_BATCH_RECORD),
     "code": _CODE,
@@ -485,9 +483,6 @@ def skip_fields(row: list[Any]) -> dict[str, Any]:
     return {"slot": slot, "fingerprint": fingerprint, "bytes": size, "created_at": created_at, "file": file}
 
 
-_CHANGED_STEPS = _map_of(lambda v: v is None or _STEP_RECORD(v))
-
-
 def _inserts(value: object) -> bool:
     """``[[index, slot], ...]`` with indices in increasing order."""
     if type(value) is not list or not all(type(p) is list and len(p) == 2 and _count(p[0]) for p in value):
@@ -500,7 +495,7 @@ def _inserts(value: object) -> bool:
 # their list and those to insert into it (at their index), and the code records
 _ROLLBACK_CHANGES = _record(
     {
-        "steps": lambda v: _CHANGED_STEPS(v) and all(map(_slot, v)),
+        "steps": _map_of(lambda v: v is None or _STEP_RECORD(v), _slot),
         "drop": _slots,
         "insert": _inserts,
         "code": _CODE,
