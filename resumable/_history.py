@@ -167,14 +167,11 @@ def _base_id(store: Store, secret: bytes | None) -> int:
     """The checkpoint the history base is at (0: none), read from its header alone."""
     try:
         header, _ = read_header(store, HISTORY_BASE)
-    except FileNotFoundError:
-        return 0
-    except (DamagedFileError, StateFormatError):
-        header = {}
+    except (FileNotFoundError, DamagedFileError, StateFormatError):
+        return 0  # none, or damaged: a new one is written
     found = header.get("checkpoint")
-    if type(found) is int and found >= 0 and (secret is None or header_authentic(header, secret)):
-        return found
-    return 0  # a damaged base: a new one is written
+    authentic = secret is None or header_authentic(header, secret)
+    return found if type(found) is int and found >= 0 and authentic else 0
 
 
 def _write_base(
