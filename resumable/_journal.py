@@ -1,14 +1,11 @@
 """
 The event log and the manifest it folds into.
 
-Every state change is an event appended to ``events.jsonl`` on the caller's thread, one
-``write`` each (fsynced only when the change must survive a power loss before the step
-runs; skips go with the next event written); on a store with slow appends (an object
-store) events wait for the next one that must be on disk, or for the next rewrite of the
-manifest. ``manifest.json`` is rewritten atomically by the thread recording an event when
-it is older than its interval, and durably when a run closes. A reader loads the manifest
-and replays the events written after it, so a killed process loses nothing the log holds,
-and a lost or damaged manifest is rebuilt from the log and the step files.
+Every state change is an event appended to ``events.jsonl`` on the caller's thread (see
+:meth:`Journal.record`); ``manifest.json`` is rewritten by that thread when it is older than
+its interval, and durably when a run closes. A reader loads the manifest and replays the
+events written after it: a killed process loses nothing the log holds, and a lost or
+damaged manifest is rebuilt from the log and the step files.
 """
 
 from __future__ import annotations

@@ -623,7 +623,7 @@ class Fold:
         self.manifest.completed_steps.append(slot)
 
     def apply(self, event: Mapping[str, Any]) -> None:
-        """Apply one event (unknown events are ignored, for forward compatibility)."""
+        """Apply one event (one that changes nothing here, as ``step_kept``, has no handler)."""
         self.manifest.last_update = event.get("t", self.manifest.last_update)
         handler = _HANDLERS.get(event.get("event", ""))
         if handler is not None:
