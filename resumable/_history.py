@@ -292,11 +292,9 @@ def _replay_start(store: Store, secret: bytes | None) -> tuple[int, Fold, Checkp
     base = _read_base(store, secret)
     if base is not None:
         start, manifest, first = base
-        try:  # the base must point just after a line of this log
+        with contextlib.suppress(FileNotFoundError):  # it must point just after a line of this log
             if store.read(EVENTS, start - 1, start) == b"\n":
                 return start, Fold(manifest), first
-        except FileNotFoundError:
-            pass
     return 0, Fold(Manifest(workflow_id="", pipeline="")), None
 
 
