@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from resumable import Pipeline, ResumableWarning
 from resumable._journal import read_state
-from resumable._manifest import valid_event
+from resumable._manifest import EVENT_SCHEMA, _fits, valid_event
 from resumable._stores._local import LocalStore
 from resumable._verify import find_damage
 
@@ -203,3 +205,65 @@ def test_torn_last_line_fails_nothing(pipe: Pipeline, state_dir: Path):
     assert complete == after[: len(complete)]
     assert [True] * after.count(b"\n") == [valid_event(json.loads(x)) for x in after.splitlines()]
     assert [] == find_damage(LocalStore(state_dir), secret=None)[1]
+
+
+def _valid_by_the_table(event: object) -> bool:
+    """The event table read plainly: its required fields present, each field it checks fitting."""
+    if not isinstance(event, dict) or not isinstance(event.get("event"), str):
+        return False
+    schema = EVENT_SCHEMA.get(event["event"])
+    if schema is None or type(event.get("t", "")) is not str:
+        return False
+    required, checks = schema
+    return all(key in event for key in required) and all(
+        _fits(check, event[key]) for key, check in checks.items() if key in event
+    )
+
+
+_ANY_VALUE = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-2, 3),
+    st.floats(allow_nan=False),
+    st.sampled_from(["a", "b/1", "../x", "", "completed"]),
+    st.lists(st.sampled_from(["a", "b/1", ".x"]), max_size=3),
+    st.dictionaries(st.sampled_from(["type", "message", "traceback", "x"]), st.text(max_size=3), max_size=4),
+)
+
+
+@given(
+    st.sampled_from(
+        [*sorted(__import__("resumable._manifest", fromlist=["EVENT_SCHEMA"]).EVENT_SCHEMA), "nope"]
+    ),
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "t",
+                "slot",
+                "reason",
+                "fingerprint",
+                "attempt",
+                "bytes",
+                "file",
+                "status",
+                "slots",
+                "error",
+                "duration_s",
+                "attempts",
+                "run",
+                "pipeline",
+                "label",
+                "batch",
+                "code",
+                "recovered",
+                "extra",
+            ]
+        ),
+        _ANY_VALUE,
+        max_size=8,
+    ),
+)
+def test_valid_event_is_the_event_table(name: str, fields: dict[str, Any]):
+    """The one-pass check gives what the table says, for any mix of fields and values."""
+    event = {"event": name, **fields}
+    assert _valid_by_the_table(event) is valid_event(event)
