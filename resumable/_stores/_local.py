@@ -9,13 +9,13 @@ import builtins
 import contextlib
 import errno
 import fcntl
+import functools
 import itertools
 import json
-import mmap
 import os
 import stat
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from .._slots import INTERNAL_DIR, SESSIONS_DIR
@@ -47,7 +47,7 @@ def fsync_dir(path: str) -> None:
         raise with_path(exc, path) from exc
 
 
-def write_all(fd: int, chunks: Sequence[Buffer]) -> None:
+def write_all(fd: int, chunks: Iterable[Buffer]) -> None:
     """Write every byte of *chunks*, going on after short writes; complete or raise."""
     for chunk in chunks:
         view = memoryview(chunk).cast("B")
@@ -266,7 +266,7 @@ class LocalStore(Store):
 
     # writing -----------------------------------------------------------------------------
 
-    def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:
+    def write(self, key: str, chunks: Iterable[Buffer], *, durable: bool) -> None:
         """Write a temp file, rename it over *key*; with *durable*, fsync it and the directory."""
         target = self.path(key)
         self._check_dirs(key)
@@ -321,10 +321,8 @@ class LocalStore(Store):
             if exc.errno not in _NO_LINK:
                 raise self.error(exc, target) from None
             fd = self._open(self.path(src), os.O_RDONLY)
-            try:  # mapped, not read: an output of many GB is copied without holding it in memory
-                size = os.fstat(fd).st_size
-                data = memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_READ)) if size else b""
-                self.write(dst, [data], durable=durable)
+            try:  # in pieces: an output of many GB is never held in memory whole
+                self.write(dst, iter(functools.partial(os.read, fd, 1 << 20), b""), durable=durable)
             finally:
                 os.close(fd)
             return
