@@ -409,7 +409,7 @@ def find(points: list[_Point], target: int | str) -> int:
         raise UsageError(msg)
     last = points[made_by[-1]]
     if last.after_rollback is not None:  # the state just before it is the one a rollback restored
-        return last.after_rollback
+        return find(points, last.after_rollback)  # (if it is still kept)
     before = made_by[-1] - 1
     return points[before].checkpoint.id if before >= 0 else 0
 

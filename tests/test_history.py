@@ -27,6 +27,7 @@ from resumable import (
 )
 from resumable._cli import main
 from resumable._codec import parse_header
+from resumable._diff import side_at
 from resumable._stores._local import LocalStore
 
 
@@ -123,6 +124,35 @@ def test_rollback_errors(state_dir: Path):
     with pytest.raises(ResumableError, match="label"):
         pipe.snapshot("")
     assert before == _files(state_dir)
+
+
+def test_a_step_named_after_a_rollback_whose_checkpoint_is_gone_is_an_error(state_dir: Path):
+    """
+    "Before step y" is the checkpoint a rollback restored just before y ran: once the history's
+    base has passed it, rollback and diff say it is no longer kept, never use the base instead.
+    """
+    pipe = Pipeline("p", state_dir=state_dir, keep_checkpoints=56)
+
+    @pipe.step(key="{i}")
+    def s(i: int) -> int:
+        return i
+
+    @pipe.step
+    def y() -> str:
+        return "y"
+
+    with pipe:
+        for i in range(1, 61):
+            s(i)
+    pipe.rollback(5)
+    with pipe:
+        y()
+        for i in range(61, 110):
+            s(i)
+    with pytest.raises(UsageError, match="checkpoint 5 does not exist or is no longer kept"):
+        pipe.rollback("y")
+    with pytest.raises(UsageError, match="checkpoint 5 does not exist or is no longer kept"):
+        side_at(".", pipe.store, None, "y")
 
 
 def test_keep_checkpoints_prunes_old_versions(state_dir: Path):
