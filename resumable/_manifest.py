@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Literal, NamedTuple, get_args
 import attrs
 
 from ._slots import step_of
+from .exceptions import StateFormatError
 
 FORMAT = 2
 RunStatus = Literal["running", "completed", "failed", "interrupted"]
@@ -291,11 +292,13 @@ class Manifest(Record):
         ignored: the journal reads the records they stand for).
 
         Raises:
-            ValueError: the data is malformed (the message says which field), or of a format
-                this version does not read.
+            StateFormatError: the data comes from a newer version.
+            ValueError: the data is malformed (the message says which field).
         """
         version = data.get("format")
-        if type(version) is not int or not 1 <= version <= FORMAT:
+        if type(version) is int and version > FORMAT:
+            raise StateFormatError("manifest.json", version, FORMAT)
+        if type(version) is not int or version < 1:
             msg = f"format {version!r} is not one this version reads"
             raise ValueError(msg)
         data = {**data, "format": FORMAT}  # 0.1.0's format 1 kept every record here: read as it is

@@ -86,6 +86,8 @@ def test_newer_manifest_format_is_refused(pipe: Pipeline, state_dir: Path):
     with pytest.raises(StateFormatError, match=r"format 99.*Upgrade resumable"):
         pipe.run()
     assert text == (state_dir / "manifest.json").read_text()
+    with pytest.raises(StateFormatError, match=r"format 99.*Upgrade resumable"):
+        Manifest.from_dict(json.loads(text))  # public: the same error as a run gets
 
 
 def test_cut_short_log_line(pipe: Pipeline, state_dir: Path):
