@@ -38,7 +38,7 @@ from ._stores import Store, open_store
 from ._stores._local import LocalStore
 from ._units import human_size
 from ._verify import find_damage
-from .exceptions import DamagedStateError, ResumableError, StateDirectoryError, StateLockedError, UsageError
+from .exceptions import DamagedStateError, ResumableError, StateLockedError, UsageError
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # the reason is on stderr; also: verify found damage
@@ -184,8 +184,8 @@ _SESSION_HELP = "a named session of the store (default $RESUMABLE_SESSION, else 
 def _state(args: argparse.Namespace) -> Store:
     """The session's store, which must hold state: :class:`_NoState` otherwise. Creates nothing."""
     store = args.root if args.session is None else _sessions.session_store(args.root, args.session)
-    if isinstance(store, LocalStore) and os.path.exists(store.root) and not os.path.isdir(store.root):
-        raise StateDirectoryError(store.root, "it is a file, not a directory")
+    if isinstance(store, LocalStore):
+        store.check_root()
     if args.session is not None and _sessions.incomplete(store):
         raise _NoState(store.location)  # a fork or delete was killed: it holds nothing
     for key in (MANIFEST, EVENTS):

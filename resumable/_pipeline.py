@@ -42,7 +42,6 @@ from ._step import KeySpec, RetryOn, Step, StepSpec, step
 from ._stores import Store, open_store
 from .exceptions import (
     SessionBusyError,
-    StateDirectoryError,
     StateLockedError,
     StepDefinitionError,
     UsageError,
@@ -201,8 +200,6 @@ class Pipeline:
             prepare = functools.partial(_sessions.prepare, self.store, durable=self.durable)
         try:
             run.open(maintenance=maintenance, prepare=prepare)
-        except (PermissionError, NotADirectoryError, FileExistsError) as exc:
-            raise _unusable(self.store, exc) from exc
         except StateLockedError as exc:
             if sid is None or isinstance(exc, SessionBusyError):
                 raise
@@ -642,18 +639,6 @@ def _close_dropped(run: RunState) -> None:
     """Close the script-mode run of a pipeline that was garbage-collected before exit."""
     if not run.closed:
         run.close("interrupted" if run.last_outcome == "interrupted" else "completed")
-
-
-def _unusable(store: Store, exc: OSError) -> StateDirectoryError:
-    """The error for a state directory that cannot be opened, saying why and what to do."""
-    location = store.location
-    if os.path.exists(location) and not os.path.isdir(location):
-        problem = "it is a file, not a directory"
-    elif isinstance(exc, PermissionError):
-        problem = f"permission denied on {exc.filename or location} (read-only, or another user's)"
-    else:
-        problem = f"{exc.filename or location} is in the way ({exc.strerror or exc})"
-    return StateDirectoryError(location, problem, errno=exc.errno)
 
 
 def describe_slots(slots: Iterable[str], batches: Iterable[str] = ()) -> str:

@@ -284,10 +284,10 @@ def test_permission_denied_is_a_state_directory_error(tmp_path: Path, monkeypatc
     """Permission denied when a run opens the directory (read-only) becomes StateDirectoryError."""
     state = tmp_path / "state"
 
-    def denied(self: LocalStore, holder: object) -> object:
+    def denied(self: LocalStore, directory: str, *, durable: bool) -> None:
         raise PermissionError(errno.EACCES, "Permission denied", f"{self.root}/.resumable")
 
-    monkeypatch.setattr(LocalStore, "lock", denied)
+    monkeypatch.setattr(LocalStore, "_makedirs", denied)
     pipe = Pipeline("p", state_dir=state)
     with pytest.raises(StateDirectoryError) as info, pipe:
         pass

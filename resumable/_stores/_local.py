@@ -428,12 +428,16 @@ class LocalStore(Store):
         (a released lock is emptied): what it was writing, its temporary files, is removed.
         """
         path = self.path(_LOCK_FILE)
-        self._check_dirs(_LOCK_FILE)
+        self.check_root()
         try:
+            self._check_dirs(_LOCK_FILE)
             self._makedirs(os.path.dirname(path), durable=False)
+            fd = self._open(path, os.O_RDWR | os.O_CREAT, own=True)
+        except PermissionError as exc:
+            problem = f"permission denied on {exc.filename or path} (read-only, or another user's)"
+            raise StateDirectoryError(self.root, problem, errno=exc.errno) from exc
         except OSError as exc:
             raise self.error(exc, path) from None
-        fd = self._open(path, os.O_RDWR | os.O_CREAT, own=True)
         _held_locks.add(fd)  # before flock: a fork right after it must not keep the lock
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -462,6 +466,11 @@ class LocalStore(Store):
             lock.release()
             raise self.error(exc, path) from exc
         return lock
+
+    def check_root(self) -> None:
+        """Raise :class:`StateDirectoryError` if the state directory is a file."""
+        if os.path.exists(self.root) and not os.path.isdir(self.root):
+            raise StateDirectoryError(self.root, "it is a file, not a directory", errno=errno.ENOTDIR)
 
     def _holder(self) -> dict[str, Any] | None:
         try:
