@@ -40,6 +40,7 @@ from ._slots import (
 )
 from ._step import KeySpec, RetryOn, Step, StepSpec, step
 from ._stores import Store, open_store
+from ._stores._base import is_temp
 from .exceptions import (
     SessionBusyError,
     StateLockedError,
@@ -672,8 +673,7 @@ def snapshot(store: Store) -> dict[str, Any]:
     """Every file of the state as data, read without the lock: what a kill could have left (see read_head)."""
     files = read_head(store)
     for key in sorted(store.list()):
-        name = key.rsplit("/", 1)[-1]
-        if key in files or key == LOCK or (name.startswith(".") and name.endswith(".tmp")):
+        if key in files or key == LOCK or is_temp(key):
             continue
         try:
             files[key] = bytes(store.read(key))
