@@ -204,6 +204,12 @@ class Journal:
     def manifest(self) -> Manifest:
         return self.fold.manifest
 
+    def copy(self) -> Manifest:
+        """A copy of the manifest (the lock is held for the copy only: steps wait while it is taken)."""
+        with self.lock:
+            data = self.manifest.to_dict()
+        return Manifest.from_dict(data)
+
     def load(self) -> Manifest:
         """
         Load the manifest and replay the log after it. The manifest is rebuilt from the log

@@ -421,9 +421,7 @@ class Pipeline:
         """The manifest: where the pipeline stands (a copy; reading it takes no lock)."""
         run = self._run
         if run is not None:
-            with run.journal.lock:  # held for the copy only: steps wait while it is taken
-                data = run.journal.manifest.to_dict()
-            return Manifest.from_dict(data)
+            return run.journal.copy()
         return read_state(self.store, pipeline=self.name, secret=self._secret)
 
     def reset(self, *steps: str, downstream: bool = True) -> list[str]:
@@ -561,7 +559,7 @@ class Pipeline:
         """
         with self._maintenance() as run, run.journal.lock:
             run.journal.write_pending(durable=False)
-            manifest = Manifest.from_dict(run.journal.manifest.to_dict())
+            manifest = run.journal.copy()
         return _history.checkpoints(self.store, self._secret, self.keep_checkpoints, manifest)
 
     def snapshot(self, label: str) -> Checkpoint:
