@@ -40,12 +40,6 @@ _MISSING = object()
 _code_seen: weakref.WeakKeyDictionary[types.FunctionType, types.CodeType] = weakref.WeakKeyDictionary()
 
 
-def snapshot_source(fn: object) -> None:
-    """Keep the source files of the functions *fn* runs as they are now (the code now)."""
-    for func in _functions_of(fn):
-        _snapshot(func)
-
-
 _GLOBAL_OPS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "STORE_GLOBAL", "DELETE_GLOBAL"})
 
 
@@ -331,7 +325,10 @@ def _functions_of(obj: object) -> list[types.FunctionType]:
         return []
 
 
-check_identity = _parts  # raises NoIdentity: then only a version= can tie the outputs to the code
+def check_identity(fn: object) -> None:
+    """Keep the source files of the functions *fn* runs as they are now; NoIdentity if it has no code."""
+    for func in _parts(fn):
+        _snapshot(func)
 
 
 class _Builder:

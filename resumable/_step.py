@@ -146,7 +146,6 @@ class StepSpec(Generic[P, R]):
                     "pass version='1' to @step, and change it when the step should rerun"
                 ) from None
             self._identifiable = False
-        _codeshape.snapshot_source(fn)
 
     def _invalid(self, problem: str) -> StepDefinitionError:
         """The error for a bad option or key of this step, naming it."""

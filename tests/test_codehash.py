@@ -25,7 +25,7 @@ import pytest
 
 from resumable import Pipeline, _codehash, _codeshape
 from resumable._codehash import combine, describe_change, function_digest
-from resumable._codeshape import code_shape, snapshot_source
+from resumable._codeshape import check_identity, code_shape
 from resumable._step import _step_of
 
 ModuleFactory = Callable[..., types.ModuleType]
@@ -248,7 +248,7 @@ def test_default_values_count_in_the_same_process(modules):
 def test_source_edited_after_import_does_not_change_the_digest(modules):
     """A function whose file is edited while the script runs keeps the digest of the code it runs."""
     running = modules(BASE)
-    snapshot_source(running.total)  # what decorating a step does, at import time
+    check_identity(running.total)  # what decorating a step does, at import time
     reference = digest_of(modules(BASE).total)
     path = Path(running.__file__)
     path.write_text(textwrap.dedent(BASE.replace("result = 0", "result = 1000")))
