@@ -459,7 +459,8 @@ class RunState:
             old = str(stored).removeprefix("version:").removeprefix("code:")[:12]
             reason, what, detail = "version changed", "its version", f"{old} -> {spec.version}"
         else:
-            old_components = _why.code_components(self.store, was) or self._old_code(spec.name)
+            record = _why.read_code(self.store, was) or {}
+            old_components = record.get("components") or self._old_code(spec.name)
             changed = _codehash.describe_change(old_components, ident.components)
             reason, what, detail = "code changed", "its code", changed
         if not spec.idempotent:

@@ -79,12 +79,6 @@ def _strings(value: object) -> dict[str, str]:
     return {str(k): v for k, v in value.items() if isinstance(v, str)} if isinstance(value, dict) else {}
 
 
-def code_components(store: Store, code: object) -> dict[str, str] | None:
-    """The component digests of a recorded code digest, or None."""
-    record = read_code(store, code)
-    return record["components"] if record is not None else None
-
-
 def code_diff(store: Store, was: object, code: object) -> list[Change]:
     """What differs between the recorded codes *was* and *code* ([] if either is not recorded)."""
     old, new = read_code(store, was), read_code(store, code)
