@@ -21,7 +21,6 @@ class CleanReport:
     """What clean removed (or, dry, would remove)."""
 
     lines: list[str] = attrs.field(factory=list)
-    count: int = 0
     bytes: int = 0
 
 
@@ -68,7 +67,6 @@ def _remove(store: Store, key: str, what: str, report: CleanReport, *, dry_run: 
     except FileNotFoundError:
         return
     report.lines.append(f"{key} ({what})")
-    report.count += 1
     report.bytes += size
     if not dry_run:
         store.delete(key, durable=False)

@@ -365,7 +365,8 @@ def _clean(args: argparse.Namespace) -> int:
     verb = "would remove" if args.dry_run else "removed"
     for line in report.lines:
         _out(f"{verb} {line}")
-    _out(f"{verb} {report.count} file(s), {human_size(report.bytes)}" if report.count else "nothing to clean")
+    count = len(report.lines)
+    _out(f"{verb} {count} file(s), {human_size(report.bytes)}" if count else "nothing to clean")
     return 0
 
 
