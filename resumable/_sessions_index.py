@@ -30,7 +30,7 @@ _APPEND = os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | 
 def index_of(store: Store) -> LogIndex | ObjectIndex:
     """The index of *store*'s sessions (*store* is the root: the default session's store)."""
     if isinstance(store, LocalStore):
-        return LogIndex(store.root)
+        return LogIndex(store)
     return ObjectIndex(store)
 
 
@@ -55,8 +55,9 @@ class LogIndex:
     it) when it has grown to twice its folded size. A line cut by a kill is skipped.
     """
 
-    def __init__(self, root: str) -> None:
-        self.log = f"{root}/{INDEX_LOG}"
+    def __init__(self, store: LocalStore) -> None:
+        self.store = store
+        self.log = store.path(INDEX_LOG)
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[tuple[int, int]]:
@@ -120,15 +121,7 @@ class LogIndex:
         summaries = self.read()
         body = b"".join(_line(s) for s in summaries.values())
         head = _line({"id": "", "deleted": True, "folded": len(body)})  # says how large the fold was
-        tmp = f"{self.log}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            os.write(fd, head + body)
-            if durable:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.log)
+        self.store.write(INDEX_LOG, [head, body], durable=durable)
 
 
 def _folded_size(fd: int) -> int:

@@ -31,6 +31,7 @@ import pytest
 from resumable import Pipeline
 from resumable._sessions import session_store
 from resumable._sessions_index import LogIndex
+from resumable._stores._local import LocalStore
 from resumable._verify import find_damage
 
 pytestmark = pytest.mark.slow
@@ -200,7 +201,7 @@ def test_killed_index_append_and_compaction_leave_a_readable_index(
     monkeypatch.setattr(index_module, "_MIN_COMPACT", 2048)  # compact often
     root = tmp_path / "state"
     root.mkdir()
-    index = LogIndex(str(root))
+    index = LogIndex(LocalStore(root))
 
     def churn(base: int) -> None:
         for i in range(40):
