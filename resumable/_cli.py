@@ -22,7 +22,7 @@ from . import _history, _render, _sessions, _sessions_cli, _why
 from ._clean import clean as clean_state
 from ._codec import DamagedFileError, read_verified, secret_bytes
 from ._journal import read_state
-from ._pipeline import Pipeline, describe_slots, read_checkpoints, snapshot
+from ._pipeline import Pipeline, describe_slots, snapshot
 from ._report import report as write_report
 from ._report import write_file
 from ._slots import (
@@ -287,8 +287,10 @@ def _reset(args: argparse.Namespace) -> int:
 
 
 def _history_cmd(args: argparse.Namespace) -> int:
-    store = _state(args)
-    points = read_checkpoints(store, secret=secret_bytes(None), newest=args.limit)
+    store, secret = _state(args), secret_bytes(None)
+    # read without the lock and writing nothing: it works while another process runs the
+    # pipeline, and on a read-only directory
+    points = _history.checkpoints(store, secret, args.limit, read_state(store, secret=secret))
     if args.json:
         _out(json.dumps([attrs.asdict(c) for c in points], indent=2))
     else:

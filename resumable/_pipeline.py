@@ -555,7 +555,7 @@ class Pipeline:
 
         Raises:
             StateLockedError: another process is running the pipeline (the command line's
-                ``resumable history`` reads them without the lock: :func:`read_checkpoints`).
+                ``resumable history`` reads them without the lock).
         """
         with self._maintenance() as run, run.journal.lock:
             run.journal.write_pending(durable=False)
@@ -656,15 +656,6 @@ def describe_slots(slots: Iterable[str], batches: Iterable[str] = ()) -> str:
 def _some(items: list[str], limit: int = 20) -> str:
     more = f" and {len(items) - limit} more" if len(items) > limit else ""
     return ", ".join(items[:limit]) + more
-
-
-def read_checkpoints(store: Store, *, secret: bytes | None, newest: int) -> list[Checkpoint]:
-    """
-    The restorable checkpoints among the *newest*, read without the lock and writing nothing:
-    it works while another process runs the pipeline, and on a read-only directory.
-    """
-    manifest = read_state(store, secret=secret)  # the records with the manifest and log they go with
-    return _history.checkpoints(store, secret, newest, manifest)
 
 
 def snapshot(store: Store) -> dict[str, Any]:
