@@ -375,12 +375,7 @@ class Journal:
             ):
                 continue
             found.append((str(event.pop("created_at")), event))
-        gone = [s for s in m.completed_steps if s not in files]
-        if gone:
-            for slot in gone:
-                m.steps.pop(slot, None)
-            m.completed_steps[:] = [s for s in m.completed_steps if s in files]
-            self.fold = Fold(m)
+        self.fold.remove([s for s in m.completed_steps if s not in files])
         found.sort(key=lambda item: item[0])  # in the order the outputs were stored
         with self.lock:
             for _, event in found:

@@ -720,9 +720,18 @@ class Fold:
             self.manifest.error = ErrorRecord(slot, **event["error"])
             self.manifest.current_step = slot
 
+    def remove(self, slots: Iterable[str]) -> None:
+        """Forget *slots* (completed slots whose outputs are gone)."""
+        m = self.manifest
+        gone = set(slots)
+        for slot in gone:
+            m.steps.pop(slot, None)
+        m.completed_steps[:] = [s for s in m.completed_steps if s not in gone]
+        self._completed -= gone
+
     def _steps_reset(self, event: Mapping[str, Any]) -> None:
         m = self.manifest
-        reset = set(event.get("slots", ()))
+        reset = set(event["slots"])
         for name in reset:
             m.steps[name] = StepRecord(status="reset")
         m.completed_steps[:] = [s for s in m.completed_steps if s not in reset]
@@ -759,15 +768,10 @@ class Fold:
 
     def _steps_removed(self, event: Mapping[str, Any]) -> None:
         # outputs of steps that no longer exist, dropped by `resumable clean`
-        m = self.manifest
-        gone = set(event.get("slots", ()))
-        for slot in gone:
-            m.steps.pop(slot, None)
-        m.completed_steps[:] = [s for s in m.completed_steps if s not in gone]
-        self._completed -= gone
+        self.remove(event.get("slots", ()))
         for name in event.get("steps", ()):
-            m.code.pop(name, None)
-            m.defined.pop(name, None)
+            self.manifest.code.pop(name, None)
+            self.manifest.defined.pop(name, None)
 
     def _batch(self, event: Mapping[str, Any]) -> None:
         self.manifest.batches[event["batch"]] = BatchRecord(**event["progress"])
