@@ -80,7 +80,7 @@ class FingerprintError(ResumableError, TypeError):
         )
 
 
-# Types of code rather than data: functions, methods, classes, modules.
+# Types of code rather than data: functions, methods, classes, modules (and metaclasses: *Meta).
 _CODE_TYPES = frozenset(
     {
         "function",
@@ -95,9 +95,7 @@ _CODE_TYPES = frozenset(
         "functools.partial",
         "module",
         "type",
-        "abc.ABCMeta",
         "enum.EnumType",
-        "enum.EnumMeta",
         "code",
         "cell",
     }
