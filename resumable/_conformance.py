@@ -138,8 +138,6 @@ class StoreConformance(abc.ABC):
             pytest.skip("this store cannot be opened from another process")
         return [sys.executable, "-c", program, location, *args]
 
-    # the optional methods: overridden or not, they keep their contract --------------------------
-
     def test_copy_is_a_whole_independent_copy(self) -> None:
         """copy() makes dst hold what src holds; src changing later leaves dst as it was."""
         store = self.make_store()
@@ -155,8 +153,6 @@ class StoreConformance(abc.ABC):
         _expect([], store.remove_temp_files(dry_run=True), "temporary files after a completed write")
         _expect([], store.remove_temp_files(), "temporary files removed after a completed write")
         _expect(b"x", bytes(store.read("x.bin")), "an object after remove_temp_files()")
-
-    # reading and writing -----------------------------------------------------------------
 
     def test_write_then_read_whole_object(self) -> None:
         """write joins its chunks (bytes, bytearray, memoryview) into one object; read returns it."""
@@ -204,8 +200,6 @@ class StoreConformance(abc.ABC):
         for (start, end), expected in cases.items():
             _expect(expected, bytes(store.read("a.msgpack", start, end)), f"read({start}, {end})")
 
-    # appending ----------------------------------------------------------------------------
-
     def test_append_creates_and_extends(self) -> None:
         """append creates the object, then adds to its end; a ranged read sees byte offsets."""
         store = self.make_store()
@@ -244,8 +238,6 @@ class StoreConformance(abc.ABC):
         _expect([], store.list("events"), "listed after delete")
         store.append("events.jsonl", b"new\n", durable=False)
         _expect(b"new\n", bytes(store.read("events.jsonl")), "append after delete starts afresh")
-
-    # deleting and listing -----------------------------------------------------------------
 
     def test_delete_is_idempotent(self) -> None:
         """delete removes an object; deleting a missing key is no error."""
@@ -299,8 +291,6 @@ class StoreConformance(abc.ABC):
         finally:
             lock.release()
         _expect(["a.msgpack", "c/d.msgpack", "events.jsonl"], sorted(got), "list()")
-
-    # atomicity ----------------------------------------------------------------------------
 
     def test_interrupted_write_keeps_previous_object(self) -> None:
         """A writer dying in the middle of a write leaves the previous object, whole."""
@@ -369,8 +359,6 @@ class StoreConformance(abc.ABC):
         _whole(store.read("big.bin"), size, "object after the writer was killed")
         _expect(["big.bin"], sorted(set(store.list()) - self.listed_internal_keys), "list() after the kill")
 
-    # the lock -----------------------------------------------------------------------------
-
     def test_lock_is_exclusive_and_names_its_holder(self) -> None:
         """A second lock is refused with StateLockedError naming the holder; release frees it."""
         import pytest  # noqa: PLC0415 - only test runs need pytest
@@ -414,8 +402,6 @@ class StoreConformance(abc.ABC):
                 time.sleep(0.2)
             else:
                 return
-
-    # through a pipeline -------------------------------------------------------------------
 
     def test_pipeline_round_trip(self) -> None:
         """Outputs stored, skipped by a new Pipeline, a damaged or forged object recomputed."""
