@@ -265,10 +265,9 @@ def _show(args: argparse.Namespace) -> int:
 
 def _why_cmd(args: argparse.Namespace) -> int:
     store = _state(args)
-    step, key = args.step, args.key  # the step may be a slot such as fetch_page/3
-    decisions = _why.explain(_history.events(store, secret_bytes(None)), store, step, key)
+    decisions = _why.explain(_history.events(store, secret_bytes(None)), store, args.step, args.key)
     if not decisions:
-        where = f"{step!r} with key {key!r}" if key is not None else repr(args.step)
+        where = repr(args.step) if args.key is None else f"{args.step!r} with key {args.key!r}"
         msg = f"no run has called {where} in {store.location}: nothing to explain (see `resumable status`)"
         raise UsageError(msg)
     if args.json:

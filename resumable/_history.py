@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 
 class Keeper(Protocol):
-    """What changing the history needs of an open run (a ``Keeper`` is one)."""
+    """What changing the history needs of an open run (a ``RunState``, a layer above)."""
 
     store: Store
     durable: bool
@@ -389,7 +389,7 @@ def find(points: list[_Point], target: int | str) -> int:
     Raises:
         UsageError: nothing matches.
     """
-    if isinstance(target, int) or (isinstance(target, str) and target.isdigit()):
+    if isinstance(target, int) or target.isdigit():
         number = int(target)
         if number == 0 or any(p.checkpoint.id == number for p in points):
             return number
