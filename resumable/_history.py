@@ -147,22 +147,6 @@ HISTORY_BASE = f"{INTERNAL_DIR}/history-base.msgpack"
 BASE_AFTER = 50  # checkpoints older than the retained ones before a new base is written
 
 
-def _read_base(store: Store, secret: bytes | None) -> tuple[int, Manifest, Checkpoint] | None:
-    """The history base, or None if there is none (or it cannot be trusted: then the whole log)."""
-    try:
-        data = read_verified(store.read(HISTORY_BASE), secret).decode(allow_pickle=False)
-        offset, manifest = data["offset"], Manifest.from_dict(data["manifest"])
-        checkpoint = Checkpoint(**data["checkpoint"], completed_steps=list(manifest.completed_steps))
-    except FileNotFoundError:
-        return None
-    except (DamagedFileError, StateFormatError, ValueError, TypeError, KeyError) as exc:
-        log.warning("history base %s not used (%s): the whole event log is replayed", HISTORY_BASE, exc)
-        return None
-    if type(offset) is not int or offset < 0 or checkpoint.id != manifest.checkpoints:
-        return None
-    return offset, manifest, checkpoint
-
-
 def _base_id(store: Store, secret: bytes | None) -> int:
     """The checkpoint the history base is at (0: none), read from its header alone."""
     try:
@@ -288,13 +272,21 @@ def _apply(versions: dict[str, str], changes: Mapping[str, str | None]) -> None:
 
 
 def _replay_start(store: Store, secret: bytes | None) -> tuple[int, Fold, Checkpoint | None]:
-    """Where a replay starts: the history base (its offset, state and checkpoint) or the empty state."""
-    base = _read_base(store, secret)
-    if base is not None:
-        start, manifest, first = base
-        with contextlib.suppress(FileNotFoundError):  # it must point just after a line of this log
-            if store.read(EVENTS, start - 1, start) == b"\n":
-                return start, Fold(manifest), first
+    """Where a replay starts: the history base (its offset, state and checkpoint), else the empty state."""
+    try:
+        data = read_verified(store.read(HISTORY_BASE), secret).decode(allow_pickle=False)
+        start, manifest = data["offset"], Manifest.from_dict(data["manifest"])
+        first = Checkpoint(**data["checkpoint"], completed_steps=list(manifest.completed_steps))
+    except FileNotFoundError:
+        pass
+    except (DamagedFileError, StateFormatError, ValueError, TypeError, KeyError) as exc:
+        log.warning("history base %s not used (%s): the whole event log is replayed", HISTORY_BASE, exc)
+    else:
+        # it must be of its checkpoint, and point just after a line of this log
+        if type(start) is int and start >= 0 and first.id == manifest.checkpoints:
+            with contextlib.suppress(FileNotFoundError):
+                if store.read(EVENTS, start - 1, start) == b"\n":
+                    return start, Fold(manifest), first
     return 0, Fold(Manifest(workflow_id="", pipeline="")), None
 
 

@@ -386,14 +386,14 @@ def test_old_history_folds_into_a_base_and_nothing_retained_changes(
     header, _ = parse_header(base.read_bytes())
     assert _history.replay(LocalStore(state_dir), None)[0].checkpoint.id == header["checkpoint"]
     decoded = []
-    read_base = _history._read_base
+    replay_start = _history._replay_start
 
     def counted(*args: Any) -> Any:
         decoded.append(1)
-        return read_base(*args)
+        return replay_start(*args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(_history, "_read_base", counted)
+        patch.setattr(_history, "_replay_start", counted)
         pipe.run(text="v7")
     assert 1 == len(decoded)
     # a damaged base is not trusted: the whole log is replayed, and the listing is the same
