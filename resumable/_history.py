@@ -147,17 +147,6 @@ HISTORY_BASE = f"{INTERNAL_DIR}/history-base.msgpack"
 BASE_AFTER = 50  # checkpoints older than the retained ones before a new base is written
 
 
-def _base_id(store: Store, secret: bytes | None) -> int:
-    """The checkpoint the history base is at (0: none), read from its header alone."""
-    try:
-        header, _ = read_header(store, HISTORY_BASE)
-    except (FileNotFoundError, DamagedFileError, StateFormatError):
-        return 0  # none, or damaged: a new one is written
-    found = header.get("checkpoint")
-    authentic = secret is None or header_authentic(header, secret)
-    return found if type(found) is int and found >= 0 and authentic else 0
-
-
 def _write_base(
     store: Store, secret: bytes | None, offset: int, manifest: dict[str, Any], point: Checkpoint
 ) -> None:
@@ -366,11 +355,17 @@ def prune(store: Store, secret: bytes | None, keep: int, manifest: Manifest, *, 
 def _rebase_at(store: Store, secret: bytes | None, keep: int, manifest: Manifest) -> int | None:
     """The checkpoint just before the retained ones, if the log before them is long enough to fold."""
     retained = _newest(manifest, keep)
-    first_kept = min(retained) if retained else manifest.checkpoints + 1
-    # (the base is read only when the checkpoints before the retained ones could be enough)
-    if first_kept - 1 < BASE_AFTER or first_kept - 1 - _base_id(store, secret) < BASE_AFTER:
+    at = (min(retained) if retained else manifest.checkpoints + 1) - 1
+    if at < BASE_AFTER:
         return None
-    return first_kept - 1
+    try:  # the checkpoint of the base there is, from its header alone
+        header, _ = read_header(store, HISTORY_BASE)
+    except (FileNotFoundError, DamagedFileError, StateFormatError):
+        header = {}  # none, or damaged: a new one is written
+    found = header.get("checkpoint")
+    authentic = secret is None or header_authentic(header, secret)
+    base = found if type(found) is int and found >= 0 and authentic else 0
+    return at if at - base >= BASE_AFTER else None
 
 
 def find(points: list[_Point], target: int | str) -> int:
