@@ -8,6 +8,7 @@ create nothing.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -404,7 +405,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _StdoutClosed:
         # `resumable history | head`: the reader has all it wanted. End quietly, and keep
         # the interpreter's own flush at exit from failing again (as the Python docs advise).
-        _silence_stdout()
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # (no real file: nothing to flush)
+            fd = sys.stdout.fileno()
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
         return EXIT_OK
     except _NoState as exc:
         return _fail(f"no state in {exc.args[0]} (nothing has run with this state directory)", EXIT_NO_STATE)
@@ -427,13 +432,3 @@ _LIVE_RUN = (
 def _fail(message: str, code: int) -> int:
     print(f"resumable: {message}", file=sys.stderr)  # noqa: T201
     return code
-
-
-def _silence_stdout() -> None:
-    try:
-        fd = sys.stdout.fileno()
-    except (AttributeError, OSError, ValueError):
-        return  # not a real file (captured in tests): nothing will flush it at exit
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, fd)
-    os.close(devnull)
