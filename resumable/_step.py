@@ -186,11 +186,8 @@ class StepSpec(Generic[P, R]):
 
     def identity(self, within: tuple[object, ...] = ()) -> Identity:
         """
-        The step's identity for a call now. Its code's shape is worked out on the first call
-        (code digests need the source) and again whenever a name it followed is bound to
-        something else (a helper or step defined again, a function's code replaced); the
-        values and steps it reads are read at every call. *within*: the steps whose identity
-        asks for this one's (a step calling itself through others).
+        The step's identity for a call now: its code's shape is worked out again when a name
+        it followed is rebound. *within*: the steps whose identity asks for this one's.
         """
         shape = self._shape
         if shape is None or not shape.current():
@@ -235,15 +232,6 @@ class StepSpec(Generic[P, R]):
 
     # binding -----------------------------------------------------------------------------
 
-    def bind(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
-        """The call's arguments by parameter name, defaults applied."""
-        try:
-            ba = self.signature.bind(*args, **kwargs)
-        except TypeError as exc:
-            raise TypeError(f"{self.name}(): {exc}") from None
-        ba.apply_defaults()
-        return ba.arguments
-
     def key_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], bound: dict[str, Any]) -> str | None:
         """The slot key of a call, or None for an unkeyed step."""
         spec = self.key
@@ -280,7 +268,12 @@ class StepSpec(Generic[P, R]):
             known = self._plans.get(memo_key)
             if known is not None:
                 return Plan(*known, identity=ident)
-        bound = self.bind(args, kwargs)
+        try:
+            ba = self.signature.bind(*args, **kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{self.name}(): {exc}") from None
+        ba.apply_defaults()
+        bound = ba.arguments
         digest, params = digest_parameters(self.name, bound, self.ignore)
         key = digest[:16] if self.key is by_arguments else self.key_for(args, kwargs, bound)
         fingerprint = blake3.blake3(f"{ident.identity}|{digest}".encode()).hexdigest()[:32]
