@@ -287,9 +287,8 @@ class Pipeline:
     def _maintenance(self, *, tidy: bool = False) -> Iterator[RunState]:
         """
         The open run, or the lock and state for a moment (no run is counted). With *tidy*,
-        temporary files are removed afterwards if this took the lock: no one else can be
-        writing them then, and none may outlive the change (a kept version that was already
-        kept is linked to itself, and that leaves the link's temporary name behind).
+        temporary files are removed afterwards if this took the lock (a version kept twice
+        leaves a temporary link name behind).
         """
         with self._lock:
             run, own = (self._run, False) if self._run is not None else self._maintenance_run()
@@ -466,10 +465,7 @@ class Pipeline:
             return self._forget(run, sorted(slots, key=lambda s: (rank.get(s, len(rank)), s))) + forgotten
 
     def _known_slots(self, run: RunState) -> tuple[set[str], set[str]]:
-        """
-        The slots the state holds (in the manifest, as output files, as row chunks) and the
-        names of batches run outside steps; only slots whose file stays inside the state.
-        """
+        """The slots the state holds (manifest, output files, row chunks) and its named batches."""
         manifest = run.journal.manifest
         listed = run.store.list()
         slots = {k[: -len(OUTPUT_SUFFIX)] for k in listed if is_output_file(k)}

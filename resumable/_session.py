@@ -89,11 +89,7 @@ class Execution:
 
 
 class Loops(weakref.WeakSet[Any]):
-    """
-    The ``checkpointed`` loops of a step call (or of a run, outside steps) not finished yet:
-    closed as an exception leaves the step (or the run), which commits their finished rows
-    while the run can still write them (a loop in a variable outlives the exception).
-    """
+    """The unfinished ``checkpointed`` loops of a step call (or run): closing them commits their rows."""
 
     def close(self) -> None:
         for loop in list(self):
@@ -600,10 +596,7 @@ class RunState:
         return len(keys)
 
     def _failed(self, spec: StepView, plan: Plan, exc: BaseException, started: float, attempts: int) -> None:
-        """
-        Record an exception that escapes a step (the caller re-raises it); if the log cannot
-        take it either (a full disk), the step's error wins, with a note.
-        """
+        """Record an exception that escapes a step (if the log cannot take it, it gets a note)."""
         self.last_outcome = "failed" if isinstance(exc, Exception) else "interrupted"
         duration = round(time.perf_counter() - started, 6)
         try:
@@ -627,11 +620,7 @@ class RunState:
 
     @contextlib.contextmanager
     def _attempt(self, spec: StepView, plan: Plan, started: float, attempt: int) -> Iterator[Execution]:
-        """
-        One attempt of a step, as the :class:`Execution` of this context. An exception worth a
-        retry is logged and leaves ``retry_in`` set (exponential backoff with jitter); any
-        other is recorded and raised.
-        """
+        """One attempt of a step: an exception worth a retry sets ``retry_in``, any other is raised."""
         execution = Execution(self, spec, plan)
         token = current_execution.set(execution)
         try:
@@ -690,10 +679,7 @@ class RunState:
 
 
 def chunks_of_completed(store: Store, completed: Callable[[str], bool]) -> list[tuple[str, str]]:
-    """
-    The row chunks of the batches of step slots that *completed*, as (slot, key), by slot: one
-    listing of every step batch, not one per slot (a state holds 100,000 slots).
-    """
+    """The row chunks of the batches of the slots that *completed*, as (slot, key), in one listing."""
     found = []
     for key in store.list(STEP_BATCHES):
         parts = key[len(STEP_BATCHES) :].split("/")
