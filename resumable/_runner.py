@@ -64,10 +64,11 @@ def _run_one(
         args, kwargs = _resolved(args), _resolved(kwargs)
     plan = spec.plan(tuple(args), kwargs)
     found = run.peek(spec, plan)
-    if found.hit:
-        stored: StoredOutput = found.value
-        redo = functools.partial(_load_or_redo, run, spec, plan, args, kwargs, digest=stored.digest)
-        return StoredOutput(plan.slot, stored.digest, redo, stored.plain_digest), False, plan.slot
+    if found.hit:  # its value is the output's header
+        digest, plain = value_digest(found.value), found.value.get("pdigest")
+        redo = functools.partial(_load_or_redo, run, spec, plan, args, kwargs, digest=digest)
+        plain = plain if isinstance(plain, str) else None
+        return StoredOutput(plan.slot, digest, redo, plain), False, plan.slot
     value = _execute(run, spec, plan, found, _call(spec, args, kwargs))
     # downstream steps see the stored digests, exactly as when this step is skipped
     digest, plain = plan.output_digest or "", plan.output_plain_digest

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import importlib
 import itertools
 import logging
@@ -33,7 +32,7 @@ from ._codec import (
 )
 from ._codec_types import qualified_name
 from ._files import file_digests
-from ._fingerprint import StoredOutput, content_digest, provenance
+from ._fingerprint import content_digest, provenance
 from ._journal import Journal, header_authentic, read_header
 from ._plan import Plan, StepView
 from ._slots import STEP_BATCHES, batch_dir, slot_file
@@ -313,10 +312,7 @@ class RunState:
         return self._hit(spec, plan, value, header, head_len)
 
     def peek(self, spec: StepView, plan: Plan) -> Found:
-        """
-        Like :meth:`lookup`, reading only the header (authenticated, with a secret): a hit's
-        value is a :class:`StoredOutput`.
-        """
+        """Like :meth:`lookup`, reading only the header (authenticated with a secret), which a hit holds."""
         try:
             header, head_len = read_header(self.store, slot_file(plan.slot))
         except (FileNotFoundError, DamagedFileError) as exc:
@@ -326,10 +322,7 @@ class RunState:
         miss = self._check_header(spec, plan, header)
         if miss is not None:
             return miss
-        plain = header.get("pdigest")
-        load = functools.partial(self.load, spec, plan)
-        value = StoredOutput(plan.slot, value_digest(header), load, plain if isinstance(plain, str) else None)
-        return self._hit(spec, plan, value, header, head_len)
+        return self._hit(spec, plan, header, header, head_len)
 
     def _unusable(self, plan: Plan, exc: Exception) -> Found:
         """The miss for a slot whose file is missing, or whose header is damaged."""
