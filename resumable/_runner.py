@@ -18,7 +18,6 @@ from ._plan import Plan
 from ._session import Found, RunState
 from ._slots import slot_file
 from ._step import StepSpec
-from ._warn import warn
 from .exceptions import ResumableError, SerializationError, StepDefinitionError
 
 
@@ -89,15 +88,9 @@ def _load_or_redo(  # noqa: PLR0913 - what the lazy value needs to load or make 
     events) if removed or replaced since while the run is open; an error once it has closed.
     """
     key = slot_file(plan.slot)
-    if not run.closed:
-        found = run.peek(spec, plan)
-        if found.hit:
-            try:
-                return run.load(spec, plan)
-            except (SerializationError, FileNotFoundError) as exc:
-                warn(f"{exc}; recomputing it.")
-                found = Found(hit=False, reason="corrupt")
-        return _execute(run, spec, plan, found, _call(spec, args, kwargs))
+    if not run.closed:  # as a call of the step would
+        found = run.lookup(spec, plan)
+        return found.value if found.hit else _execute(run, spec, plan, found, _call(spec, args, kwargs))
     try:
         header, _ = read_header(run.store, key)
         if value_digest(header) == digest:
