@@ -353,8 +353,17 @@ class RunState:
 
     def _hit(self, spec: StepView, plan: Plan, value: Any, header: dict[str, Any], head_len: int) -> Found:
         self.last_outcome = "ok"
-        if plan.slot not in self._skipped:  # one event per slot and run is enough
+        if plan.slot not in self._skipped:  # one event and one log line per slot and run are enough
             self._skipped.add(plan.slot)
+            if log.isEnabledFor(logging.INFO):
+                note = f"stored {header.get('created_at', '?')}"
+                if spec.version is not None and header.get("code") not in {None, plan.identity.code}:
+                    changed = _codehash.describe_change(self._old_code(spec.name), plan.identity.components)
+                    note += (
+                        f"; kept despite a code change ({changed or 'its code'}) "
+                        f"because version {spec.version!r} is pinned"
+                    )
+                log.info("step %r skipped: %s", plan.slot, note)
             code = header.get("code")
             kept = spec.version is not None and isinstance(code, str) and code != plan.identity.code
             if kept:  # a pinned version kept an output made by other code (for `why`)
@@ -374,15 +383,6 @@ class RunState:
                     created_at=header.get("created_at"),
                     file=header["hsum"],
                 )
-        if log.isEnabledFor(logging.INFO):
-            note = f"stored {header.get('created_at', '?')}"
-            if spec.version is not None and header.get("code") not in {None, plan.identity.code}:
-                changed = _codehash.describe_change(self._old_code(spec.name), plan.identity.components)
-                note += (
-                    f"; kept despite a code change ({changed or 'its code'}) "
-                    f"because version {spec.version!r} is pinned"
-                )
-            log.info("step %r skipped: %s", plan.slot, note)
         return Found(hit=True, value=value)
 
     def load(self, spec: StepView, plan: Plan) -> Any:

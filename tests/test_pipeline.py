@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,25 @@ def test_run_loads_skipped_outputs_only_when_needed(pipe: Pipeline, monkeypatch:
     assert [1] == decoded  # only parse's output, which count needs
     assert "data from x" == run.outputs["download"]  # loaded on access
     assert [1, 1] == decoded
+
+
+def test_a_skip_is_logged_once_even_when_its_output_is_loaded_later(
+    pipe: Pipeline, caplog: pytest.LogCaptureFixture
+):
+    """A skipped step whose output a running step then loads is one skip: one log line."""
+
+    @pipe.step
+    def a() -> int:
+        return 1
+
+    @pipe.step
+    def b(a: int, n: int) -> int:
+        return a + n
+
+    pipe.run(n=1)
+    with caplog.at_level(logging.INFO, logger="resumable"):
+        assert 3 == pipe.run(n=2).outputs["b"]
+    assert 1 == sum("step 'a' skipped" in r.getMessage() for r in caplog.records)
 
 
 def test_run_identical_output_stops_propagation(pipe: Pipeline):
