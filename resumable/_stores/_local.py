@@ -428,7 +428,6 @@ class LocalStore(Store):
         (a released lock is emptied): what it was writing, its temporary files, is removed.
         """
         path = self.path(_LOCK_FILE)
-        self.check_root()
         try:
             self._check_dirs(_LOCK_FILE)
             self._makedirs(os.path.dirname(path), durable=False)
@@ -437,6 +436,7 @@ class LocalStore(Store):
             problem = f"permission denied on {exc.filename or path} (read-only, or another user's)"
             raise StateDirectoryError(self.root, problem, errno=exc.errno) from exc
         except OSError as exc:
+            self.check_root()  # (looked at only when the lock cannot be taken)
             raise self.error(exc, path) from None
         _held_locks.add(fd)  # before flock: a fork right after it must not keep the lock
         try:
