@@ -19,7 +19,7 @@ from ._history import find, object_key, replay
 from ._journal import read_header, read_state
 from ._slots import slot_file
 from ._stores import Store
-from ._why import Change, code_changes, read_code, render_change
+from ._why import Change, code_diff, render_change
 from .exceptions import StateFormatError, UsageError
 
 
@@ -129,9 +129,8 @@ def _slot(slot: str, a: Side, b: Side) -> SlotDiff:
         pa, pb = _params(ha), _params(hb)
         names = sorted(n for n in pa.keys() | pb.keys() if pa.get(n) != pb.get(n))
         return SlotDiff(slot, "inputs changed", ", ".join(names), [Change("parameter", n) for n in names])
-    old, new = read_code(a.store, ha.get("code")), read_code(b.store, hb.get("code"))
-    if old is not None and new is not None:
-        changes = code_changes(old, new)
+    changes = code_diff(a.store, ha.get("code"), hb.get("code"))  # sessions share their code records
+    if changes:
         detail = ", ".join(f"{c.kind} {c.name}" if c.kind != "code" else "its own code" for c in changes)
         return SlotDiff(slot, "code changed", detail, changes)
     return SlotDiff(slot, "code changed", "its code or version (no record of the code to compare)")
