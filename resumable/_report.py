@@ -181,7 +181,6 @@ def _header(data: dict[str, Any]) -> str:
     runs = data["runs"]
     first = runs[0]["start"] if runs else None
     last = runs[-1]["end"] if runs else None
-    which = {"all": "all runs", "last": "the last run"}.get(data["which"], data["which"])
     cards = [
         ("completed", f"{state['completed']:,}", f"of {state['slots']:,} slots completed"),
         ("ran", f"{counts['ran']:,}", "slots ran"),
@@ -198,7 +197,7 @@ def _header(data: dict[str, Any]) -> str:
         f'<header><h1>{e(data["pipeline"])}<span class="badge {e(data["status"])}" id="status">'
         f"{e(data['status'])}</span></h1>"
         f'<p class="sub">{e(data["location"])} · {data["runs_total"]:,} run(s) · {_clock(first, date=True)} → '
-        f"{_clock(last, date=True)} · counts over {e(which)}</p>"
+        f"{_clock(last, date=True)} · counts over {e(data['which'])}</p>"
         f'<div class="cards">{card_html}</div></header>'
     )
 
@@ -230,17 +229,14 @@ def _timelines(data: dict[str, Any]) -> str:
 
 def _bar_title(bar: dict[str, Any]) -> str:
     lines = [f"{bar['slot']}: {bar['outcome']}"]
-    why = bar.get("reason")
-    if why:
-        lines.append(f"why it ran: {why}" + (f" ({bar['detail']})" if bar.get("detail") else ""))
-    took = bar["e"] - bar["s"]
-    lines.append(
-        f"from +{duration(bar['s'])} to +{duration(bar['e'])}"
-        + ("" if bar["open"] else f" ({duration(took)})")
-    )
+    if bar["reason"]:
+        lines.append(f"why it ran: {bar['reason']}" + (f" ({bar['detail']})" if bar["detail"] else ""))
+    span = f"from +{duration(bar['s'])} to +{duration(bar['e'])}"
     if bar["open"]:
-        lines.append("its end was not recorded: the process stopped while it ran")
-    if (bar["attempts"] or 1) > 1:
+        lines += [span, "its end was not recorded: the process stopped while it ran"]
+    else:
+        lines.append(f"{span} ({duration(bar['e'] - bar['s'])})")
+    if bar["attempts"] > 1:
         lines.append(f"{bar['attempts']} attempts")
     for _, kind, message in bar["retries"]:
         lines.append(f"retried after {kind}: {message}")

@@ -262,7 +262,7 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
         "location": store.location,
         "status": manifest.status if scan.runs or manifest.runs else "empty",
         "runs_total": manifest.runs,
-        "which": run if run in {"all", "last"} else f"run {run}",
+        "which": {"all": "all runs", "last": "the last run"}.get(str(run), f"run {run}"),
         "state": {"slots": len(manifest.steps), "completed": len(manifest.completed_steps)},
         "runs": [_run_row(scan, r) for r in scan.runs],
     }
@@ -298,7 +298,7 @@ def _run_row(scan: _Scan, run: _Run) -> dict[str, Any]:
         "ran": sum(b["outcome"] == "ran" for b in bars),
         "skipped": len(run.skips),
         "failed": sum(b["outcome"] in {"failed", "interrupted"} for b in bars),
-        "retried": sum(bool(b["retries"]) or (b["attempts"] or 1) > 1 for b in bars),
+        "retried": sum(bool(b["retries"]) or b["attempts"] > 1 for b in bars),
         "saved_s": round(sum((t for t in took if t is not None), 0.0), 6),
         "saved_unknown": took.count(None),
         "skipped_from": sorted(n for n in made if n is not None),
@@ -439,8 +439,7 @@ def _listed(last: dict[str, Any], groups: dict[str, dict[str, Any]]) -> list[str
     slots = list(last)
     if len(slots) <= SLOT_ROWS:
         return slots
-    picked = {s for s in slots if "/" not in s or last[s][1] not in {"skipped", "ran"}}
-    picked = set([s for s in slots if s in picked][:SLOT_ROWS])
+    picked = set([s for s in slots if "/" not in s or last[s][1] not in {"skipped", "ran"}][:SLOT_ROWS])
     room = SLOT_ROWS - len(picked)
     share, taken = max(1, room // len(groups)), Counter[str]()
     for slot in slots:
