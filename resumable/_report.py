@@ -428,10 +428,6 @@ def _story(data: dict[str, Any]) -> str:
         if r["skipped"]:
             src = ", ".join(str(n) for n in r["skipped_from"]) or "an earlier run"
             story.append(f"resumed: skipped {r['skipped']:,} slot(s) computed in run(s) {src}")
-        if r["ran"]:
-            story.append(f"computed {r['ran']:,}")
-        if r["failed"]:
-            story.append(f"{r['failed']:,} failed or stopped")
         if r["saved_unknown"]:
             story.append(f"time saved not known for {r['saved_unknown']:,} skip(s)")
         rows.append(
