@@ -25,11 +25,10 @@ from .exceptions import StateFormatError, UsageError
 
 @attrs.frozen
 class Side:
-    """One side of a diff: where its files are and its completed slots, in completion order."""
+    """One side of a diff: its completed slots, in completion order, and where their outputs are."""
 
     name: str
     store: Store
-    order: list[str]
     files: dict[str, str]
     """slot -> the key of its output file at that point."""
 
@@ -47,20 +46,18 @@ class SlotDiff:
 def side_now(name: str, store: Store, secret: bytes | None) -> Side:
     """A session's current state."""
     manifest = read_state(store, secret=secret, records=False)
-    order = list(manifest.completed_steps)
-    return Side(name, store, order, {s: slot_file(s) for s in order})
+    return Side(name, store, {s: slot_file(s) for s in manifest.completed_steps})
 
 
 def side_at(name: str, store: Store, secret: bytes | None, target: int | str) -> Side:
     """A session's state at checkpoint *target*."""
     number = find(replay(store, secret), target)
     if number == 0:
-        return Side(name, store, [], {})
+        return Side(name, store, {})
     point = replay(store, secret, restore=number)[-1]
-    order = list(point.checkpoint.completed_steps)
     files: dict[str, str] = {}
     steps = point.steps or {}
-    for slot in order:
+    for slot in point.checkpoint.completed_steps:
         rec = steps.get(slot)
         version = rec.file if rec is not None else None
         current = _header(store, slot_file(slot))
@@ -68,7 +65,7 @@ def side_at(name: str, store: Store, secret: bytes | None, target: int | str) ->
             files[slot] = slot_file(slot)
         else:
             files[slot] = object_key(version)
-    return Side(name, store, order, files)
+    return Side(name, store, files)
 
 
 def side(root: Store, text: str, secret: bytes | None) -> Side:
@@ -103,22 +100,16 @@ def _header(store: Store, key: str) -> dict[str, Any] | None:
 
 def compare(a: Side, b: Side) -> tuple[list[SlotDiff], str | None]:
     """Every slot of either side compared, in *a*'s completion order then *b*'s; and the first divergence."""
-    slots = list(dict.fromkeys([*a.order, *b.order]))
-    found: dict[str, SlotDiff] = {}
-    for slot in slots:
-        if slot not in b.files:
-            found[slot] = SlotDiff(slot, f"only in {a.name}")
-        elif slot not in a.files:
-            found[slot] = SlotDiff(slot, f"only in {b.name}")
-        else:
-            found[slot] = _slot(slot, a, b)
+    found = {slot: _slot(slot, a, b) for slot in {**a.files, **b.files}}
     first = next(
-        (x or y for x, y in zip_longest(a.order, b.order) if x != y or found[x].verdict != "same"), None
+        (x or y for x, y in zip_longest(a.files, b.files) if x != y or found[x].verdict != "same"), None
     )
-    return [found[s] for s in slots], first
+    return list(found.values()), first
 
 
 def _slot(slot: str, a: Side, b: Side) -> SlotDiff:
+    if slot not in a.files or slot not in b.files:
+        return SlotDiff(slot, f"only in {a.name if slot in a.files else b.name}")
     ha, hb = _header(a.store, a.files[slot]), _header(b.store, b.files[slot])
     if ha is None or hb is None:
         missing = a.name if ha is None else b.name
