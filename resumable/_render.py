@@ -120,8 +120,8 @@ def summarise(value: Any, depth: int = 0) -> Any:
     """A copy of *value* small enough to show: long containers and texts are cut."""
     if depth > MAX_DEPTH:
         return "…"
-    if isinstance(value, str) and len(value) > MAX_TEXT:
-        return f"{value[:MAX_TEXT]}… ({len(value):,} characters)"
+    if isinstance(value, str):
+        return clip(value, MAX_TEXT)
     if isinstance(value, bytes | bytearray) and len(value) > 64:
         return f"{bytes(value[:64])!r}… ({len(value):,} bytes)"
     if isinstance(value, Mapping):
@@ -137,6 +137,11 @@ def summarise(value: Any, depth: int = 0) -> Any:
             shown.append(f"… {len(items) - MAX_ITEMS:,} more items")
         return tuple(shown) if isinstance(value, tuple) else shown
     return value
+
+
+def clip(text: str, size: int) -> str:
+    """*text*, or its first *size* characters and its length."""
+    return text if len(text) <= size else f"{text[:size]}… ({len(text):,} characters)"
 
 
 def pretty(value: Any) -> str:

@@ -71,7 +71,7 @@ class _Scan:
         self.after_run: dict[int, dict[str, _Version]] = {}
         self.durations: dict[tuple[str, object], float] = {}  # (slot, file) -> seconds it took
         self.computed_in: dict[tuple[str, object], int] = {}  # (slot, file) -> run that made it
-        self.created: dict[tuple[str, object], float] = {}  # (slot, file) -> when its file was made
+        self.created: dict[tuple[str, object], float | None] = {}  # (slot, file) -> when its file was made
         self.started: dict[str, object] = {}  # slot -> the code it is running
         self.keys: dict[str, str] = {}
         self.parents: dict[str, str] = {}
@@ -104,7 +104,7 @@ class _Scan:
         elif kind in {"step_failed", "step_interrupted"}:
             self._failed(run, event, t)
         elif kind == "step_skipped":
-            self._skipped(run, event, t)
+            self._skipped(run, event)
         elif kind == "batch":
             self._batch(run, event, t)
         elif kind in {"steps_reset", "steps_removed"}:
@@ -168,13 +168,11 @@ class _Scan:
                 "step": event["slot"], "type": kind, "message": message, "traceback": trace, "run": run.number
             }  # fmt: skip
 
-    def _skipped(self, run: _Run, skip: dict[str, Any], t: float | None) -> None:
+    def _skipped(self, run: _Run, skip: dict[str, Any]) -> None:
         slot = skip["slot"]
         file = skip.get("file")
-        created = when(skip.get("created_at"))
-        if created is not None:
-            self.created[slot, file] = created
-        run.skips[slot] = {"t": t, "file": file, "bytes": skip.get("bytes")}
+        self.created[slot, file] = when(skip.get("created_at"))
+        run.skips[slot] = {"file": file, "bytes": skip.get("bytes")}
         if slot not in self.versions:
             self.versions[slot] = _Version(skip.get("fingerprint"), file, None, 0)
 
@@ -218,10 +216,6 @@ def _error_text(error: object) -> tuple[str, str, str]:
     if not isinstance(error, dict):
         return "", "", ""
     return str(error.get("type", "")), str(error.get("message", "")), str(error.get("traceback", ""))
-
-
-def _clip(text: str, size: int) -> str:
-    return text if len(text) <= size else f"{text[:size]}… ({len(text):,} characters)"
 
 
 def _selected(runs: list[_Run], which: int | str) -> list[_Run]:
@@ -350,7 +344,7 @@ def _drawn(scan: _Scan, bar: dict[str, Any], start: float, end: float) -> dict[s
         "reason": bar["reason"],
         "detail": bar["detail"],
         "attempts": bar["attempts"],
-        "retries": [[round((r[0] or b0) - start, 6), r[1], _clip(r[2], 300)] for r in bar["retries"]],
+        "retries": [[round((r[0] or b0) - start, 6), r[1], _render.clip(r[2], 300)] for r in bar["retries"]],
         "error": _error_pair(bar),
         "parent": scan.parents.get(bar["slot"]),
     }
@@ -358,7 +352,7 @@ def _drawn(scan: _Scan, bar: dict[str, Any], start: float, end: float) -> dict[s
 
 def _error_pair(info: dict[str, Any]) -> list[str] | None:
     """The type and (clipped) message of the error a slot failed with."""
-    return [info["error"][0], _clip(info["error"][1], 300)] if info.get("error") else None
+    return [info["error"][0], _render.clip(info["error"][1], 300)] if info.get("error") else None
 
 
 HIST_BINS = 80
@@ -451,7 +445,7 @@ def _listed(last: dict[str, Any], groups: dict[str, dict[str, Any]]) -> list[str
 
 
 def _change_row(c: _why.Change) -> dict[str, Any]:
-    return {**attrs.asdict(c), "diff": _clip(c.diff or "", 4000) or None}
+    return {**attrs.asdict(c), "diff": _render.clip(c.diff or "", 4000) or None}
 
 
 def _preview(store: Store, secret: bytes | None, slot: str) -> str | None:
@@ -462,7 +456,7 @@ def _preview(store: Store, secret: bytes | None, slot: str) -> str | None:
         return None
     except Exception as exc:  # noqa: BLE001 - a value that cannot be shown is named, not raised
         return f"(cannot be shown: {type(exc).__name__})"
-    return _clip(_render.pretty(value), PREVIEW)
+    return _render.clip(_render.pretty(value), PREVIEW)
 
 
 def _batches(chosen: list[_Run]) -> list[dict[str, Any]]:
