@@ -278,7 +278,7 @@ def _timeline(tl: dict[str, Any]) -> str:
     unknown = tl["unknown_until"]
     # a killed run's axis shows the interval its end is in, up to a quarter more of the run
     axis = max(span, min(unknown, span * 1.25)) if unknown is not None else span
-    scale = PLOT / axis if axis > 0 else 0.0
+    scale = PLOT / axis  # the span is never 0
     rows = tl["rows"]
     height = TOP + ROW * max(1, len(rows)) + 8
     parts = [_svg("timeline", f"timeline of run {tl['run']}", height, axis)]
@@ -307,15 +307,11 @@ def _timeline(tl: dict[str, Any]) -> str:
             f'height="{height - TOP - 4}" opacity="0.55"><title>{e(title)}</title></rect>'
         )
     parts.append("</svg>")
-    title = _run_title(tl)
-    skipped = tl["skipped"]
-    skip_text = ""
-    if skipped:
-        names = ", ".join(f"{k} ×{v:,}" if v > 1 else k for k, v in sorted(skipped.items()))
-        skip_text = f'<p class="note">Skipped (stored by an earlier run): {e(_label(names, 400))}</p>'
+    if names := ", ".join(f"{k} ×{v:,}" if v > 1 else k for k, v in sorted(tl["skipped"].items())):
+        details.insert(0, f'<p class="note">Skipped (stored by an earlier run): {e(_label(names, 400))}</p>')
     return (
-        f'<div class="panel run-timeline" data-run="{tl["run"]}"><h3>{title}</h3>{"".join(parts)}'
-        f"{skip_text}{''.join(details)}</div>"
+        f'<div class="panel run-timeline" data-run="{tl["run"]}"><h3>{_run_title(tl)}</h3>'
+        f"{''.join(parts)}{''.join(details)}</div>"
     )
 
 
@@ -394,7 +390,7 @@ def _expanded(row: dict[str, Any], tl: dict[str, Any], scale: float) -> str:
         placed.append((i, b))
     lane_row = 18
     height = TOP + lane_row * max(1, len(lanes)) + 6
-    parts = [_svg("timeline keyed", f"slots of {row['step']}", height, PLOT / scale if scale else 0.0)]
+    parts = [_svg("timeline keyed", f"slots of {row['step']}", height, PLOT / scale)]
     parts.extend(
         f'<text class="axis" x="{LABEL - 8}" y="{TOP + i * lane_row + 13}" text-anchor="end">lane {i + 1}</text>'
         for i in range(len(lanes))
