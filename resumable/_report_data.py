@@ -69,10 +69,9 @@ class _Scan:
         self.runs: list[_Run] = []
         self.versions: dict[str, _Version] = {}  # the state now: slot -> its version
         self.after_run: dict[int, dict[str, _Version]] = {}
-        self.durations: dict[tuple[str, object], float] = {}  # (slot, file) -> seconds it took
+        self.durations: dict[tuple[str, object], float | None] = {}  # (slot, file) -> seconds it took
         self.computed_in: dict[tuple[str, object], int] = {}  # (slot, file) -> run that made it
         self.created: dict[tuple[str, object], float | None] = {}  # (slot, file) -> when its file was made
-        self.started: dict[str, object] = {}  # slot -> the code it is running
         self.keys: dict[str, str] = {}
         self.parents: dict[str, str] = {}
         self.last_error: dict[str, Any] | None = None
@@ -131,7 +130,6 @@ class _Scan:
 
     def _started(self, run: _Run, event: dict[str, Any], t: float | None) -> None:
         slot = event["slot"]
-        self.started[slot] = event.get("code")
         if isinstance(event.get("key"), str):
             self.keys[slot] = event["key"]
         if isinstance(event.get("parent"), str):
@@ -141,13 +139,11 @@ class _Scan:
     def _completed(self, run: _Run, event: dict[str, Any], t: float | None) -> None:
         slot = event["slot"]
         file = event.get("file")
-        code = self.started.pop(slot, None)
-        self.versions[slot] = _Version(event.get("fingerprint"), file, code, run.number)
+        bar = run.bar(slot)  # (its code is the one its start logged)
+        self.versions[slot] = _Version(event.get("fingerprint"), file, bar["code"], run.number)
         self.computed_in[slot, file] = run.number
         took = event.get("duration_s")
-        if took is not None:
-            self.durations[slot, file] = float(took)
-        bar = run.bar(slot)
+        self.durations[slot, file] = took
         bar.update(outcome="ran", file=file, bytes=event.get("bytes"))
         bar["attempts"] = event.get("attempts", bar["attempts"])
         if event.get("recovered"):  # it finished before the kill; when is learnt from its file
