@@ -542,12 +542,11 @@ def _batches(data: dict[str, Any]) -> str:
         total = f"{b['total']:,}" if b["total"] is not None else "unknown"
         rows = []
         for r in b["runs"]:
-            resumed = f"{r['resumed']:,}" if r["resumed"] is not None else "not recorded"
-            computed = f"{r['computed']:,}" if r["computed"] is not None else ""
-            failure = ""
-            if r["failure"]:
-                f = r["failure"]
-                failure = f"row {e(f.get('row'))}: {e(f.get('type'))}: {e(f.get('message'))}"
+            resumed, computed = "not recorded", ""
+            if r["resumed"] is not None:
+                resumed, computed = f"{r['resumed']:,}", f"{r['done'] - r['resumed']:,}"
+            f = r["failure"] or {}
+            failure = f"row {e(f.get('row'))}: {e(f.get('type'))}: {e(f.get('message'))}" if f else ""
             rows.append(
                 f'<tr><td class="num">{r["run"]}</td><td class="num">{r["done"]:,}</td><td class="num">{resumed}</td>'
                 f'<td class="num">{computed}</td><td class="num">{r["failures"]:,}</td><td>{failure}</td></tr>'
@@ -607,11 +606,7 @@ def _rate_chart(batch: dict[str, Any]) -> str:
         parts.append(f'<rect x="{x}" y="8" width="12" height="12" rx="2" fill="{colour}"/>')
         parts.append(f'<text class="axis" x="{x + 17}" y="18">run {run}</text>')
     parts.append("</svg>")
-    names = ", ".join(f"run {run}" for run, _ in series)
-    return (
-        f'<p class="note">Rows per second since each run started ({e(names)}; one line per run).</p>'
-        + "".join(parts)
-    )
+    return '<p class="note">Rows per second since each run started, one line per run.</p>' + "".join(parts)
 
 
 def _num(value: float) -> str:

@@ -462,7 +462,7 @@ def _batches(chosen: list[_Run]) -> list[dict[str, Any]]:
             entry = out.setdefault(name, {"batch": name, "runs": []})
             points = batch["points"]  # one at least: a batch is seen by its progress events
             t0 = run.start if run.start is not None else (points[0][0] or 0.0)
-            (_, done, failures), resumed = points[-1], batch["resumed"]
+            _, done, failures = points[-1]
             entry.update(total=batch["total"], every=batch["every"])
             n = len(points)
             kept = points if n <= SERIES else [points[i * n // SERIES] for i in range(SERIES)] + points[-1:]
@@ -471,8 +471,7 @@ def _batches(chosen: list[_Run]) -> list[dict[str, Any]]:
                     "run": run.number,
                     "points": [[round((p[0] or t0) - t0, 3), p[1], p[2]] for p in kept],
                     "done": done,
-                    "resumed": resumed,
-                    "computed": done - resumed if resumed is not None else None,
+                    "resumed": batch["resumed"],
                     "failures": failures,
                     "failure": batch["failure"],
                 }
