@@ -184,9 +184,8 @@ class _Scan:
             batch["failure"] = event["failure"]
 
     def finish(self) -> None:
-        if self.runs and self.runs[-1].status == "running":
-            run = self.runs[-1]
-            run.end = run.last_seen  # still going (or died and nothing has noticed yet)
+        if self.runs and self.runs[-1].status == "running":  # still going, or died unnoticed so far
+            self.runs[-1].end = self.runs[-1].last_seen
         for run in self.runs:
             for bar in run.bars.values():
                 if bar.pop("recovered", False):
