@@ -124,7 +124,7 @@ def _slot(slot: str, a: Side, b: Side) -> SlotDiff:
     if changes:
         detail = ", ".join(f"{c.kind} {c.name}" if c.kind != "code" else "its own code" for c in changes)
         return SlotDiff(slot, "code changed", detail, changes)
-    return SlotDiff(slot, "code changed", "its code or version (no record of the code to compare)")
+    return SlotDiff(slot, "code changed", "its version, or code with no recorded difference to show")
 
 
 def _params(header: Mapping[str, Any]) -> dict[str, Any]:
