@@ -328,17 +328,14 @@ def _timeline(scan: _Scan, run: _Run) -> dict[str, Any]:
 
 
 def _drawn(scan: _Scan, bar: dict[str, Any], start: float, end: float) -> dict[str, Any]:
+    """*bar* with its times in seconds since the run's *start* (one with no end drawn up to *end*)."""
     b0 = start if bar["start"] is None else bar["start"]
     b1 = end if bar["end"] is None else max(bar["end"], b0)  # no end: killed while running, or running
     return {
-        "slot": bar["slot"],
+        **bar,
         "s": round(b0 - start, 6),
         "e": round(b1 - start, 6),
         "open": bar["end"] is None,
-        "outcome": bar["outcome"],
-        "reason": bar["reason"],
-        "detail": bar["detail"],
-        "attempts": bar["attempts"],
         "retries": [[round((r[0] or b0) - start, 6), r[1], _render.clip(r[2], 300)] for r in bar["retries"]],
         "error": _error_pair(bar),
         "parent": scan.parents.get(bar["slot"]),
