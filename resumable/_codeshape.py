@@ -318,13 +318,6 @@ def _parts(obj: object, depth: int = 0) -> list[types.FunctionType]:
     raise NoIdentity(msg)
 
 
-def _functions_of(obj: object) -> list[types.FunctionType]:
-    try:
-        return _parts(obj)
-    except NoIdentity:
-        return []
-
-
 def check_identity(fn: object) -> None:
     """Keep the source files of the functions *fn* runs as they are now; NoIdentity if it has no code."""
     for func in _parts(fn):
@@ -342,31 +335,38 @@ class _Builder:
         self.changed: set[str] = set()
         self.wrappers = 0
 
-    def callable(self, obj: object, label: str, *, main: bool) -> None:
-        """Add a callable the step runs; *main*: its defaults are arguments, not values it reads."""
+    def callable(self, obj: object, label: str, *, main: bool) -> dict[str, Any]:
+        """
+        Add a callable the step runs (*main*: its defaults are arguments, not values it
+        reads); return the globals of the innermost function it runs.
+        """
         inner = _wrapped(obj)
+        home = None
         if inner is not None:  # the wrapped function is the step's code, its wrappers too
-            self.callable(inner, label, main=main)
+            home = self.callable(inner, label, main=main)
             self.wrappers += 1
             label, main = f"wrapper {self.wrappers}", False
         if isinstance(obj, types.FunctionType):
             self.visit(obj, label, main=main)
+            own = obj.__globals__
         elif isinstance(obj, functools.partial):
-            self.callable(obj.func, label, main=main)
-            home = _home(obj.func)
+            own = self.callable(obj.func, label, main=main)
             for i, arg in enumerate(obj.args):
-                self.reference(f"partial[{i}]", arg, functools.partial(operator.getitem, obj.args, i), home)
+                self.reference(f"partial[{i}]", arg, functools.partial(operator.getitem, obj.args, i), own)
             for key, arg in obj.keywords.items():
-                self.reference(f"partial({key}=)", arg, _entry(obj.keywords, key), home)
+                self.reference(f"partial({key}=)", arg, _entry(obj.keywords, key), own)
         elif isinstance(obj, types.MethodType):
-            self.callable(obj.__func__, label, main=main)
-            self.instance(obj.__self__, "self", _home(obj.__func__))
+            own = self.callable(obj.__func__, label, main=main)
+            self.instance(obj.__self__, "self", own)
         elif isinstance(call := _class_call(obj), types.FunctionType):
             self.shape.bound.append((functools.partial(_class_call, obj), call))
-            self.callable(call, label, main=main)
+            own = self.callable(call, label, main=main)
             self.instance(obj, "self", call.__globals__)
-        elif inner is None:  # (a decorator written in C adds no code of its own)
+        elif home is None:
             raise NoIdentity(type(obj).__name__)
+        else:  # a decorator written in C adds no code of its own
+            return home
+        return own if home is None else home
 
     def instance(self, obj: object, name: str, home: dict[str, Any]) -> None:
         """The object a method or a callable object runs with: its attributes, or its value."""
@@ -460,11 +460,6 @@ class _Builder:
             self.visit(helper, f"fn {name}", main=False)
         elif isinstance(value, types.ModuleType):
             shape.left_out[name] = "module"
-
-
-def _home(obj: object) -> dict[str, Any]:
-    found = _functions_of(obj)
-    return found[-1].__globals__ if found else {}
 
 
 def _entry(mapping: dict[str, Any], key: str) -> Callable[[], object]:
