@@ -116,12 +116,9 @@ class FsspecStore(Store):
     ) -> None:
         try:
             import fsspec  # noqa: PLC0415 - an optional dependency, imported when used
-        except ImportError:
-            msg = f"cannot open store {url!r}: fsspec is not installed; {INSTALL_HINT}"
-            raise ResumableError(msg) from None
-        try:
+
             fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
-        except ImportError as exc:
+        except ImportError as exc:  # fsspec itself, or the package of the URL's protocol (s3fs ...)
             msg = f"cannot open store {url!r}: {exc}; {INSTALL_HINT}"
             raise ResumableError(msg) from None
         except (ValueError, OSError, TypeError) as exc:
@@ -419,7 +416,7 @@ class FsspecStore(Store):
         with self._append_lock:
             chain = self._tail(key)
             if not data:
-                if not chain and not self._exists_plain(key):
+                if not chain:  # (_tail turned a plain object into segments)
                     self._put(self._path(key), b"", self._where(key))
                     self._note(key, present=True)
                 return
