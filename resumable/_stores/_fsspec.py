@@ -219,17 +219,22 @@ class FsspecStore(Store):
                 return b""
             raise with_path(exc, where) from exc
 
+    def _plain(self, key: str, start: int = 0, end: int | None = None) -> bytes | None:
+        """Bytes *start* to *end* of the plain object at *key*; None if there is none."""
+        known = self._known()
+        with self._mutex:
+            if known is not None and key not in known.objects:
+                return None  # (no request: the listing held with the lease knows)
+        try:
+            return self._cat(key, start, end)
+        except FileNotFoundError:
+            return None
+
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytes | bytearray:
         if end is not None and end <= start:
             self.read(key, 0, 1)  # nothing to read, but a missing key is still an error
             return b""
-        known = self._known()
-        with self._mutex:
-            plain = known is None or key in known.objects  # (not known: try it)
-        data = None
-        if plain:
-            with contextlib.suppress(FileNotFoundError):
-                data = self._cat(key, start, end)
+        data = self._plain(key, start, end)
         if data is None:
             data = self._read_log(key, start, end)  # (no segments either: FileNotFoundError)
         # a whole object in a fresh writable buffer, as from a local file: arrays decoded from it are writable
@@ -426,25 +431,14 @@ class FsspecStore(Store):
             chain.append(seg)
             self._merge(key, chain)
 
-    def _exists_plain(self, key: str) -> bool:
-        known = self._known()
-        if known is not None:
-            with self._mutex:
-                return key in known.objects
-        try:
-            self.fs.info(self._path(key), **self._fresh)
-        except FileNotFoundError:
-            return False
-        return True
-
     def _tail(self, key: str) -> builtins.list[Segment]:
         """The chain of segments *key* consists of, turning a plain object into one first."""
         segments = self._segments(key)
-        if self._exists_plain(key):
+        data = self._plain(key)
+        if data is not None:
             # the plain object is the content, its segments leftovers of an interrupted write
             # or conversion: copy it into a segment, then delete it
             self._rm_segments(key, segments)
-            data = self._cat(key)
             chain = [Segment(0, len(data), _COPY_LEVEL)] if data else []
             for seg in chain:
                 self._add_segment(key, seg, data)
