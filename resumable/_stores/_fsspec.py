@@ -47,13 +47,6 @@ class Segment(NamedTuple):
     def name(self) -> str:
         return f"{self.start:016x}-{self.end:016x}.{self.level}"
 
-    @classmethod
-    def parse(cls, name: str) -> Segment | None:
-        m = _SEGMENT_NAME.fullmatch(name)
-        if m is None:
-            return None
-        return cls(int(m[1], 16), int(m[2], 16), int(m[3]))
-
 
 def chain_of(segments: Iterable[Segment]) -> tuple[list[Segment], list[Segment], int | None]:
     """
@@ -166,8 +159,9 @@ class FsspecStore(Store):
                 rel = path.removeprefix(self._prefix)
                 if rel.startswith(SEGMENTS + "/"):
                     key, _, name = rel[len(SEGMENTS) + 1 :].rpartition("/")
-                    seg = Segment.parse(name)
-                    if key and seg is not None:
+                    m = _SEGMENT_NAME.fullmatch(name)
+                    if key and m is not None:
+                        seg = Segment(int(m[1], 16), int(m[2], 16), int(m[3]))
                         index.logs.setdefault(key, set()).add(seg)
                 # (named sessions are stores of their own)
                 elif not (rel.startswith(_SESSIONS) or rel == LEASE_KEY or is_temp(rel)):
