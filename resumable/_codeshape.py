@@ -290,38 +290,33 @@ def _wrapped(obj: object) -> object | None:
     return attributes.get("__wrapped__") if type(attributes) is dict else None
 
 
-def _parts(obj: object, depth: int = 0) -> list[types.FunctionType]:
+def check_identity(obj: object, depth: int = 0) -> None:
     """
-    The Python functions *obj* runs as a step (its wrappers, the function a partial or a
-    method holds, a callable object's ``__call__``); NoIdentity if part of it has none.
+    Keep the source files of the Python functions *obj* runs as a step (its wrappers, the
+    function a partial or a method holds, a callable object's ``__call__``) as they are
+    now; NoIdentity if part of it has no code.
     """
     if depth > 100:
         msg = "its decorators (__wrapped__) wrap each other in a cycle"
         raise NoIdentity(msg)
     inner = _wrapped(obj)
-    found: list[types.FunctionType] = [] if inner is None else _parts(inner, depth + 1)
+    if inner is not None:
+        check_identity(inner, depth + 1)
     if isinstance(obj, types.FunctionType):
-        return [obj, *found]
-    if isinstance(obj, functools.partial):
+        _snapshot(obj)
+    elif isinstance(obj, functools.partial):
         for arg in (*obj.args, *obj.keywords.values()):
             if not _is_code(arg) and value_digest(arg) is None:
                 msg = f"the partial's argument {short_repr(arg)} cannot be fingerprinted"
                 raise NoIdentity(msg)
-        return [*_parts(obj.func, depth + 1), *found]
-    if isinstance(obj, types.MethodType):
-        return [*_parts(obj.__func__, depth + 1), *found]
-    if isinstance(call := _class_call(obj), types.FunctionType):
-        return [*_parts(call, depth + 1), *found]
-    if inner is not None:  # a decorator written in C (lru_cache): what it wraps is the code
-        return found
-    msg = f"{type(obj).__name__} {short_repr(obj)} has no Python code to digest"
-    raise NoIdentity(msg)
-
-
-def check_identity(fn: object) -> None:
-    """Keep the source files of the functions *fn* runs as they are now; NoIdentity if it has no code."""
-    for func in _parts(fn):
-        _snapshot(func)
+        check_identity(obj.func, depth + 1)
+    elif isinstance(obj, types.MethodType):
+        check_identity(obj.__func__, depth + 1)
+    elif isinstance(call := _class_call(obj), types.FunctionType):
+        check_identity(call, depth + 1)
+    elif inner is None:  # (a decorator written in C, such as lru_cache: what it wraps is the code)
+        msg = f"{type(obj).__name__} {short_repr(obj)} has no Python code to digest"
+        raise NoIdentity(msg)
 
 
 class _Builder:
