@@ -23,8 +23,6 @@ from ._pipeline import Pipeline
 __all__ = ["CRASH_EXIT_CODE", "StoreConformance", "crash_at", "crash_from_env", "temporary_pipeline"]
 
 CRASH_EXIT_CODE = 137  # what a shell reports for a process killed by SIGKILL
-# each operation, and the functions of os that count as it (a sync is an fsync or an
-# fdatasync, a write a write at the file's offset or at one of its own)
 _OPERATIONS = {"replace": ("replace",), "write": ("write", "pwrite"), "fsync": ("fsync", "fdatasync")}
 _dying = threading.Lock()
 

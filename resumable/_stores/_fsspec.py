@@ -134,8 +134,6 @@ class FsspecStore(Store):
     def __repr__(self) -> str:
         return f"FsspecStore({self.location!r})"
 
-    # paths ------------------------------------------------------------------------------
-
     def _path(self, key: str) -> str:
         return self._prefix + check_key(key, self.location)
 
@@ -189,8 +187,6 @@ class FsspecStore(Store):
         if lease is not None:
             lease.check()
 
-    # reading ----------------------------------------------------------------------------
-
     def _cat(self, key: str, start: int = 0, end: int | None = None) -> bytes:
         """Bytes *start* to *end* of the plain object at *key*."""
         path, where = self._path(key), self._where(key)
@@ -233,8 +229,6 @@ class FsspecStore(Store):
             data = self._read_log(key, start, end)  # (no segments either: FileNotFoundError)
         # a whole object in a fresh writable buffer, as from a local file: arrays decoded from it are writable
         return bytearray(data) if start == 0 and end is None else data
-
-    # writing ----------------------------------------------------------------------------
 
     def _put(self, path: str, data: bytes | bytearray, where: str) -> None:
         """Write one object atomically: one PUT on object stores, else a temp object and a move."""
@@ -338,8 +332,6 @@ class FsspecStore(Store):
         except OSError:
             return []  # e.g. not allowed by the bucket policy: a lifecycle rule cleans them up
         return [str(up["Key"])[len(prefix) :] for up in uploads]
-
-    # appended keys, as segments -------------------------------------------------------------
 
     def _seg_path(self, key: str, seg: Segment) -> str:
         return self._path(f"{SEGMENTS}/{key}/{seg.name}")
@@ -458,8 +450,6 @@ class FsspecStore(Store):
             self._add_segment(key, merged, self._cat_ranges(paths, [0] * FANOUT, [None] * FANOUT))
             chain[-FANOUT:] = [merged]
             self._rm_segments(key, group)
-
-    # the lease ----------------------------------------------------------------------------
 
     def lock(self, holder: Mapping[str, Any]) -> Lease:
         lease = Lease(self, holder, ttl=self.lease_ttl)

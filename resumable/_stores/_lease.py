@@ -131,8 +131,6 @@ class Lease:
         self._tag = self._io.lease_write(json.dumps(info).encode(), expect=expect)
         self.expires_at = now + self.ttl
 
-    # taking the lease ----------------------------------------------------------------------
-
     def acquire(self) -> None:
         """Take the lease, or raise :class:`StateLockedError` naming its holder."""
         for _ in range(5):
@@ -163,8 +161,6 @@ class Lease:
             return
         info = parse_lease(self._io.lease_read()) or {}
         raise locked_error(self._io.location, info)
-
-    # keeping it -----------------------------------------------------------------------------
 
     def check(self) -> None:
         """
@@ -211,8 +207,6 @@ class Lease:
             "%s: this run lost its lease (now held by pid %s on host %s); it stops writing",
             self._io.location, info.get("pid", "?"), info.get("host", "?"),
         )  # fmt: skip
-
-    # giving it up ---------------------------------------------------------------------------
 
     def release(self) -> None:
         """Stop renewing and delete the lease if it is still ours. Calling it twice is harmless."""
