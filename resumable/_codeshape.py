@@ -314,7 +314,7 @@ def check_identity(obj: object, depth: int = 0) -> None:
         check_identity(obj.__func__, depth + 1)
     elif isinstance(call := _class_call(obj), types.FunctionType):
         check_identity(call, depth + 1)
-    elif inner is None:  # (a decorator written in C, such as lru_cache: what it wraps is the code)
+    elif inner is None:  # (else a decorator written in C, such as lru_cache: what it wraps is the code)
         msg = f"{type(obj).__name__} {short_repr(obj)} has no Python code to digest"
         raise NoIdentity(msg)
 
