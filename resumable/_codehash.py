@@ -286,11 +286,8 @@ def _functions_inside(table: Any, module: dict[str, Any]) -> list[tuple[str, typ
         return None  # data, not a table: looking through a large value would cost every first call
     if set(map(type, table.values() if tp is dict else table)) <= _PLAIN_DATA:
         return None
-    if tp is dict:
-        pairs = [(repr(k), v) for k, v in table.items()]
-    else:
-        pairs = [(str(i), v) for i, v in enumerate(table)]
-    found = [(label, fn) for label, v in pairs if (fn := _helper(v, module)) is not None]
+    items = table.items() if tp is dict else enumerate(table)  # (an index's repr is its str)
+    found = [(repr(key), fn) for key, v in items if (fn := _helper(v, module)) is not None]
     return found or None
 
 
