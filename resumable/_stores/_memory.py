@@ -38,7 +38,7 @@ class MemoryStore(Store):
 
     def __init__(self, name: str = "") -> None:
         self.location = f"memory://{name}"
-        self._objects: dict[str, bytes | bytearray] = {}
+        self._objects: dict[str, bytearray] = {}
         self._mutex = threading.Lock()
         self._holders: dict[str, dict[str, Any]] = {}  # the lock's holder, per prefix
         self._prefix = ""
@@ -72,18 +72,13 @@ class MemoryStore(Store):
             raise FileNotFoundError(f"{self.location}/{key}") from None
 
     def write(self, key: str, chunks: Sequence[Buffer], *, durable: bool) -> None:  # noqa: ARG002
-        data = b"".join(chunks)
+        data = bytearray().join(chunks)  # (appends extend it in place)
         with self._mutex:
             self._objects[self._prefix + key] = data
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:  # noqa: ARG002
-        key = self._prefix + key
         with self._mutex:
-            current = self._objects.get(key)
-            if isinstance(current, bytearray):
-                current += data
-            else:
-                self._objects[key] = bytearray(current or b"") + data
+            self._objects.setdefault(self._prefix + key, bytearray()).extend(data)
 
     def delete(self, key: str, *, durable: bool) -> None:  # noqa: ARG002
         with self._mutex:
