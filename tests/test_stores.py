@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -51,6 +52,35 @@ def test_append(store: Store):
     store.append("log/events.jsonl", b"a\n", durable=False)
     store.append("log/events.jsonl", b"b\n", durable=True)
     assert b"a\nb\n" == bytes(store.read("log/events.jsonl"))
+
+
+def test_reads_racing_appends(store: Store):
+    """A thread reading a log while another appends to it: neither fails, and no append is lost."""
+    store.append("events.jsonl", b"", durable=False)
+    done = threading.Event()
+    reads: list[int] = []
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            while not done.is_set():
+                reads.append(len(store.read("events.jsonl", 0, 64)))
+        except BaseException as exc:
+            errors.append(exc)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: appends land while a read copies
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for i in range(20_000):
+            store.append("events.jsonl", f"{i}\n".encode(), durable=False)
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(switch)
+    assert ([], True) == (errors, len(reads) > 0)
+    assert "".join(f"{i}\n" for i in range(20_000)).encode() == bytes(store.read("events.jsonl"))
 
 
 def test_lock_is_exclusive_and_names_holder(store: Store):

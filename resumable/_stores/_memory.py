@@ -66,8 +66,9 @@ class MemoryStore(Store):
 
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytearray:
         try:
-            # a copy: values decoded from it (NumPy arrays) must not alias the store
-            return bytearray(memoryview(self._objects[self._prefix + key])[start:end])
+            # a slice is a copy (values decoded from it must not alias the store), made
+            # without exporting the buffer, which would make a concurrent append fail
+            return self._objects[self._prefix + key][start:end]
         except KeyError:
             raise FileNotFoundError(f"{self.location}/{key}") from None
 
