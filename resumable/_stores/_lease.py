@@ -30,7 +30,10 @@ class LeaseConflict(Exception):  # noqa: N818 - an outcome, not an error to show
 
 
 def ttl_seconds(value: float | None, location: str) -> float:
-    """The lease time to live: *value*, else ``$RESUMABLE_LEASE_TTL``, else :data:`DEFAULT_TTL` seconds."""
+    """
+    The lease time to live of the store at *location*: *value*, else
+    ``$RESUMABLE_LEASE_TTL``, else :data:`DEFAULT_TTL` seconds.
+    """
     text = os.environ.get(TTL_VARIABLE) if value is None else str(value)
     if not text:
         return DEFAULT_TTL
@@ -134,14 +137,19 @@ class Lease:
     def acquire(self) -> None:
         """Take the lease, or raise :class:`StateLockedError` naming its holder."""
         for _ in range(5):
-            # the tag first, then the content: a condition on this tag can only be met by the
-            # version read now or an older one, never a newer, renewed lease
-            expect = self._io.lease_tag()
             info = parse_lease(self._io.lease_read())
-            if (expect is None) != (info is None):
-                continue  # taken or released meanwhile: look again
-            if info is not None and not expired(info):
-                raise locked_error(self._io.location, info)
+            expect: str | None = None
+            if info is not None:
+                if not expired(info):
+                    raise locked_error(self._io.location, info)
+                # the tag first, then the content: a condition on this tag can only be met
+                # by the version read now or an older one, never a newer, renewed lease
+                expect = self._io.lease_tag()
+                info = parse_lease(self._io.lease_read())
+                if expect is None or info is None:
+                    continue  # released meanwhile: look again
+                if not expired(info):
+                    raise locked_error(self._io.location, info)
             try:
                 self._write(expect)
             except LeaseConflict:
