@@ -264,6 +264,22 @@ def atomic_store(directory: str, i: int, value: object, *, durable: bool) -> Non
         fsync_dir(directory)
 
 
+GROUP_WINDOW = 0.1  # as resumable's local store: a rename's directory fsync is shared this long
+_unsynced_since: dict[str, float] = {}
+
+
+def atomic_store_grouped(directory: str, i: int, value: object) -> None:
+    """atomic_store's fsyncs as resumable makes them: the directory's shared with the next 0.1 s."""
+    target = os.path.join(directory, f"{i}.msgpack")
+    tmp = target + ".tmp"
+    write_file(tmp, msgpack.packb(value), fsync=True)
+    os.replace(tmp, target)
+    now = time.monotonic()
+    if now - _unsynced_since.setdefault(directory, now) >= GROUP_WINDOW:
+        fsync_dir(directory)
+        del _unsynced_since[directory]
+
+
 def naive_load(path: str) -> Any:
     """os.path.exists, read, msgpack load: the hand-written skip."""
     if not os.path.exists(path):
@@ -907,7 +923,7 @@ def bench_first_skip(base: Path, rounds: int) -> list[Row]:
 def bench_store(base: Path, rounds: int) -> list[Row]:
     n = 40
     langgraph = load_peer("langgraph.checkpoint.sqlite")
-    res: dict[str, Samples] = {"library": [], "atomic": [], "langgraph": [], "dbos": []}
+    res: dict[str, Samples] = {"library": [], "atomic": [], "grouped": [], "langgraph": [], "dbos": []}
     if langgraph is None:
         res["langgraph"] = not_installed("langgraph")
     with dbos_child(base / "store-dbos.sqlite") as dbos:
@@ -919,6 +935,7 @@ def bench_store(base: Path, rounds: int) -> list[Row]:
             # Fresh state each round, for every side: each stores into a store holding < 100 outputs.
             root = base / f"store-{r}"
             (root / "atomic").mkdir(parents=True)
+            (root / "grouped").mkdir()
             counter = itertools.count(1)
             blocks: dict[str, Callable[[], float]] = {}
 
@@ -936,7 +953,14 @@ def bench_store(base: Path, rounds: int) -> list[Row]:
                     store_small(i)
                 return (time.perf_counter() - t0) / n
 
-            blocks |= {"library": library, "atomic": atomic}
+            def grouped(directory: str = str(root / "grouped"), counter: Iterator[int] = counter) -> float:
+                start = next(counter) * n
+                t0 = time.perf_counter()
+                for i in range(start, start + n):
+                    atomic_store_grouped(directory, i, SMALL)
+                return (time.perf_counter() - t0) / n
+
+            blocks |= {"library": library, "atomic": atomic, "grouped": grouped}
             if langgraph is not None:
                 saver = langgraph_saver(root / "langgraph.sqlite")
                 langgraph_put(saver, langgraph_checkpoints(1), "warm")
@@ -979,10 +1003,17 @@ def bench_store(base: Path, rounds: int) -> list[Row]:
         versus(
             name,
             library_s,
-            "atomic replace with the same fsyncs (write, fsync, rename, fsync dir)",
-            res["atomic"],
+            "atomic replace with the same fsyncs (write, fsync, rename; the directory fsync shared for 0.1 s)",
+            res["grouped"],
             target="≤ 1.1",
             check=lambda r: r <= 1.1,
+            details=details,
+        ),
+        versus(
+            name,
+            library_s,
+            "atomic replace, fsyncing its directory every time",
+            res["atomic"],
             details=details,
         ),
         versus(name, library_s, "DBOS step (SQLite)", res["dbos"], best=best == "dbos", details=details),

@@ -460,6 +460,8 @@ class Journal:
         lines = [_dumps(_signed(event, self.secret)) + "\n" for event in pending]
         chunk = "".join(lines).encode()
         try:
+            if durable:  # what the events record (outputs just stored) is durable before they are
+                self.store.sync()
             if self._torn:
                 self._cut_log(self._offset)
                 self._torn = False
@@ -476,6 +478,7 @@ class Journal:
             # A log this run created is fsynced, but its name may not be: a durable write
             # of the manifest fsyncs the directory the two share.
             self._write_state(*self.manifest.dump(), durable=True)
+            self.store.sync()
             self._log_entry_durable = True
 
     def write_pending(self, *, durable: bool) -> None:
@@ -493,6 +496,8 @@ class Journal:
                 offset = self._offset
             # encoded outside the lock: steps keep running while a large manifest is written
             size = self._write_state(data, records, durable=durable)
+            if durable:
+                self.store.sync()
             self.saved_offset = offset
             # A large manifest is rewritten less often: a rewrite costs the step that makes
             # it. Readers replay the log, so none sees it stale.

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from resumable import Pipeline, ResumableError, StateDirectoryError, StateLockedError, Store
-from resumable._stores import key_stamp, open_store
+from resumable._stores import _local, key_stamp, open_store
 from resumable._stores._local import LocalStore
 from resumable._stores._memory import MemoryStore
 
@@ -143,8 +143,10 @@ def _fsynced(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_local_fsyncs_only_when_durable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """
     durable=False fsyncs nothing. durable=True fsyncs the file, then its directory (and the
-    parent of a directory it makes), before the write returns.
+    parent of a directory it makes), before the write returns (with no window to share it in).
     """
+    monkeypatch.setattr(_local, "_unsynced", {})
+    monkeypatch.setattr(_local, "GROUP_WINDOW", 0.0)
     store = LocalStore(tmp_path)
     synced = _fsynced(monkeypatch)
     store.write("a.msgpack", [b"x"], durable=False)
@@ -164,6 +166,42 @@ def test_local_fsyncs_only_when_durable(tmp_path: Path, monkeypatch: pytest.Monk
     synced.clear()
     store.delete("manifest.json", durable=True)
     assert [str(tmp_path)] == synced
+
+
+def test_durable_writes_share_their_directory_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """
+    A durable write fsyncs its file before it returns; its directory's fsync is shared with
+    the durable writes of the next GROUP_WINDOW seconds, or done by ``sync``. A directory
+    deleted meanwhile is skipped.
+    """
+    monkeypatch.setattr(_local, "_unsynced", {})
+    clock = [100.0]
+    monkeypatch.setattr(_local.time, "monotonic", lambda: clock[0])
+    store = LocalStore(tmp_path)
+    synced = _fsynced(monkeypatch)
+    store.write("step/1.msgpack", [b"x"], durable=True)
+    store.write("step/2.msgpack", [b"x"], durable=True)
+    store.write("other/1.msgpack", [b"x"], durable=True)
+    files = [str(tmp_path / key) for key in ("step/1.msgpack", "step/2.msgpack", "other/1.msgpack")]
+    assert [str(tmp_path), files[0], files[1], str(tmp_path), files[2]] == synced  # made dirs' parents
+    synced.clear()
+    clock[0] += _local.GROUP_WINDOW / 2
+    store.write("step/3.msgpack", [b"x"], durable=True)
+    assert [str(tmp_path / "step/3.msgpack")] == synced
+    synced.clear()
+    clock[0] += _local.GROUP_WINDOW / 2
+    store.write("step/4.msgpack", [b"x"], durable=True)  # the first rename's window is over
+    assert [str(tmp_path / "step/4.msgpack"), str(tmp_path / "step"), str(tmp_path / "other")] == synced
+    synced.clear()
+    store.write("other/2.msgpack", [b"x"], durable=True)
+    store.write("gone/1.msgpack", [b"x"], durable=True)
+    store.delete("gone/1.msgpack", durable=False)  # its emptied directory goes too
+    synced.clear()
+    store.sync()
+    assert [str(tmp_path / "other")] == synced
+    synced.clear()
+    store.sync()
+    assert [] == synced
 
 
 def test_local_stamps_follow_versions(tmp_path: Path):
@@ -438,13 +476,16 @@ def test_temporary_files_of_a_dead_lock_holder_are_removed_by_the_next(tmp_path:
     assert (state / ".b.msgpack.1-1-2.tmp").exists()
 
 
-def test_a_durable_step_returns_with_its_output_and_directory_fsynced(
+def test_a_durable_step_syncs_its_directory_before_what_must_follow(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
     """
-    When a durable step call returns, its output file and its directory are fsynced; a
-    non-idempotent step's completion is fsynced to the log after them.
+    When a durable step call returns, its output file is fsynced; its directory's fsync is
+    shared with the stores that follow, and comes at once before a non-idempotent step's
+    start or completion is fsynced to the log, and when the run closes.
     """
+    monkeypatch.setattr(_local, "_unsynced", {})
+    monkeypatch.setattr(_local, "GROUP_WINDOW", 3600.0)  # never shared by time here
     pipe = Pipeline("p", state_dir=tmp_path)
 
     @pipe.step(key="{i}")
@@ -455,15 +496,19 @@ def test_a_durable_step_returns_with_its_output_and_directory_fsynced(
     def charge(i: int) -> int:
         return i
 
+    events, safe_dir, charge_dir = (str(tmp_path / name) for name in ("events.jsonl", "safe", "charge"))
     with pipe:
         safe(0)  # the step directories exist from here on
         charge(0)
         synced = _fsynced(monkeypatch)
         safe(1)
-        assert [str(tmp_path / "safe" / "1.msgpack"), str(tmp_path / "safe")] == synced
+        assert [str(tmp_path / "safe" / "1.msgpack")] == synced
         synced.clear()
         charge(1)
-        events = str(tmp_path / "events.jsonl")
-        output = [str(tmp_path / "charge" / "1.msgpack"), str(tmp_path / "charge")]
-        # its start before it runs; its output, its directory, then its completion
-        assert [events, *output, events] == synced
+        # its start before it runs (after the directory safe(1) left); its output, its
+        # directory, then its completion
+        assert [safe_dir, events, str(tmp_path / "charge" / "1.msgpack"), charge_dir, events] == synced
+        safe(2)
+        synced.clear()
+    assert safe_dir in synced  # the close
+    assert {} == _local._unsynced

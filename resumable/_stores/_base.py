@@ -31,7 +31,8 @@ class Store(abc.ABC):
 
     - ``write`` is atomic: a reader sees the previous object or the new one, never a mix,
       even if the writer is killed; with ``durable=True`` the new object survives a
-      power loss once ``write`` returns.
+      power loss once ``write`` returns, or once :meth:`sync` returns where the store
+      shares that work among writes that follow closely.
     - ``read`` returns the whole object (or the range asked for) or raises ``FileNotFoundError``.
     - ``lock`` lets one holder at a time in, raises :class:`StateLockedError` naming the
       holder otherwise, and never stays held after its holder died (a lease: once it expired).
@@ -84,6 +85,13 @@ class Store(abc.ABC):
         copy) overrides it.
         """
         self.write(dst, [self.read(src)], durable=durable)
+
+    def sync(self) -> None:  # noqa: B027 - nothing to do by default
+        """
+        Make every durable write that returned survive a power loss now. Called before a
+        step that must not run twice begins or is recorded, and when a run closes. Default:
+        nothing to do (each durable write is complete when it returns).
+        """
 
     def remove_temp_files(self, *, dry_run: bool = False) -> builtins.list[str]:  # noqa: ARG002 - none by default
         """

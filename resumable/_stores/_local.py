@@ -15,6 +15,7 @@ import json
 import os
 import stat
 import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -45,6 +46,29 @@ def fsync_dir(path: str) -> None:
             os.close(fd)
     except OSError as exc:
         raise with_path(exc, path) from exc
+
+
+# SPEC §6: the directory fsync of a durable store is shared with the durable stores that follow
+# it within GROUP_WINDOW seconds; LocalStore.sync() (the close of a run, a step that must not
+# run twice) does the ones still due at once. Directory -> when its first unsynced rename was
+# made. Process-wide, as the directories are (plain dict operations: no lock to fork with).
+GROUP_WINDOW = 0.1
+_unsynced: dict[str, float] = {}
+
+
+def _fsync_grouped(directory: str) -> None:
+    """Note a rename in *directory*; fsync the directories whose first unsynced rename is old enough."""
+    now = time.monotonic()
+    _unsynced.setdefault(directory, now)
+    _fsync_unsynced(noted_by=now - GROUP_WINDOW)
+
+
+def _fsync_unsynced(*, noted_by: float = float("inf")) -> None:
+    """fsync the directories noted by *noted_by* (all by default); one deleted since has nothing to keep."""
+    for path, since in list(_unsynced.items()):
+        if since <= noted_by and _unsynced.pop(path, None) is not None:
+            with contextlib.suppress(FileNotFoundError):
+                fsync_dir(path)
 
 
 def write_all(fd: int, chunks: Iterable[Buffer]) -> None:
@@ -297,7 +321,7 @@ class LocalStore(Store):
                 raise self.error(exc, target) from exc
             raise
         if durable:
-            fsync_dir(directory)
+            _fsync_grouped(directory)
 
     def copy(self, src: str, dst: str, *, durable: bool) -> None:
         """
@@ -332,7 +356,11 @@ class LocalStore(Store):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         if durable:
-            fsync_dir(directory)
+            _fsync_grouped(directory)
+
+    def sync(self) -> None:
+        """fsync the directories of the durable writes whose directory fsync is still to come."""
+        _fsync_unsynced()
 
     def append(self, key: str, data: bytes, *, durable: bool) -> None:
         file = self.open_append(key, durable=durable)
