@@ -67,7 +67,7 @@ from typing import Any
 
 import benchlib
 import msgpack
-from benchlib import SMALL, Row, drive, fsync_dir, interleave, ms, quiet, ratios, us
+from benchlib import SMALL, Row, drive, fsync_dir, fsync_dir_shared, interleave, ms, quiet, ratios, us
 
 from resumable import Pipeline, checkpointed_map, step
 
@@ -264,20 +264,13 @@ def atomic_store(directory: str, i: int, value: object, *, durable: bool) -> Non
         fsync_dir(directory)
 
 
-GROUP_WINDOW = 0.1  # as resumable's local store: a rename's directory fsync is shared this long
-_unsynced_since: dict[str, float] = {}
-
-
 def atomic_store_grouped(directory: str, i: int, value: object) -> None:
     """atomic_store's fsyncs as resumable makes them: the directory's shared with the next 0.1 s."""
     target = os.path.join(directory, f"{i}.msgpack")
     tmp = target + ".tmp"
     write_file(tmp, msgpack.packb(value), fsync=True)
     os.replace(tmp, target)
-    now = time.monotonic()
-    if now - _unsynced_since.setdefault(directory, now) >= GROUP_WINDOW:
-        fsync_dir(directory)
-        del _unsynced_since[directory]
+    fsync_dir_shared(directory)
 
 
 def naive_load(path: str) -> Any:

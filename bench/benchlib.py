@@ -111,6 +111,18 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+GROUP_WINDOW = 0.1  # as resumable's local store: a rename's directory fsync is shared this long
+_unsynced_since: dict[str, float] = {}
+
+
+def fsync_dir_shared(path: str) -> None:
+    """The directory fsync of a durable store as resumable makes it: shared with the next 0.1 s."""
+    now = time.monotonic()
+    if now - _unsynced_since.setdefault(path, now) >= GROUP_WINDOW:
+        fsync_dir(path)
+        del _unsynced_since[path]
+
+
 def quiet() -> None:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("resumable").setLevel(logging.WARNING)
