@@ -154,6 +154,18 @@ class StoreConformance(abc.ABC):
         _expect([], store.remove_temp_files(), "temporary files removed after a completed write")
         _expect(b"x", bytes(store.read("x.bin")), "an object after remove_temp_files()")
 
+    def test_sync_keeps_every_object(self) -> None:
+        """sync() after durable writes, a copy and a delete changes none of the objects."""
+        store = self.make_store()
+        store.write("a/1.bin", [b"one"], durable=True)
+        store.copy("a/1.bin", "b/1.bin", durable=True)
+        store.write("a/2.bin", [b"two"], durable=True)
+        store.delete("a/2.bin", durable=True)
+        store.sync()
+        store.sync()  # with nothing left to do
+        _expect(["a/1.bin", "b/1.bin"], sorted(store.list()), "the objects after sync()")
+        _expect(b"one", bytes(store.read("b/1.bin")), "a copy after sync()")
+
     def test_write_then_read_whole_object(self) -> None:
         """write joins its chunks (bytes, bytearray, memoryview) into one object; read returns it."""
         store = self.make_store()
