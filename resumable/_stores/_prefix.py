@@ -1,16 +1,7 @@
-"""
-A store inside another: where a named session keeps its state (``.sessions/<id>/``).
-
-A session is a store of its own, in the default session's layout, under a prefix of the
-store it belongs to, with its own lock: a local directory is a :class:`LocalStore` of the
-sub-directory (a ``flock`` of its own), an fsspec URL an :class:`FsspecStore` of the
-sub-URL (a lease of its own), and a ``memory://`` store a view of its keys under the
-prefix (:meth:`MemoryStore.sub`).
-"""
+"""A store inside another, with a lock of its own: where a named session keeps its state."""
 
 from __future__ import annotations
 
-import threading
 import weakref
 
 from ..exceptions import UsageError
@@ -26,15 +17,14 @@ def sub_store(store: Store, prefix: str) -> Store:
         child = LocalStore(f"{store.root}/{prefix}")
     elif isinstance(store, MemoryStore):
         child = store.sub(prefix)
-    elif type(store).__name__ == "FsspecStore":  # not imported unless in use: fsspec is slow to import
+    elif type(store).__name__ == "FsspecStore":
         from ._fsspec import FsspecStore  # noqa: PLC0415 - fsspec is optional and slow to import
 
         if isinstance(store, FsspecStore):
             options = dict(getattr(store.fs, "storage_options", {}) or {})
             child = FsspecStore(f"{store.location}/{prefix}", options, lease_ttl=store.lease_ttl)
     if child is not None:
-        with _parents_lock:
-            _parents[child] = root_of(store)
+        _parents[child] = root_of(store)
         return child
     msg = (
         f"{store!r} cannot hold named sessions: they need a local directory, a memory:// store "
@@ -48,6 +38,5 @@ def root_of(store: Store) -> Store:
     return _parents.get(store, store)
 
 
-_parents_lock = threading.Lock()
 # the store each store made by sub_store is inside (what files sessions share live there)
 _parents: weakref.WeakKeyDictionary[Store, Store] = weakref.WeakKeyDictionary()
