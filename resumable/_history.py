@@ -21,6 +21,7 @@ from ._manifest import Fold, Manifest, StepRecord
 from ._slots import (
     EVENTS,
     INTERNAL_DIR,
+    LOCK,
     MANIFEST,
     OBJECTS,
     OUTPUT_SUFFIX,
@@ -50,7 +51,6 @@ log = logging.getLogger("resumable")
 
 STATE_FORMAT = 1
 STATE_KIND = "resumable-state"
-_LOCK_KEY = f"{INTERNAL_DIR}/lock"
 
 
 @attrs.frozen
@@ -524,7 +524,7 @@ def check_state(state: object, secret: bytes | None) -> dict[str, bytes]:
 
 def _file_problem(key: str, data: bytes, secret: bytes | None) -> str | None:
     parts = key.split("/")
-    if key.startswith("/") or "\\" in key or any(p in {"", ".", ".."} for p in parts) or key == _LOCK_KEY:
+    if key.startswith("/") or "\\" in key or any(p in {"", ".", ".."} for p in parts) or key == LOCK:
         return f"{key!r} is not a valid state file name"
     if key == MANIFEST:
         parsed = parse_manifest(data, secret, MANIFEST)
@@ -555,7 +555,7 @@ def load_state(run: Keeper, files: Mapping[str, bytes]) -> None:
     kill half-way leaves it out of step with the log, and the next run rebuilds it.
     """
     store = run.store
-    before = {key: bytes(store.read(key)) for key in store.list() if key != _LOCK_KEY}
+    before = {key: bytes(store.read(key)) for key in store.list() if key != LOCK}
     try:
         for key, data in sorted(files.items(), key=lambda kv: kv[0] == MANIFEST):
             if before.get(key) != data:
