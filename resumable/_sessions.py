@@ -9,7 +9,6 @@ leaves half a session), the index of summaries, fork, delete, listing, and readi
 from __future__ import annotations
 
 import contextlib
-import errno
 import functools
 import os
 import socket
@@ -34,7 +33,7 @@ from ._slots import (
     step_of,
 )
 from ._stores import Store, check_key
-from ._stores._local import LocalStore
+from ._stores._local import _NO_LINK, LocalStore
 from ._stores._prefix import sub_store
 from .exceptions import ResumableError, SessionBusyError, StateLockedError, UsageError
 
@@ -69,10 +68,7 @@ class SessionInfo(Record):
 
     @classmethod
     def of(cls, summary: Mapping[str, Any]) -> SessionInfo:
-        """
-        From an index summary (what it leaves out is None, 0 or empty). The index is a cache
-        any writer may have damaged: a field of the wrong type reads as left out.
-        """
+        """From an index summary: a field left out or of the wrong type (damaged) is None, 0 or empty."""
 
         def text(key: str) -> str | None:
             value = summary.get(key)
@@ -235,16 +231,11 @@ def delete(root: Store, session: str, *, durable: bool) -> None:
         lock.release()
 
 
-def _local_root(store: Store) -> str | None:
-    """The directory of a local store (None for other stores)."""
-    return store.root if isinstance(store, LocalStore) else None
-
-
 def _remove_dirs(store: Store) -> None:
     """What is left of a deleted local session (files no listing shows, directories), its lock last."""
-    root = _local_root(store)
-    if root is None or not os.path.isdir(root):
+    if not isinstance(store, LocalStore) or not os.path.isdir(store.root):
         return
+    root = store.root
     lock = f"{root}/{LOCK}"
     for directory, _dirs, files in os.walk(root, topdown=False):
         for name in files:
@@ -264,9 +255,9 @@ def _local_linker(src: Store, dst: Store) -> Callable[[str], bool] | None:
     (the new session is empty, locked and marked incomplete: nothing there to replace, no one
     to see a file half made); False where the file system cannot link (then it is copied).
     """
-    src_root, dst_root = _local_root(src), _local_root(dst)
-    if src_root is None or dst_root is None:
+    if not (isinstance(src, LocalStore) and isinstance(dst, LocalStore)):
         return None
+    src_root, dst_root = src.root, dst.root
     made: set[str] = set()
 
     def link(key: str) -> bool:
@@ -287,9 +278,6 @@ def _local_linker(src: Store, dst: Store) -> Callable[[str], bool] | None:
         return True
 
     return link
-
-
-_NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
 
 
 def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
