@@ -203,7 +203,7 @@ def _state(args: argparse.Namespace) -> Store:
 
 
 def _pipeline(args: argparse.Namespace, **options: int) -> Pipeline:
-    """The pipeline of a command that changes state (there must be some): the session's own lock."""
+    """The pipeline of the session, which must hold state."""
     _state(args)
     return Pipeline("resumable-cli", store=args.root, session=args.session, **options)  # type: ignore[arg-type]
 
@@ -265,12 +265,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _why_cmd(args: argparse.Namespace) -> int:
-    store = _state(args)
-    decisions = _why.explain(_history.events(store, secret_bytes(None)), store, args.step, args.key)
-    if not decisions:
-        where = repr(args.step) if args.key is None else f"{args.step!r} with key {args.key!r}"
-        msg = f"no run has called {where} in {store.location}: nothing to explain (see `resumable status`)"
-        raise UsageError(msg)
+    decisions = _pipeline(args).why(args.step, args.key)
     if args.json:
         _out(json.dumps([attrs.asdict(d) for d in decisions], indent=2, ensure_ascii=False))
     else:
