@@ -112,9 +112,8 @@ def events(store: Store, secret: bytes | None) -> Iterator[dict[str, Any]]:
 
 def _events_from(store: Store, secret: bytes | None, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(offset after it, event)`` for each valid event of the log from byte *start* on."""
-    end = start  # after the last complete line
-    offset = start  # where the next piece is read
-    pending = bytearray()
+    offset = end = start  # where the next piece is read; after the last complete line
+    rest = b""
     # a megabyte at a time (a replay that stops early reads no more); at once where a read is a round trip
     size = None if store.slow_appends else _LOG_PIECE
     while True:
@@ -125,12 +124,9 @@ def _events_from(store: Store, secret: bytes | None, start: int) -> Iterator[tup
         except OSError as exc:
             raise state_error(exc, store, EVENTS) from exc
         offset += len(piece)
-        pending += piece
         # only complete lines: a last line without its newline is being written, or was cut short
-        cut = pending.rfind(b"\n") + 1
-        lines = bytes(pending[:cut])
-        del pending[:cut]
-        for line in lines.split(b"\n")[:-1]:
+        *lines, rest = (rest + piece).split(b"\n")
+        for line in lines:
             end += len(line) + 1
             event = parse_event(line, secret)
             if not isinstance(event, str):
@@ -407,10 +403,8 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
     run.journal.write_pending(durable=False)  # the log must hold every event replayed
     point = _state_at(store, run.secret, target)
     number = point.checkpoint.id
-    now = run.journal.manifest.steps
+    current = run.journal.manifest.steps.completed_files()
     then = point.steps or {}
-    slots = set(now) | set(then)
-    current = now.completed_files()
     wanted = {slot: v for slot, rec in then.items() if (v := _version_of(rec)) is not None}
     missing = sorted(set(wanted.values()) - _kept(store) - set(current.values()))
     if missing:
@@ -423,7 +417,7 @@ def rollback(run: Keeper, target: int | str) -> Checkpoint:
             store.copy(object_key(wanted[slot]), slot_file(slot), durable=durable)
         else:
             store.delete(slot_file(slot), durable=durable)
-    run.journal.record("rollback", to=number, changes=_changes(run.journal.manifest, point, slots))
+    run.journal.record("rollback", to=number, changes=_changes(run.journal.manifest, point))
     return point.checkpoint
 
 
@@ -461,11 +455,11 @@ def _cannot_restore(run: Keeper, number: int, slots: list[str]) -> NoReturn:
     raise ResumableError(msg)
 
 
-def _changes(now: Manifest, then: _Point, slots: Iterable[str]) -> dict[str, Any]:
-    """What a rollback from *now* to *then* changes (*slots*: all of either), as its event carries it."""
+def _changes(now: Manifest, then: _Point) -> dict[str, Any]:
+    """What a rollback from *now* to *then* changes, as its event carries it."""
     target = then.steps or {}
     steps: dict[str, Any] = {}
-    for slot in sorted(slots):
+    for slot in sorted(set(now.steps) | set(target)):
         old, new = now.steps.get(slot), target.get(slot)
         if old != new:
             steps[slot] = None if new is None else attrs.asdict(new)
