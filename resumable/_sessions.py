@@ -94,10 +94,6 @@ class SessionInfo(Record):
             metadata if isinstance(metadata, dict) else {},
         )
 
-    def as_dict(self) -> dict[str, Any]:
-        """Plain data (for ``--json``)."""
-        return attrs.asdict(self)
-
 
 # one session's files ---------------------------------------------------------------------
 

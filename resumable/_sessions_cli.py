@@ -12,6 +12,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import attrs
+
 from . import _diff, _render, _sessions
 from ._codec import secret_bytes
 from ._pipeline import Pipeline
@@ -71,7 +73,7 @@ def sessions_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:
         return 0
     infos = _sessions.list_sessions(root, status=args.status, prefix=args.prefix, limit=args.limit)
     if args.json:
-        out(json.dumps([s.as_dict() for s in infos], indent=2, ensure_ascii=False))
+        out(json.dumps([attrs.asdict(s) for s in infos], indent=2, ensure_ascii=False))
         return 0
     if not infos:
         out(f"no sessions in {root.location}")
