@@ -247,14 +247,11 @@ def _show(args: argparse.Namespace) -> int:
         else:
             msg = f"no stored output for {slot!r} in {store.location} (it holds {describe_slots(stored)})"
         raise UsageError(msg)
-    where = f"{store.location}/{slot_file(slot)}"
     try:
         checked = read_verified(store.read(slot_file(slot)), secret_bytes(None))
         value = checked.decode(allow_pickle=args.allow_pickle, stand_ins=True)
-    except FileNotFoundError:
-        raise ResumableError(f"{where} was removed while it was being read") from None
     except DamagedFileError as exc:
-        raise ResumableError(f"{where} is damaged: {exc}") from None
+        raise ResumableError(f"{store.location}/{slot_file(slot)} is damaged: {exc}") from None
     if args.json:
         _out(_render.as_json(value))
         return 0
@@ -315,7 +312,7 @@ def _import(args: argparse.Namespace) -> int:
     try:
         with open(args.file, "rb") as f:
             state = msgpack.unpackb(f.read(), raw=False)
-    except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
+    except ValueError as exc:  # (msgpack's errors are ValueErrors)
         raise DamagedStateError(f"{args.file} is not an export of resumable state ({exc})") from None
     pipe = Pipeline("resumable-cli", store=args.root, session=args.session)
     pipe.load_state(state)
