@@ -368,9 +368,6 @@ def find(points: list[_Point], target: int | str) -> int:
     """
     The id of the checkpoint *target* names: an id, a snapshot label, or a step (or slot)
     name, which means the state just before that step last completed (0: the empty state).
-
-    Raises:
-        UsageError: nothing matches.
     """
     if isinstance(target, int) or target.isdigit():
         number = int(target)
@@ -486,13 +483,7 @@ def _reorder(before: list[str], after: list[str]) -> tuple[list[str], list[tuple
 
 
 def check_state(state: object, secret: bytes | None) -> dict[str, bytes]:
-    """
-    Validate state data from ``Pipeline.save_state``; return its files.
-
-    Raises:
-        StateFormatError: it comes from a newer version.
-        DamagedStateError: it is not state data, or a file in it is damaged or not authentic.
-    """
+    """The files of state data from ``Pipeline.save_state``, checked (see ``Pipeline.load_state``)."""
     if not isinstance(state, Mapping) or state.get("kind") != STATE_KIND:
         msg = "this is not resumable state data (save_state() or `resumable export` make it)"
         raise DamagedStateError(msg)

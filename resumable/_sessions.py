@@ -202,10 +202,7 @@ def exists(root: Store, session: str) -> bool:
 
 
 def delete(root: Store, session: str, *, durable: bool) -> None:
-    """
-    Remove session *session*, crash-safely: the ``incomplete`` marker is written (durably)
-    before anything is deleted, and whoever opens the session next finishes the delete.
-    """
+    """Remove session *session*: the ``incomplete`` marker goes first, whoever opens it next finishes."""
     store = session_store(root, session)
     if not store.list():  # (a half-deleted session lists its marker)
         with contextlib.suppress(OSError):  # the index is a cache (see record)
@@ -282,9 +279,6 @@ def fill_fork(root: Store, src: str, dst: str, store: Store) -> None:
     fork or delete left, mark it incomplete, and copy *src*'s state into it as a run writes it
     (the manifest and the log's whole lines first), linking the outputs (hard links,
     server-side copies). The marker stays until the fork is complete.
-
-    Raises:
-        UsageError: *dst* holds a session already.
     """
     prepare(store, durable=False)
     if store.list():
