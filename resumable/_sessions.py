@@ -183,13 +183,13 @@ def list_sessions(
     """The sessions of *root*, newest first (by last update), filtered; reads only."""
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise UsageError(f"limit must be an int >= 0 or None, got {limit!r}")
-    found = list(index_of(root).read().values())
+    found = [SessionInfo.of(s) for s in index_of(root).read().values()]
     if status is not None:
-        found = [s for s in found if (s.get("status") or "new") == status]
+        found = [s for s in found if s.status == status]
     if prefix is not None:
-        found = [s for s in found if s["id"].startswith(prefix)]
-    found.sort(key=lambda s: (u if isinstance(u := s.get("updated_at"), str) else "", s["id"]), reverse=True)
-    return [SessionInfo.of(s) for s in (found if limit is None else found[:limit])]
+        found = [s for s in found if s.id.startswith(prefix)]
+    found.sort(key=lambda s: (s.updated_at, s.id), reverse=True)
+    return found if limit is None else found[:limit]
 
 
 def exists(root: Store, session: str) -> bool:
