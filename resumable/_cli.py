@@ -24,7 +24,6 @@ from ._clean import clean as clean_state
 from ._codec import DamagedFileError, read_verified, secret_bytes
 from ._journal import read_state
 from ._pipeline import Pipeline, describe_slots, snapshot
-from ._report import report as write_report
 from ._report import write_file
 from ._slots import (
     EVENTS,
@@ -321,10 +320,7 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    path = write_report(
-        _state(args), secret_bytes(None), args.output, run=args.run, compare=args.compare,
-        root=args.root, session=args.session,
-    )  # fmt: skip
+    path = _pipeline(args).report(args.output, run=args.run, compare=args.compare)
     _out(f"wrote {path}")
     if args.open:
         import webbrowser  # noqa: PLC0415 - only `report --open`; slow to import
