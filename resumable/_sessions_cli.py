@@ -71,7 +71,7 @@ def sessions_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:
             pipe.delete_session(sid)
             out(f"deleted session {sid!r}")
         return 0
-    infos = _sessions.list_sessions(root, status=args.status, prefix=args.prefix, limit=args.limit)
+    infos = pipe.sessions(status=args.status, prefix=args.prefix, limit=args.limit)
     if args.json:
         out(json.dumps([attrs.asdict(s) for s in infos], indent=2, ensure_ascii=False))
         return 0
@@ -109,12 +109,8 @@ def diff_cmd(args: argparse.Namespace, root: Store, out: Out) -> int:
 def clean_sessions(root: Store, idle: dt.timedelta, *, dry_run: bool, out: Out) -> int:
     """``resumable clean --sessions --idle AGE``: delete completed and failed sessions idle that long."""
     cutoff = (dt.datetime.now(dt.UTC) - idle).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-    old = [
-        s
-        for s in _sessions.list_sessions(root)
-        if s.status in {"completed", "failed"} and s.updated_at < cutoff
-    ]
     pipe = Pipeline("resumable-cli", store=root)
+    old = [s for s in pipe.sessions() if s.status in {"completed", "failed"} and s.updated_at < cutoff]
     verb = "would delete" if dry_run else "deleted"
     for s in old:
         if not dry_run:
