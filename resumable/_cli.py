@@ -279,8 +279,6 @@ def _reset(args: argparse.Namespace) -> int:
 
 def _history_cmd(args: argparse.Namespace) -> int:
     store, secret = _state(args), secret_bytes(None)
-    # read without the lock and writing nothing: it works while another process runs the
-    # pipeline, and on a read-only directory
     points = _history.checkpoints(store, secret, args.limit, read_state(store, secret=secret))
     if args.json:
         _out(json.dumps([attrs.asdict(c) for c in points], indent=2))
