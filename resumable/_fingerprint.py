@@ -204,6 +204,10 @@ SLOW_AFTER = 1.0
 _clock = time.monotonic
 
 
+def _pack_surrogates(obj: Any) -> bytes:
+    return msgpack.packb(obj, unicode_errors="surrogatepass")  # type: ignore[no-any-return]
+
+
 def stored_argument_digest(digest: str) -> str:
     """The argument digest (hex) of a step output passed on unchanged, stored with *digest*."""
     return blake3.blake3(_STORED + msgpack.packb(digest)).hexdigest()
@@ -227,11 +231,16 @@ class _Feeder:
         packer = msgpack.Packer(use_bin_type=True, buf_size=1024)
         self._pack: Callable[[Any], bytes] = packer.pack
         self._header: Callable[[int], bytes] = packer.pack_array_header
-        # names, tags and the text of other scalars (a path may hold lone surrogates)
-        self._text: Callable[[Any], bytes] = msgpack.Packer(unicode_errors="surrogatepass", buf_size=256).pack
         self.capturing = 0  # > 0 while encodings are made to be sorted: nothing is hashed
         self._describe = describe
         self._deadline = _clock() + SLOW_AFTER if describe is not None else math.inf
+
+    def _text(self, obj: Any) -> bytes:
+        """Names, tags and the text of other scalars (a path's text may hold lone surrogates)."""
+        try:
+            return self._pack(obj)
+        except UnicodeEncodeError:
+            return _pack_surrogates(obj)
 
     def _leaf(self, obj: Any) -> bytes:
         """A plain scalar msgpack cannot write as it is: an int beyond 64 bits, a str with lone surrogates."""
@@ -240,12 +249,13 @@ class _Feeder:
         except OverflowError:
             return _BIG_INT + self._pack(str(obj))
         except UnicodeEncodeError:
-            return _SURROGATES + self._text(obj)
+            return _SURROGATES + _pack_surrogates(obj)
 
     def digest(self) -> bytes:
         """The BLAKE3 digest (32 bytes) of the stream."""
         self._hasher.update(self.out)
-        self._tick()  # a value hashed without a look at the clock is announced now
+        if self._describe is not None:
+            self._tick()  # a value hashed without a look at the clock is announced now
         return bytes(self._hasher.digest())
 
     def _write(self, data: bytes | memoryview) -> None:
@@ -277,7 +287,10 @@ class _Feeder:
     def feed(self, obj: Any) -> None:
         tp = type(obj)
         if tp in _LEAVES:
-            packed = self._leaf(obj)
+            try:
+                packed = self._pack(obj)
+            except _UNPACKABLE:
+                packed = self._leaf(obj)
             if len(packed) < _DIRECT:
                 self.out += packed  # most leaves: a call fewer
             else:
@@ -305,9 +318,8 @@ class _Feeder:
         elif tp is StoredOutput:
             self.out += _LAZY + bytes.fromhex(obj.arg_digest)
         elif tp is set or tp is frozenset:
-            items = self._ordered(list(obj), " element ")
             self.out += _SET
-            self._listed(items, " element {!r}", items)
+            self._sorted(list(obj), " element ")
         else:
             self._content(obj, tp)
 
@@ -468,13 +480,23 @@ class _Feeder:
 
     def _dict(self, obj: dict[Any, Any]) -> None:
         """A dict: its keys in canonical order, then its values in that order (two lists)."""
-        keys = self._ordered(list(obj), " key ")
-        values = list(map(obj.__getitem__, keys))
         self._enter(obj)
         self.out += _DICT
-        self._listed(keys, " key {!r}", keys)
-        self._listed(values, "[{!r}]", keys)
+        keys = self._sorted(list(obj), " key ")
+        self._listed(list(map(obj.__getitem__, keys)), "[{!r}]", keys)
         self.active.discard(id(obj))
+
+    def _sorted(self, items: list[Any], label: str) -> list[Any]:
+        """Write dict keys or set elements as a list in their canonical order; return them in that order."""
+        types = set(map(type, items))
+        if len(types) == 1 and types <= _NATURAL:  # plain scalars, sorted as they are
+            items.sort()
+            self.out += _LIST
+            self._scalars(items)
+            return items
+        items = self._ordered(items, label)
+        self._listed(items, label + "{!r}", items)
+        return items
 
     def _ordered(self, items: list[Any], label: str) -> list[Any]:
         """
