@@ -177,6 +177,27 @@ def test_wrapping_a_value_changes_its_digest(value):
     assert 4 == len(digests)
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        [],
+        (),
+        [1, "a", b"b", 2.5, None, True],
+        (3, 4),
+        list(range(5000)),
+        [2**70, 1],
+        ["\udcff"],
+        [-(2**63), 2**64 - 1],
+    ],
+)
+def test_plain_sequences_digest_as_any_value(value):
+    """Lists and tuples of plain scalars skip the general walk: their digest is the same."""
+    feeder = _fingerprint._Feeder()
+    feeder.feed(value)
+    assert digest_value(value) == feeder.digest().hex()
+    assert digest_value([value]) != digest_value(value)
+
+
 def test_parameter_names_and_step_order_matter():
     """The same value under another parameter name, or arguments swapped, give other digests."""
     assert digest(1, "x") != digest(1, "y")
