@@ -182,6 +182,9 @@ provenance = _Provenance()
 _LEAVES: frozenset[type] = frozenset({type(None), bool, int, float, str, bytes})
 _NATURAL: frozenset[type] = frozenset({str, int, bytes})  # totally ordered: keys sorted as they are
 
+# the item types of a list of dicts, and of rows
+_ONLY_DICTS: frozenset[type] = frozenset({dict})
+_ONLY_ROWS: tuple[frozenset[type], ...] = (frozenset({tuple}), frozenset({list}))
 _LIST, _TUPLE = b"\xc1l", b"\xc1t"
 _SEQ_TAGS: dict[type, bytes] = {list: _LIST, tuple: _TUPLE}
 _ROWS = b"\xc1r"  # a list or tuple of lists (or of tuples) of plain scalars
@@ -376,10 +379,10 @@ class _Feeder:
             self.out += tag
             self._scalars(obj)
             return
-        if types == {dict}:
+        if types == _ONLY_DICTS:
             self._records(obj, tag)
             return
-        rows = types in ({tuple}, {list})
+        rows = types in _ONLY_ROWS
         if rows and set(map(type, chain.from_iterable(obj))) <= _LEAVES:
             self.out += _ROWS + tag + _SEQ_TAGS[types.pop()]
             self._scalars(obj)
