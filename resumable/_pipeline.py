@@ -284,24 +284,16 @@ class Pipeline:
                 self._close(status_for(exc), exc)
 
     @contextmanager
-    def _maintenance(self, *, tidy: bool = False) -> Iterator[RunState]:
-        """
-        The open run, or the lock and state for a moment (no run is counted). With *tidy*,
-        temporary files are removed afterwards if this took the lock (a version kept twice
-        leaves a temporary link name behind).
-        """
+    def _maintenance(self) -> Iterator[RunState]:
+        """The open run, or the lock and state for a moment (no run is counted)."""
         with self._lock:
             run, own = (self._run, False) if self._run is not None else self._maintenance_run()
             try:
                 yield run
             finally:
                 if own:
-                    try:
-                        if tidy:
-                            self.store.remove_temp_files()
-                    finally:
-                        run.close("completed")
-                        self._index_session(run)
+                    run.close("completed")
+                    self._index_session(run)
 
     def _maintenance_run(self) -> tuple[RunState, bool]:
         """A run of our own that counts no run (True), or the open run holding the lock here (False)."""
@@ -434,7 +426,7 @@ class Pipeline:
             UsageError: a name matches no step, slot or batch that the state holds.
             StateLockedError: another process is running the pipeline.
         """
-        with self._maintenance(tidy=True) as run:
+        with self._maintenance() as run:
             manifest = run.journal.manifest
             known, batches = self._known_slots(run)
             if not steps:
@@ -581,7 +573,7 @@ class Pipeline:
             ResumableError: the checkpoint can no longer be restored (pruned, or damaged).
             StateLockedError: another process is running the pipeline.
         """
-        with self._maintenance(tidy=True) as run:
+        with self._maintenance() as run:
             return _history.rollback(run, to)
 
     def save_state(self) -> dict[str, Any]:
@@ -607,7 +599,7 @@ class Pipeline:
             StateFormatError: *state* comes from a newer version of resumable.
         """
         files = _history.check_state(state, self._secret)
-        with self._maintenance(tidy=True) as run:
+        with self._maintenance() as run:
             known = run.journal.manifest.session
             _history.load_state(run, files)
             if self._session_id is not None:  # it stays this session, whoever's state it was
