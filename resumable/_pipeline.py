@@ -7,7 +7,6 @@ enters it, and closes at interpreter exit or at the end of the block.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import json
 import os
@@ -21,7 +20,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, ParamSpec, Self, TypeVar, overload
 
 from . import _context
-from ._codec import DamagedFileError, parse_header, secret_bytes, utcnow, verify
+from ._codec import DamagedFileError, read_verified, secret_bytes, utcnow
 from ._exit import exit_hooks, status_for
 from ._journal import read_head, read_state
 from ._manifest import Manifest
@@ -118,7 +117,7 @@ class Pipeline:
         self._dropped: weakref.finalize[..., Any] | None = None  # closes a script-mode run if dropped
         self._lock = threading.RLock()
         self._depth = 0
-        self._tokens: list[contextvars.Token[Any]] = []
+        self._tokens: list[Any] = []  # what each `with` set in the context, reset on exit
 
     def __repr__(self) -> str:
         where = self._store.location if self._store is not None else self._location
@@ -361,7 +360,7 @@ class Pipeline:
             metadata: JSON values kept with the session (shown by ``sessions()``); given,
                 it replaces what was kept.
         """
-        return Session(self, check_session_id(id), wait=wait, metadata=metadata)
+        return Session(self, id, wait=wait, metadata=metadata)
 
     def sessions(
         self, *, status: str | None = None, prefix: str | None = None, limit: int | None = None
@@ -608,14 +607,10 @@ class Pipeline:
     def _has_output(self, plan: Plan) -> bool:
         """True if *plan*'s slot holds a valid output with its fingerprint."""
         try:
-            data = self.store.read(slot_file(plan.slot))
-            header, head_len = parse_header(data)
-            if header.get("fingerprint") != plan.fingerprint or header["slot"] != plan.slot:
-                return False
-            verify(data, header, head_len, self._secret)
+            header = read_verified(self.store.read(slot_file(plan.slot)), self._secret).header
         except (FileNotFoundError, DamagedFileError):
             return False
-        return True
+        return header.get("fingerprint") == plan.fingerprint and header["slot"] == plan.slot
 
 
 # The runs this process has open, by the token their lock names (held no longer than they are).
@@ -701,7 +696,6 @@ class Session(Pipeline):
         self._wait = wait
         # JSON values, as the event log keeps them (what JSON has not is kept as its str)
         self._metadata = None if metadata is None else json.loads(json.dumps(dict(metadata), default=str))
-        self._session_tokens: list[Any] = []
 
     def __repr__(self) -> str:
         return f"Session({self.id!r}, pipeline={self.name!r}, store={self._root_store.location!r})"
@@ -727,7 +721,7 @@ class Session(Pipeline):
     def _opened(self) -> Self:
         with self._lock:
             self._depth += 1
-        self._session_tokens.append(_context.enter_session(self, self._parent))
+        self._tokens.append(_context.enter_session(self, self._parent))
         return self
 
     def _pause(self, busy: SessionBusyError, started: float, attempt: int) -> float:
@@ -762,7 +756,7 @@ class Session(Pipeline):
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        _context.leave_session(self._session_tokens.pop())
+        _context.leave_session(self._tokens.pop())
         with self._lock:
             self._depth -= 1
             if self._depth == 0:

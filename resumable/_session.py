@@ -153,8 +153,8 @@ class RunState:
         durable: bool,
         allow_pickle: bool,
         secret: bytes | None,
-        keep_checkpoints: int = 20,
-        lagging_manifest: bool = False,
+        keep_checkpoints: int,
+        lagging_manifest: bool,
     ) -> None:
         self.store = store
         self.durable = durable
@@ -356,18 +356,19 @@ class RunState:
         self.last_outcome = "ok"
         if plan.slot not in self._skipped:  # one event and one log line per slot and run are enough
             self._skipped.add(plan.slot)
+            code = header.get("code")
+            # a pinned version kept an output made by other code
+            kept = spec.version is not None and isinstance(code, str) and code != plan.identity.code
             if log.isEnabledFor(logging.INFO):
                 note = f"stored {header.get('created_at', '?')}"
-                if spec.version is not None and header.get("code") not in {None, plan.identity.code}:
+                if kept:
                     changed = _codehash.describe_change(self._old_code(spec.name), plan.identity.components)
                     note += (
                         f"; kept despite a code change ({changed or 'its code'}) "
                         f"because version {spec.version!r} is pinned"
                     )
                 log.info("step %r skipped: %s", plan.slot, note)
-            code = header.get("code")
-            kept = spec.version is not None and isinstance(code, str) and code != plan.identity.code
-            if kept:  # a pinned version kept an output made by other code (for `why`)
+            if kept:  # (for `why`)
                 self._record_code(spec, plan)
                 self.journal.record("step_kept", slot=plan.slot, code=plan.identity.code, was=code)
             # The skips of the slots completed last are logged (why and report show them);
