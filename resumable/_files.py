@@ -93,8 +93,6 @@ class FileDigests:
             digest.update(self._file(os.path.abspath(full), st))
         return digest.digest()
 
-    # the cache in the state directory ----------------------------------------------------
-
     def attach(self, store: Store, secret: bytes | None) -> None:
         """Merge the cache kept in *store*, as its run opens (anything malformed in it is ignored)."""
         if _in_memory(store):

@@ -160,8 +160,6 @@ class Pipeline:
     def _secret(self) -> bytes | None:
         return secret_bytes(self._secret_arg)
 
-    # decorating --------------------------------------------------------------------------
-
     @overload
     def step(self, fn: Callable[P, R], /) -> Step[P, R]: ...
     @overload
@@ -181,8 +179,6 @@ class Pipeline:
         """The ``@step`` decorator, binding steps to this pipeline."""
         decorate: Callable[[Callable[P, R]], Step[P, R]] = step(**options, pipeline=self)
         return decorate if fn is None else decorate(fn)
-
-    # the run -----------------------------------------------------------------------------
 
     def _new_run(self, *, maintenance: bool, prepare: Callable[[], None] | None = None) -> RunState:
         run = RunState(
@@ -307,8 +303,6 @@ class Pipeline:
                 raise
             return held, False
 
-    # the runner --------------------------------------------------------------------------
-
     def _registry(self) -> dict[str, StepSpec[Any, Any]]:
         # a pipeline without steps of its own runs the module-level ones (script mode)
         return self._steps or _context.unbound_steps()
@@ -336,8 +330,6 @@ class Pipeline:
             return run_steps(repr(self), self._session_for(), specs, inputs)
         with self:
             return run_steps(repr(self), self._session_for(), specs, inputs)
-
-    # sessions ----------------------------------------------------------------------------
 
     def session(
         self,
@@ -404,8 +396,6 @@ class Pipeline:
             SessionBusyError: a run holds it.
         """
         _sessions.delete(self._root_store, check_session_id(id), durable=self.durable)
-
-    # state -------------------------------------------------------------------------------
 
     def status(self) -> Manifest:
         """The manifest: where the pipeline stands (a copy; reading it takes no lock)."""
@@ -532,8 +522,6 @@ class Pipeline:
         if run is not None and not run.closed:
             run.journal.write_pending(durable=False)
 
-    # history -----------------------------------------------------------------------------
-
     def checkpoints(self) -> list[Checkpoint]:
         """
         The checkpoints that :meth:`rollback` can restore, oldest first: one after each
@@ -659,8 +647,6 @@ def snapshot(store: Store) -> dict[str, Any]:
     }
 
 
-# --- named sessions ----------------------------------------------------------------------
-
 _POLL = 0.02  # seconds before the second attempt at a busy session's lock (doubling up to _POLL_MAX)
 _POLL_MAX = 0.5
 
@@ -705,8 +691,6 @@ class Session(Pipeline):
         """The session's id."""
         assert self._session_id is not None  # noqa: S101 - a Session is always named
         return self._session_id
-
-    # entering ----------------------------------------------------------------------------
 
     def _try_open(self) -> SessionBusyError | None:
         """Open the run if the lock is free; else the error naming who holds it."""
@@ -767,8 +751,6 @@ class Session(Pipeline):
     ) -> None:
         self.__exit__(exc_type, exc, tb)
 
-    # reading -----------------------------------------------------------------------------
-
     def outputs(self, step: str) -> Mapping[str, Any]:
         """
         The completed outputs of keyed step *step* in this session: an ordered mapping key →
@@ -778,8 +760,6 @@ class Session(Pipeline):
         return _sessions.outputs(
             self.status(), self.store, step, secret=self._secret, allow_pickle=self.allow_pickle
         )
-
-    # forking into it ---------------------------------------------------------------------
 
     def _fork_from(self, src: str, at: int | str | None) -> None:
         """Fill this (new) session with *src*'s state at *at* (see :meth:`Pipeline.fork`)."""

@@ -183,8 +183,6 @@ class RunState:
         # slot -> (stamp, verified file) of files skipped again in this run
         self._verified: dict[str, tuple[Stamp, Verified]] = {}
 
-    # lifecycle ---------------------------------------------------------------------------
-
     def open(self, *, maintenance: bool = False, prepare: Callable[[], None] | None = None) -> None:
         """
         Take the lock and load the state; a normal open also counts a new run. *prepare* is
@@ -274,8 +272,6 @@ class RunState:
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()
-
-    # lookup ------------------------------------------------------------------------------
 
     def lookup(self, spec: StepView, plan: Plan) -> Found:
         """Return the stored output of *plan* if it is there and valid, else why not."""
@@ -483,8 +479,6 @@ class RunState:
     def closed(self) -> bool:
         """True once the run has released its lock: nothing may be written for it any more."""
         return self._lock is None
-
-    # running a step that missed ----------------------------------------------------------
 
     def begin(self, spec: StepView, plan: Plan, found: Found) -> float:
         """Record that a step starts running (durably for non-idempotent steps)."""

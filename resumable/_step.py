@@ -182,8 +182,6 @@ class StepSpec(Generic[P, R]):
                 )
         return key
 
-    # identity ----------------------------------------------------------------------------
-
     def identity(self, within: tuple[object, ...] = ()) -> Identity:
         """
         The step's identity for a call now: its code's shape is worked out again when a name
@@ -229,8 +227,6 @@ class StepSpec(Generic[P, R]):
             shape.static["code"] = blake3.blake3(self.qualname.encode()).hexdigest()[:16]
             return shape
         return _codeshape.code_shape(self.fn, _step_of, self)
-
-    # binding -----------------------------------------------------------------------------
 
     def key_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], bound: dict[str, Any]) -> str | None:
         """The slot key of a call, or None for an unkeyed step."""
@@ -283,8 +279,6 @@ class StepSpec(Generic[P, R]):
                 self._plans.clear()
             self._plans[memo_key] = resolved
         return Plan(*resolved, identity=ident, bound=bound)
-
-    # calling -----------------------------------------------------------------------------
 
     def host(self) -> Host:
         """The step's own pipeline, else the current one; in its named session if one is entered here."""

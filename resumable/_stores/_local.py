@@ -264,8 +264,6 @@ class LocalStore(Store):
             if durable:
                 fsync_dir(os.path.dirname(d))
 
-    # reading -----------------------------------------------------------------------------
-
     def read(self, key: str, start: int = 0, end: int | None = None) -> bytearray:
         path = self.path(key)
         fd = self._open(path, os.O_RDONLY)
@@ -287,8 +285,6 @@ class LocalStore(Store):
         """What identifies the current version of *key* (see :func:`key_stamp`); raises FileNotFoundError."""
         st = os.stat(self.path(key))
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-    # writing -----------------------------------------------------------------------------
 
     def write(self, key: str, chunks: Iterable[Buffer], *, durable: bool) -> None:
         """Write a temp file, rename it over *key*; with *durable*, fsync it and the directory."""
@@ -408,8 +404,6 @@ class LocalStore(Store):
         if durable:
             fsync_dir(directory)
 
-    # listing -----------------------------------------------------------------------------
-
     def remove_temp_files(self, *, dry_run: bool = False) -> builtins.list[str]:
         """
         Delete the temporary files killed writers left behind (``.<name>.<pid>-...tmp``);
@@ -447,8 +441,6 @@ class LocalStore(Store):
                     yield key
                 elif key != SESSIONS_DIR or sessions:
                     stack.append(key)
-
-    # the lock ----------------------------------------------------------------------------
 
     def lock(self, holder: Mapping[str, Any]) -> _FileLock:
         """
