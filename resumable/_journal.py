@@ -41,6 +41,7 @@ from ._manifest import (
 )
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, records_file
 from ._stores import Store, unchanged_since
+from ._stores._base import with_path
 from ._stores._local import AppendFile, LocalStore
 from ._warn import warn
 from .exceptions import StateDirectoryError, StateFormatError
@@ -100,9 +101,7 @@ def state_error(exc: OSError, store: Store, key: str) -> OSError:
     if exc.errno in _UNUSABLE:
         problem = f"{where} cannot be used ({exc.strerror or exc})"
         return StateDirectoryError(str(store.location), problem, errno=exc.errno)
-    if exc.filename is not None:
-        return exc
-    return type(exc)(exc.errno, exc.strerror, where)
+    return with_path(exc, where)
 
 
 # why a line of the log holds no event (see parse_event)

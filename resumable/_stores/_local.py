@@ -19,11 +19,10 @@ import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from .._slots import INTERNAL_DIR, SESSIONS_DIR
+from .._slots import LOCK, SESSIONS_DIR
 from ..exceptions import StateDirectoryError, StateLockedError
 from ._base import Buffer, Stamp, Store, check_key, is_temp, with_path
 
-_LOCK_FILE = f"{INTERNAL_DIR}/lock"
 _counter = itertools.count()
 # link() failing with these means "no hard links here" (another file system, one that has
 # none, or too many links): copy the bytes instead.
@@ -423,7 +422,7 @@ class LocalStore(Store):
         return [
             k
             for k in self._files(base, sessions=prefix.startswith(SESSIONS_DIR))
-            if k.startswith(prefix) and k not in {_LOCK_FILE, GITIGNORE} and not is_temp(k)
+            if k.startswith(prefix) and k not in {LOCK, GITIGNORE} and not is_temp(k)
         ]
 
     def _files(self, base: str, *, sessions: bool) -> Iterator[str]:
@@ -447,9 +446,9 @@ class LocalStore(Store):
         Take the run lock. A lock file that is not empty was left by a holder that died
         (a released lock is emptied): what it was writing, its temporary files, is removed.
         """
-        path = self.path(_LOCK_FILE)
+        path = self.path(LOCK)
         try:
-            self._check_dirs(_LOCK_FILE)
+            self._check_dirs(LOCK)
             self._makedirs(os.path.dirname(path), durable=False)
             fd = self._open(path, os.O_RDWR | os.O_CREAT, own=True)
         except PermissionError as exc:
@@ -494,7 +493,7 @@ class LocalStore(Store):
 
     def _holder(self) -> dict[str, Any] | None:
         try:
-            info = json.loads(self.read(_LOCK_FILE))
+            info = json.loads(self.read(LOCK))
         except (OSError, ValueError):
             return None
         return info if isinstance(info, dict) else None
