@@ -69,9 +69,9 @@ class Pipeline:
         name: shown in the manifest (default: the script's file name).
         state_dir: a local directory (default ``$RESUMABLE_STATE_DIR``, else ``./state``).
         store: a URL (``memory://name`` ...) or a :class:`Store`, instead of *state_dir*.
-        durable: fsync every file and directory it writes, a step's output and its directory
-            before the step returns (``False`` is faster, and still atomic: a crash of the
-            process loses nothing, a power loss may).
+        durable: fsync every file it writes before the step returns, and its directory
+            with those of the writes of the same 0.1 s (``False`` is faster, and still
+            atomic: a crash of the process loses nothing, a power loss may).
         allow_pickle: store outputs msgpack cannot encode with cloudpickle, and read them.
         secret: authenticate every file with this key (default ``$RESUMABLE_SECRET``).
         keep_checkpoints: how many checkpoints history keeps.

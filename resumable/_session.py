@@ -555,8 +555,8 @@ class RunState:
             fields["code"] = ident.components
         self.journal.record(
             "step_completed",
-            # Appended at once (after its output's directory fsync: nothing records a step as
-            # done before its output is durable); a step that must not run twice is synced too.
+            # Appended at once; a step that must not run twice is synced, its output's directory
+            # first (Store.sync): it is never recorded as done before its output is durable.
             sync=not spec.idempotent,
             t=header["created_at"],  # one time for the output and its completion
             slot=plan.slot,
