@@ -573,7 +573,7 @@ class RunState:
                 "step %r completed in %.3fs, %s", plan.slot, time.perf_counter() - started, human_size(size)
             )
 
-    def forget_batches(self, slot: str | None, name: str | None = None) -> int:
+    def forget_batches(self, slot: str | None, name: str | None = None) -> None:
         """Delete the row chunks of a step slot's batches (or of a named batch)."""
         # deepest first, so that emptied sub-directories go too
         keys = sorted(self.store.list(batch_dir(slot, name)), key=lambda k: -k.count("/"))
@@ -582,7 +582,6 @@ class RunState:
         batch = slot if slot is not None else name
         if batch in self.journal.manifest.batches:
             self.journal.record("batch_done", batch=batch)
-        return len(keys)
 
     def _failed(self, spec: StepView, plan: Plan, exc: BaseException, started: float, attempts: int) -> None:
         """Record an exception that escapes a step (if the log cannot take it, it gets a note)."""
