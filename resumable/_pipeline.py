@@ -395,7 +395,7 @@ class Pipeline:
             UsageError: there is no such session.
             SessionBusyError: a run holds it.
         """
-        _sessions.delete(self._root_store, check_session_id(id), durable=self.durable)
+        _sessions.delete(self._root_store, id, durable=self.durable)
 
     def status(self) -> Manifest:
         """The manifest: where the pipeline stands (a copy; reading it takes no lock)."""
@@ -692,14 +692,20 @@ class Session(Pipeline):
         assert self._session_id is not None  # noqa: S101 - a Session is always named
         return self._session_id
 
-    def _try_open(self) -> SessionBusyError | None:
-        """Open the run if the lock is free; else the error naming who holds it."""
+    def _try_open(self, started: float, attempt: int) -> float | None:
+        """
+        Open the run (None) if the session's lock is free; else the wait before the next
+        attempt, or the :class:`SessionBusyError` once out of time.
+        """
         with self._lock:
-            if self._run is None:
+            if self._run is None and not _context.disabled():
                 try:
                     self._run = self._new_run(maintenance=False)
-                except SessionBusyError as exc:
-                    return exc
+                except SessionBusyError:
+                    left = 0.0 if self._wait is None else started + self._wait - time.monotonic()
+                    if left <= 0:
+                        raise
+                    return min(_POLL * 2.0 ** min(attempt, 8), _POLL_MAX, left)
             return None
 
     def _opened(self) -> Self:
@@ -708,34 +714,26 @@ class Session(Pipeline):
         self._tokens.append(_context.enter_session(self, self._parent))
         return self
 
-    def _pause(self, busy: SessionBusyError, started: float, attempt: int) -> float:
-        """The wait before the next attempt at the busy session's lock; raises *busy* if out of time."""
-        left = 0.0 if self._wait is None else started + self._wait - time.monotonic()
-        if left <= 0:
-            raise busy
-        return min(_POLL * 2.0 ** min(attempt, 8), _POLL_MAX, left)
-
     def __enter__(self) -> Self:
-        started = time.monotonic()
-        attempt = 0
-        while not _context.disabled() and (busy := self._try_open()) is not None:
-            time.sleep(self._pause(busy, started, attempt))
+        started, attempt = time.monotonic(), 0
+        while (delay := self._try_open(started, attempt)) is not None:
+            time.sleep(delay)
             attempt += 1
         return self._opened()
 
     async def __aenter__(self) -> Self:
         import asyncio  # noqa: PLC0415 - only async users need it
 
-        started = time.monotonic()
-        attempt = 0
+        started, attempt = time.monotonic(), 0
         remote = self._root_store.slow_appends  # a round trip or more: off the event loop
         while (
-            not _context.disabled()
-            and (busy := await asyncio.to_thread(self._try_open) if remote else self._try_open()) is not None
-        ):
-            await asyncio.sleep(self._pause(busy, started, attempt))
+            delay := await asyncio.to_thread(self._try_open, started, attempt)
+            if remote
+            else self._try_open(started, attempt)
+        ) is not None:
+            await asyncio.sleep(delay)
             attempt += 1
-        return self._opened()
+        return self._opened()  # (here: the context variables are this task's)
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
