@@ -42,7 +42,6 @@ from ._manifest import (
 from ._slots import EVENTS, MANIFEST, OUTPUT_SUFFIX, is_output_file, records_file
 from ._stores import Store, unchanged_since
 from ._stores._base import with_path
-from ._stores._local import AppendFile, LocalStore
 from ._warn import warn
 from .exceptions import StateDirectoryError, StateFormatError
 
@@ -194,7 +193,7 @@ class Journal:
         self._manifest_interval = FLUSH_INTERVAL
         self._manifest_written = time.monotonic()  # when manifest.json was last read or written
         self._torn = False  # an append failed: the log may end with part of a line
-        self._log: AppendFile | None = None  # a local log, held open while the run appends to it
+        self._log_entry_durable = True
         self.rebuilt = False  # load found no usable manifest.json and rebuilt it
         self.large = False  # the manifest read was over LARGE_MANIFEST bytes
         self.unsaved = False  # the manifest holds something manifest.json does not
@@ -219,7 +218,6 @@ class Journal:
         """
         with self.lock:
             self._pending = []  # events not written yet were of the state this load replaces
-            self.close_log()  # the log may be another file now
         manifest, problem = self._read_manifest()
         self.rebuilt = problem is not None
         tail = None if manifest is None else self._read_log(manifest.events_offset)
@@ -236,6 +234,8 @@ class Journal:
         self._offset = manifest.events_offset = self._replay(*(tail or (0, b"")))
         self.unsaved = problem is not None or self._offset != before
         self.saved_offset = 0 if problem is not None else before
+        # a log this journal creates: its directory entry is made durable with the first sync
+        self._log_entry_durable = self._offset > 0
         if problem is not None or manifest.status == "running":
             # a run that did not close may have stored outputs whose events it never wrote
             restored = self._reconcile()
@@ -344,12 +344,12 @@ class Journal:
 
     def _cut_log(self, size: int) -> None:
         """Make the log its first *size* bytes (which end a line), atomically and durably."""
-        self.close_log()  # the log is replaced
         try:
             kept = self.store.read(EVENTS, 0, size)
             self.store.write(EVENTS, [kept], durable=True)
         except OSError as exc:
             raise state_error(exc, self.store, EVENTS) from exc
+        self._log_entry_durable = True
 
     def _reconcile(self) -> int:
         """
@@ -464,12 +464,7 @@ class Journal:
             if self._torn:
                 self._cut_log(self._offset)
                 self._torn = False
-            if not isinstance(self.store, LocalStore):
-                self.store.append(EVENTS, chunk, durable=durable)
-            else:  # a new log's first durable append also fsyncs its name into the directory
-                if self._log is None:
-                    self._log = self.store.open_append(EVENTS, durable=durable)
-                self._log.append(chunk, durable=durable)
+            self.store.append(EVENTS, chunk, durable=durable)
         except BaseException as exc:
             self._pending[:0] = pending  # nothing is lost: retried with the next write
             self._torn = True  # the append may have written part of the chunk
@@ -478,13 +473,12 @@ class Journal:
             raise
         self._offset += len(chunk)
         self.manifest.events_offset = self._offset
-
-    def close_log(self) -> None:
-        """Close the log held open (when the run ends, or the log is replaced)."""
-        with self.lock:  # never while another thread appends to it
-            log, self._log = self._log, None
-            if log is not None:
-                log.close()
+        if durable and not self._log_entry_durable:
+            # A log this run created is fsynced, but its name may not be: a durable write
+            # of the manifest fsyncs the directory the two share.
+            self._write_state(*self.manifest.dump(), durable=True)
+            self.store.sync()
+            self._log_entry_durable = True
 
     def write_pending(self, *, durable: bool) -> None:
         """Append the events not yet in the log (the manifest is rewritten in its time)."""

@@ -268,7 +268,6 @@ class RunState:
             self._release()
 
     def _release(self) -> None:
-        self.journal.close_log()
         lock, self._lock = self._lock, None
         if lock is not None:
             lock.release()

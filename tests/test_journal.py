@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -17,7 +15,7 @@ import resumable._manifest as manifest_module
 from resumable import Manifest, Pipeline, ResumableWarning, StateDirectoryError, StateFormatError
 from resumable._journal import Journal, read_state
 from resumable._manifest import Fold
-from resumable._stores._local import AppendFile, LocalStore
+from resumable._stores._local import LocalStore
 from resumable._stores._memory import MemoryStore
 
 
@@ -434,7 +432,7 @@ def test_a_read_only_state_file_is_a_state_directory_error(state_dir: Path, monk
     def read_only(*_args: object, **_kwargs: object) -> None:
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(AppendFile, "append", read_only)  # a run appends to its log held open
+    monkeypatch.setattr(LocalStore, "append", read_only)
     with pytest.raises(StateDirectoryError, match=r"events\.jsonl cannot be used \(Read-only"):
         pipe.run()
     monkeypatch.undo()
@@ -486,37 +484,3 @@ def test_the_skip_of_a_slot_the_manifest_did_not_know_is_logged(tmp_path: Path):
         assert [1] == item_b(1)
     logged = [json.loads(line) for line in (tmp_path / "b" / "events.jsonl").read_text().splitlines()]
     assert ["item/1"] == [e["slot"] for e in logged if e["event"] == "step_skipped"]
-
-
-def test_a_run_appends_to_the_log_it_replaced_and_closes_it(state_dir: Path):
-    """
-    A run keeps its event log open while it appends; loading a saved state (a new log) in the
-    open run makes it append to the new log, and the close leaves no file open.
-    """
-
-    def open_files() -> set[str]:
-        files = set()
-        for fd in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(FileNotFoundError):  # the listing's own
-                files.add(os.readlink(f"/proc/self/fd/{fd}"))
-        return files
-
-    pipe = Pipeline("p", state_dir=state_dir)
-
-    @pipe.step(key="{x}")
-    def a(x: int) -> int:
-        return x
-
-    before = open_files()
-    with pipe:
-        a(1)
-        saved = pipe.save_state()
-        a(2)
-        assert str(state_dir / "events.jsonl") in open_files()
-        pipe.load_state(saved)  # the log a(2) was appended to is replaced
-        a(3)
-    assert before == open_files()
-    log = [json.loads(line) for line in (state_dir / "events.jsonl").read_text().splitlines()]
-    completed = [e["slot"] for e in log if e["event"] == "step_completed"]
-    assert ["a/1", "a/3"] == completed
-    assert ["a/1", "a/3"] == read_state(LocalStore(state_dir)).completed_steps

@@ -22,7 +22,7 @@ import pytest
 import resumable._journal
 from resumable._journal import Journal, read_state
 from resumable._manifest import valid_event
-from resumable._stores._local import AppendFile, LocalStore
+from resumable._stores._local import LocalStore
 
 TIMEOUT = 60
 CRASH = Path(__file__).resolve().parent / "crash"
@@ -184,27 +184,20 @@ def test_interrupted_payment_is_not_charged_again_after_a_cut_log(tmp_path: Path
 
 
 class _FullDisk(LocalStore):
-    """A local store whose next append to a log writes half its data, then fails like a full disk."""
+    """A local store whose next append writes half its data, then fails like a full disk."""
 
     def __init__(self, root: Path) -> None:
         super().__init__(root)
         self.fail = False
         self.appends: list[tuple[bytes, bool]] = []
 
-    def open_append(self, key: str, *, durable: bool) -> AppendFile:
-        file = super().open_append(key, durable=durable)
-        append = file.append
-
-        def failing(data: bytes, *, durable: bool) -> None:
-            self.appends.append((data, durable))
-            if self.fail:
-                self.fail = False
-                append(data[: len(data) // 2], durable=False)
-                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-            append(data, durable=durable)
-
-        file.append = failing  # type: ignore[method-assign]
-        return file
+    def append(self, key: str, data: bytes, *, durable: bool) -> None:
+        self.appends.append((data, durable))
+        if self.fail:
+            self.fail = False
+            super().append(key, data[: len(data) // 2], durable=False)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        super().append(key, data, durable=durable)
 
 
 def test_short_write_to_the_log_raises_and_is_cut_off(tmp_path: Path):
@@ -242,3 +235,8 @@ def test_sync_record_writes_and_fsyncs_everything_before_it(tmp_path: Path, monk
     assert [True] == [durable for _, durable in store.appends]
     written = [json.loads(line)["event"] for line in store.appends[0][0].splitlines()]
     assert ["run_started", "step_completed", "step_started"] == written
+    # the log was new: its name is made durable too (by a durable manifest write)
+    assert (
+        journal.manifest.events_offset
+        == json.loads((tmp_path / "manifest.json").read_text())["events_offset"]
+    )

@@ -31,7 +31,7 @@ from resumable import (
     step,
 )
 from resumable._exit import exit_hooks
-from resumable._stores._local import AppendFile, LocalStore
+from resumable._stores._local import LocalStore
 from resumable._stores._memory import MemoryStore
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -414,14 +414,14 @@ def test_a_requests_skips_go_in_the_write_of_its_next_event(
         for i in range(10):
             turn(i, "x")
     appends: list[bytes] = []
-    real = AppendFile.append
+    real = LocalStore.append
 
-    def append(self: AppendFile, data: bytes, *, durable: bool) -> None:
-        if self.path.endswith("/events.jsonl"):
+    def append(self: LocalStore, key: str, data: bytes, *, durable: bool) -> None:
+        if key == "events.jsonl":
             appends.append(data)
-        real(self, data, durable=durable)
+        real(self, key, data, durable=durable)
 
-    monkeypatch.setattr(AppendFile, "append", append)
+    monkeypatch.setattr(LocalStore, "append", append)
     with pipe.session("c"):
         for i in range(10):
             turn(i, "x")
