@@ -459,11 +459,11 @@ class Journal:
         lines = [_dumps(_signed(event, self.secret)) + "\n" for event in pending]
         chunk = "".join(lines).encode()
         try:
-            if durable:  # what the events record (outputs just stored) is durable before they are
-                self.store.sync()
             if self._torn:
                 self._cut_log(self._offset)
                 self._torn = False
+            if durable:  # what the events record (outputs just stored, a log just cut) is durable first
+                self.store.sync()
             self.store.append(EVENTS, chunk, durable=durable)
         except BaseException as exc:
             self._pending[:0] = pending  # nothing is lost: retried with the next write

@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,85 @@ def test_durable_writes_share_their_directory_fsync(tmp_path: Path, monkeypatch:
     synced.clear()
     store.sync()
     assert [] == synced
+
+
+def test_sync_waits_for_a_directory_fsync_under_way(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """
+    A sync() while another thread fsyncs a noted directory returns once that fsync is done; a
+    directory whose fsync failed stays noted, for the next sync().
+    """
+    monkeypatch.setattr(_local, "_unsynced", {})
+    monkeypatch.setattr(_local, "GROUP_WINDOW", 3600.0)
+    store = LocalStore(tmp_path)
+    store.write("step/1.msgpack", [b"x"], durable=True)
+    started, done = threading.Event(), threading.Event()
+    real = _local.fsync_dir
+
+    def slow(path: str) -> None:
+        started.set()
+        time.sleep(0.2)
+        real(path)
+        done.set()
+
+    monkeypatch.setattr(_local, "fsync_dir", slow)
+    other = threading.Thread(target=store.sync)
+    other.start()
+    started.wait()
+    store.sync()  # nothing left for it to fsync, but the other thread's fsync is under way
+    assert done.is_set()
+    other.join()
+
+    def failing(path: str) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO), path)
+
+    store.write("step/2.msgpack", [b"x"], durable=True)
+    monkeypatch.setattr(_local, "fsync_dir", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        store.sync()
+    monkeypatch.setattr(_local, "fsync_dir", real)
+    synced = _fsynced(monkeypatch)
+    store.sync()
+    assert [str(tmp_path / "step")] == synced
+
+
+def test_a_cut_log_is_durable_before_a_step_that_must_not_run_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """After an append to the log failed half-way, the log cut back by rename is in place on disk before an idempotent=False step runs."""
+    monkeypatch.setattr(_local, "_unsynced", {})
+    monkeypatch.setattr(_local, "GROUP_WINDOW", 3600.0)
+    pipe = Pipeline("p", state_dir=tmp_path)
+
+    @pipe.step(key="{x}")
+    def a(x: int) -> int:
+        return x
+
+    @pipe.step(idempotent=False)
+    def charge(x: int) -> int:
+        synced.append("charged")
+        return x
+
+    real_append = LocalStore.append
+
+    def half_then_full(self: LocalStore, key: str, data: bytes, *, durable: bool) -> None:
+        monkeypatch.setattr(LocalStore, "append", real_append)
+        real_append(self, key, data[:10], durable=False)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pipe:
+        a(0)
+        monkeypatch.setattr(LocalStore, "append", half_then_full)
+        with pytest.raises(OSError, match="No space left"):
+            a(1)
+        synced = _fsynced(monkeypatch)
+        charge(1)
+    events = str(tmp_path / "events.jsonl")
+    # the cut log written and renamed, the directories (its own among them), then the start
+    # appended and fsynced, and only then the side effect
+    charged = synced.index("charged")
+    assert events == synced[0]
+    assert str(tmp_path) in synced[1 : charged - 1]
+    assert events == synced[charged - 1]
 
 
 def test_local_stamps_follow_versions(tmp_path: Path):

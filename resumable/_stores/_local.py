@@ -50,24 +50,41 @@ def fsync_dir(path: str) -> None:
 # SPEC §6: the directory fsync of a durable store is shared with the durable stores that follow
 # it within GROUP_WINDOW seconds; LocalStore.sync() (the close of a run, a step that must not
 # run twice) does the ones still due at once. Directory -> when its first unsynced rename was
-# made. Process-wide, as the directories are (plain dict operations: no lock to fork with).
+# made; process-wide, as the directories are.
 GROUP_WINDOW = 0.1
 _unsynced: dict[str, float] = {}
+_syncing = threading.Lock()  # held while directories are fsynced: a sync() waits for one under way
 
 
 def _fsync_grouped(directory: str) -> None:
     """Note a rename in *directory*; fsync the directories whose first unsynced rename is old enough."""
     now = time.monotonic()
     _unsynced.setdefault(directory, now)
-    _fsync_unsynced(noted_by=now - GROUP_WINDOW)
+    if min(_unsynced.values(), default=now) <= now - GROUP_WINDOW:
+        _fsync_unsynced(noted_by=now - GROUP_WINDOW)
 
 
 def _fsync_unsynced(*, noted_by: float = float("inf")) -> None:
     """fsync the directories noted by *noted_by* (all by default); one deleted since has nothing to keep."""
-    for path, since in list(_unsynced.items()):
-        if since <= noted_by and _unsynced.pop(path, None) is not None:
-            with contextlib.suppress(FileNotFoundError):
-                fsync_dir(path)
+    with _syncing:
+        for path, since in list(_unsynced.items()):
+            # taken out first: a rename made while it is fsynced notes the directory again
+            if since <= noted_by and _unsynced.pop(path, None) is not None:
+                try:
+                    fsync_dir(path)
+                except FileNotFoundError:
+                    pass
+                except BaseException:
+                    _unsynced.setdefault(path, since)  # still to do
+                    raise
+
+
+def _new_sync_lock() -> None:
+    global _syncing  # noqa: PLW0603 - a forked child's copy may be held by a thread it does not have
+    _syncing = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_sync_lock)
 
 
 def write_all(fd: int, chunks: Iterable[Buffer]) -> None:
