@@ -512,7 +512,10 @@ class Pipeline:
         decisions = _why.explain(_history.events(self.store, self._secret), self.store, step, key)
         if not decisions:
             where = f"{step!r} with key {key!r}" if key is not None else repr(step)
-            msg = f"no run has called {where} in {self.store.location}: nothing to explain"
+            msg = (
+                f"no run has called {where} in {self.store.location}: nothing to explain "
+                "(see `resumable status`)"
+            )
             raise UsageError(msg)
         return decisions
 
