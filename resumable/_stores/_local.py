@@ -65,15 +65,15 @@ def _fsync_grouped(directory: str) -> None:
 
 
 def _fsync_unsynced(*, noted_by: float = float("inf")) -> None:
-    """fsync the directories noted by *noted_by* (all by default); one deleted since has nothing to keep."""
+    """fsync the directories noted by *noted_by* (all by default); one gone since has nothing to keep."""
     with _syncing:
         for path, since in list(_unsynced.items()):
             # taken out first: a rename made while it is fsynced notes the directory again
             if since <= noted_by and _unsynced.pop(path, None) is not None:
                 try:
                     fsync_dir(path)
-                except FileNotFoundError:
-                    pass
+                except (FileNotFoundError, NotADirectoryError):
+                    pass  # it is gone, with the names it held
                 except BaseException:
                     _unsynced.setdefault(path, since)  # still to do
                     raise
@@ -303,7 +303,7 @@ class LocalStore(Store):
         return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     def write(self, key: str, chunks: Iterable[Buffer], *, durable: bool) -> None:
-        """Write a temp file, rename it over *key*; with *durable*, fsync it and the directory."""
+        """Write a temp file, rename it over *key*; with *durable*, fsync it and (shared) the directory."""
         target = self.path(key)
         self._check_dirs(key)
         directory = os.path.dirname(target)
