@@ -185,6 +185,7 @@ def test_one_sync_per_committed_chunk(pipe: Pipeline, monkeypatch: pytest.Monkey
     # end only, however slow the machine
     monkeypatch.setattr(_journal, "FLUSH_INTERVAL", 3600.0)
     monkeypatch.setattr(_batch_ledger, "REPORT_INTERVAL", 3600.0)
+    monkeypatch.setattr(_local, "_unsynced", {})
     monkeypatch.setattr(_local, "GROUP_WINDOW", 3600.0)  # directory fsyncs are shared by the close
 
     def counting(name: str) -> Any:
