@@ -150,20 +150,16 @@ def run_sequential(ledger: Ledger, source: Source, job: Job, progress: Progress)
         results: list[Any] = []
         append = results.append
         try:
-            if bar is None and not record:  # nothing of the library's own to do per row
-                for row in rows:
+            for row in rows:
+                try:
                     append(fn(row))
-            else:
-                for row in rows:
-                    try:
-                        append(fn(row))
-                    except Exception as exc:
-                        if not record:
-                            raise
-                        append(RowFailure.of(start + len(results), exc))
-                        progress.advance(0, failed=1)
-                    if bar is not None:
-                        bar.update(1)
+                except Exception as exc:
+                    if not record:
+                        raise
+                    append(RowFailure.of(start + len(results), exc))
+                    progress.advance(0, failed=1)
+                if bar is not None:
+                    bar.update(1)
         except BaseException:
             ledger.salvage(start, rows[: len(results)], results)
             raise

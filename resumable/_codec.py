@@ -152,7 +152,7 @@ def frame(
     header["encoding"] = "msgpack+pickle" if encoded.pickled else "msgpack"
     header["checksum"] = _NO_CHECKSUM
     header["size"] = len(encoded.body)
-    header["buffers"] = [[0, b.nbytes] for b in encoded.buffers] if encoded.buffers else []
+    header["buffers"] = [[0, b.nbytes] for b in encoded.buffers]
     header["hsum"] = _NO_HSUM
     if secret is not None:
         header["mac"] = _NO_MAC

@@ -290,10 +290,7 @@ class _Feeder:
     def feed(self, obj: Any) -> None:
         tp = type(obj)
         if tp in _LEAVES:
-            try:
-                packed = self._pack(obj)
-            except _UNPACKABLE:
-                packed = self._leaf(obj)
+            packed = self._leaf(obj)
             if len(packed) < _DIRECT:
                 self.out += packed  # most leaves: a call fewer
             else:
@@ -641,24 +638,8 @@ def _size(value: object) -> str:
     return f"{name} of {n:,} items"
 
 
-def _plain_sequence(value: object) -> bytes | None:
-    """The stream of a list or tuple of plain scalars, as :meth:`_Feeder._sequence` writes it; else None."""
-    if not (type(value) is list or type(value) is tuple) or len(value) > _CHUNK:
-        return None
-    if not set(map(type, value)) <= _LEAVES:
-        return None
-    try:
-        packed: bytes = msgpack.packb(value)
-    except _UNPACKABLE:  # an int beyond 64 bits, a str with lone surrogates: as _Feeder writes them
-        return None
-    return _SEQ_TAGS[type(value)] + packed
-
-
 def digest_value(value: object, *, describe: str | None = None) -> str:
     """Digest of one value (hex); *describe* names it if it takes long (e.g. "step 'a': global 'ROWS'")."""
-    plain = _plain_sequence(value)  # a batch's rows, often: no _Feeder to set up
-    if plain is not None:
-        return blake3.blake3(plain).digest().hex()
     feeder = _Feeder(None if describe is None else lambda: f"{describe} ({_size(value)})")
     feeder.feed(value)
     return feeder.digest().hex()

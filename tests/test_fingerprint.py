@@ -191,7 +191,7 @@ def test_wrapping_a_value_changes_its_digest(value):
     ],
 )
 def test_plain_sequences_digest_as_any_value(value):
-    """Lists and tuples of plain scalars skip the general walk: their digest is the same."""
+    """Lists and tuples of plain scalars: digest_value is the walk's digest, and wrapping them changes it."""
     feeder = _fingerprint._Feeder()
     feeder.feed(value)
     assert digest_value(value) == feeder.digest().hex()
