@@ -766,6 +766,10 @@ def test_why_picks_slots_and_prints_json(tmp_path: Path):
     done = _cli(state, "why", "nope")
     assert (2, "") == (done.returncode, done.stdout)
     assert "no run has called 'nope'" in done.stderr
+    assert "(see `resumable status`)" in done.stderr
+    listed = _cli(state, "status")  # the hint works: it names the steps that ran
+    assert 0 == listed.returncode
+    assert "page" in listed.stdout
 
 
 def test_a_code_record_that_could_not_be_written_is_written_when_the_code_runs_again(
