@@ -28,7 +28,6 @@ from ._lease import LEASE_KEY, Lease, LeaseConflict, ttl_seconds
 # Protocols where writing an object in one request is atomic.
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "memory"})
 _SESSIONS = SESSIONS_DIR + "/"
-INSTALL_HINT = 'install the remote extra: pip install "resumable[remote]"'
 SEGMENTS = f"{INTERNAL_DIR}/segments"
 FANOUT = 16  # segments of one level merged into one of the next
 _COPY_LEVEL = 99  # a plain object turned into a segment: never merged again
@@ -112,7 +111,7 @@ class FsspecStore(Store):
 
             fs, root = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
         except ImportError as exc:  # fsspec itself, or the package of the URL's protocol (s3fs ...)
-            msg = f"cannot open store {url!r}: {exc}; {INSTALL_HINT}"
+            msg = f'cannot open store {url!r}: {exc}; pip install "resumable[remote]"'
             raise ResumableError(msg) from None
         except (ValueError, OSError, TypeError) as exc:
             msg = f"cannot open store {url!r}: {type(exc).__name__}: {exc}"
@@ -191,10 +190,8 @@ class FsspecStore(Store):
         """Bytes *start* to *end* of the plain object at *key*."""
         path, where = self._path(key), self._where(key)
         try:
-            if start == 0 and end is None:
-                # one GET: s3fs would send a HEAD first to split a large object into parts
-                return bytes(self.fs.cat_file(path, **self._one_request))
-            return bytes(self.fs.cat_file(path, start=start, end=end))
+            # (a whole object in one GET: s3fs would send a HEAD first to split a large one into parts)
+            return bytes(self.fs.cat_file(path, start=start or None, end=end, **self._one_request))
         except FileNotFoundError:
             raise FileNotFoundError(errno.ENOENT, "No such object", where) from None
         except OSError as exc:

@@ -30,10 +30,7 @@ class LeaseConflict(Exception):  # noqa: N818 - an outcome, not an error to show
 
 
 def ttl_seconds(value: float | None, location: str) -> float:
-    """
-    The lease time to live of the store at *location*: *value*, else
-    ``$RESUMABLE_LEASE_TTL``, else :data:`DEFAULT_TTL` seconds.
-    """
+    """The lease time to live: *value*, else ``$RESUMABLE_LEASE_TTL``, else :data:`DEFAULT_TTL` seconds."""
     text = os.environ.get(TTL_VARIABLE) if value is None else str(value)
     if not text:
         return DEFAULT_TTL
