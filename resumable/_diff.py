@@ -15,7 +15,7 @@ import attrs
 
 from . import _sessions
 from ._codec import DamagedFileError
-from ._history import find, object_key, replay
+from ._history import file_version, find, object_key, replay
 from ._journal import read_header, read_state
 from ._slots import slot_file
 from ._stores import Store
@@ -60,11 +60,10 @@ def side_at(name: str, store: Store, secret: bytes | None, target: int | str) ->
     for slot in point.checkpoint.completed_steps:
         rec = steps.get(slot)
         version = rec.file if rec is not None else None
-        current = _header(store, slot_file(slot))
-        if version is None or (current is not None and current.get("hsum") == version):
-            files[slot] = slot_file(slot)
-        else:
+        if version is not None and file_version(store, slot) != version:  # replaced since: kept
             files[slot] = object_key(version)
+        else:
+            files[slot] = slot_file(slot)
     return Side(name, store, files)
 
 
