@@ -237,8 +237,9 @@ def collect(  # noqa: PLR0913 - what to show, and where the state is
 ) -> dict[str, Any]:
     """
     The report's data for the state root *store* (session *session* of the store *root*, if
-    given): plain, JSON-serialisable, deterministic. *compare* is a run, a checkpoint, or another
-    session of *root* (``ID``, ``ID@CHECKPOINT``, ``.`` for the default session).
+    given): plain, JSON-serialisable, deterministic. *compare* is a run (``3``, ``run3``), a
+    checkpoint (``checkpoint12``) or another session of *root* (``ID``, ``ID@CHECKPOINT``, ``.``
+    for the default session).
     """
     manifest = read_state(store, secret=secret)
     scan = _Scan()
@@ -486,10 +487,7 @@ def _comparison(  # noqa: PLR0913 - the state, what to compare, and where the ot
     root: Store | None,
     session: str | None,
 ) -> dict[str, Any] | None:
-    """
-    The state now (or after run *against*) against what *compare* names: run N (``3``,
-    ``run3``), checkpoint N (``checkpoint12``) or another session of *root*.
-    """
+    """The state now (or after run *against*) against what *compare* names (see :func:`collect`)."""
     if compare is None:
         return None
     number = re.fullmatch(r"(run|checkpoint)?[\s:=]*(\d+)", str(compare).strip().lower())
