@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import functools
 from typing import TYPE_CHECKING
-
-import attrs
 
 from . import _history
 from ._session import chunks_of_completed
@@ -16,28 +15,22 @@ if TYPE_CHECKING:
     from ._pipeline import Pipeline
 
 
-@attrs.define
-class CleanReport:
-    """What clean removed (or, dry, would remove)."""
-
-    lines: list[str] = attrs.field(factory=list)
-    bytes: int = 0
-
-
-def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) -> CleanReport:
+def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) -> list[tuple[str, int]]:
     """
     ``resumable clean`` (docs/cli.md), holding the run lock; also the row chunks of steps
     that completed (left when a process died in between). Steps never recorded as defined
-    are kept: an output is only removed when runs have shown its step is gone.
+    are kept: an output is only removed when runs have shown its step is gone. Returns
+    ``("<key> (<what>)", size)`` for each file removed (or, with *dry_run*, to remove).
     """
-    report = CleanReport()
+    removed: list[tuple[str, int]] = []
     cutoff = (dt.datetime.now(dt.UTC) - older_than).isoformat(timespec="milliseconds").replace("+00:00", "Z")
     with pipe._maintenance() as run:  # noqa: SLF001 - the CLI's own pipeline
         store = run.store  # (the run may be one this process has open through another pipeline)
+        remove = functools.partial(_remove, store, removed, dry_run=dry_run)
         run.journal.write_pending(durable=False)  # the log must hold every event replayed
         manifest = run.journal.manifest
         for key in _history.unneeded_versions(store, run.secret, pipe.keep_checkpoints, manifest, cutoff):
-            _remove(store, key, "old version", report, dry_run=dry_run)
+            remove(key, "old version")
         # gone: not defined by the latest runs, and not defined since the cutoff either
         latest = max(manifest.defined.values(), default="")
         gone = sorted(name for name, when in manifest.defined.items() if when < min(latest, cutoff))
@@ -45,28 +38,27 @@ def clean(pipe: Pipeline, *, older_than: dt.timedelta, dry_run: bool = False) ->
         dead = sorted(s for s in slots if step_of(s) in gone)
         # a step whose process died between writing its output and deleting its chunks
         for slot, key in chunks_of_completed(store, set(manifest.completed_steps).__contains__):
-            _remove(store, key, f"row chunk of completed step {slot!r}", report, dry_run=dry_run)
+            remove(key, f"row chunk of completed step {slot!r}")
         for slot in dead:
             what = f"of removed step {step_of(slot)!r}"
-            _remove(store, slot_file(slot), f"output {what}", report, dry_run=dry_run)
+            remove(slot_file(slot), f"output {what}")
             for key in store.list(batch_dir(slot)):
-                _remove(store, key, f"row chunk {what}", report, dry_run=dry_run)
+                remove(key, f"row chunk {what}")
         # holding the lock: no one is writing these, they are what killed writers left
         for key in store.remove_temp_files(dry_run=True):
-            _remove(store, key, "temporary file left by a killed run", report, dry_run=dry_run)
+            remove(key, "temporary file left by a killed run")
         if not dry_run and (dead or gone):
             run.journal.record("steps_removed", slots=dead, steps=gone)
         for name in gone:  # after the event, which drops their records
-            _remove(store, records_file(name), f"records of removed step {name!r}", report, dry_run=dry_run)
-    return report
+            remove(records_file(name), f"records of removed step {name!r}")
+    return removed
 
 
-def _remove(store: Store, key: str, what: str, report: CleanReport, *, dry_run: bool) -> None:
+def _remove(store: Store, removed: list[tuple[str, int]], key: str, what: str, *, dry_run: bool) -> None:
     try:
         size = len(store.read(key, 0, None))
     except FileNotFoundError:
         return
-    report.lines.append(f"{key} ({what})")
-    report.bytes += size
+    removed.append((f"{key} ({what})", size))
     if not dry_run:
         store.delete(key, durable=False)

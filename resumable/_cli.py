@@ -349,12 +349,12 @@ def _clean(args: argparse.Namespace) -> int:
         return _sessions_cli.clean_sessions(args.root, args.idle, dry_run=args.dry_run, out=_out)
 
     pipe = _pipeline(args, keep_checkpoints=args.keep)
-    report = clean_state(pipe, older_than=args.older_than, dry_run=args.dry_run)
+    removed = clean_state(pipe, older_than=args.older_than, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
-    for line in report.lines:
+    for line, _size in removed:
         _out(f"{verb} {line}")
-    count = len(report.lines)
-    _out(f"{verb} {count} file(s), {human_size(report.bytes)}" if count else "nothing to clean")
+    size = human_size(sum(size for _line, size in removed))
+    _out(f"{verb} {len(removed)} file(s), {size}" if removed else "nothing to clean")
     return 0
 
 
