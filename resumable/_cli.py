@@ -201,10 +201,10 @@ def _state(args: argparse.Namespace) -> Store:
     return store
 
 
-def _pipeline(args: argparse.Namespace, **options: int) -> Pipeline:
+def _pipeline(args: argparse.Namespace, keep_checkpoints: int = 20) -> Pipeline:
     """The pipeline of the session, which must hold state."""
     _state(args)
-    return Pipeline("resumable-cli", store=args.root, session=args.session, **options)  # type: ignore[arg-type]
+    return Pipeline("resumable-cli", store=args.root, session=args.session, keep_checkpoints=keep_checkpoints)
 
 
 def _out(text: str) -> None:

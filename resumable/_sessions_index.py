@@ -111,11 +111,11 @@ class LogIndex:
                 found[sid] = rec
         return found
 
-    def compact(self, *, durable: bool = False) -> None:
+    def compact(self) -> None:
         """Rewrite the log as its fold."""
         if os.path.exists(self.log):
             with self._locked():
-                self._compact(durable=durable)
+                self._compact(durable=False)
 
     def _compact(self, *, durable: bool) -> None:
         summaries = self.read()
@@ -159,7 +159,7 @@ class ObjectIndex:
         for key in self.store.list(f"{encode_key(session)}/"):
             self.store.delete(key, durable=durable)
 
-    def compact(self, *, durable: bool = False) -> None:
+    def compact(self) -> None:
         """Nothing to do: no log."""
 
     def read(self) -> dict[str, dict[str, Any]]:
