@@ -290,35 +290,6 @@ def _wrapped(obj: object) -> object | None:
     return attributes.get("__wrapped__") if type(attributes) is dict else None
 
 
-def check_identity(obj: object, depth: int = 0) -> None:
-    """
-    Keep the source files of the Python functions *obj* runs as a step (its wrappers, the
-    function a partial or a method holds, a callable object's ``__call__``) as they are
-    now; NoIdentity if part of it has no code.
-    """
-    if depth > 100:
-        msg = "its decorators (__wrapped__) wrap each other in a cycle"
-        raise NoIdentity(msg)
-    inner = _wrapped(obj)
-    if inner is not None:
-        check_identity(inner, depth + 1)
-    if isinstance(obj, types.FunctionType):
-        _snapshot(obj)
-    elif isinstance(obj, functools.partial):
-        for arg in (*obj.args, *obj.keywords.values()):
-            if not _is_code(arg) and value_digest(arg) is None:
-                msg = f"the partial's argument {short_repr(arg)} cannot be fingerprinted"
-                raise NoIdentity(msg)
-        check_identity(obj.func, depth + 1)
-    elif isinstance(obj, types.MethodType):
-        check_identity(obj.__func__, depth + 1)
-    elif isinstance(call := _class_call(obj), types.FunctionType):
-        check_identity(call, depth + 1)
-    elif inner is None:  # (else a decorator written in C, such as lru_cache: what it wraps is the code)
-        msg = f"{type(obj).__name__} {short_repr(obj)} has no Python code to digest"
-        raise NoIdentity(msg)
-
-
 class _Builder:
     """Works out a :class:`CodeShape`: every callable, name and value a step's code reaches."""
 
@@ -330,15 +301,18 @@ class _Builder:
         self.changed: set[str] = set()
         self.wrappers = 0
 
-    def callable(self, obj: object, label: str, *, main: bool) -> dict[str, Any]:
+    def callable(self, obj: object, label: str, *, main: bool, depth: int = 0) -> dict[str, Any]:
         """
         Add a callable the step runs (*main*: its defaults are arguments, not values it
         reads); return the globals of the innermost function it runs.
         """
+        if depth > 100:
+            msg = "its decorators (__wrapped__) wrap each other in a cycle"
+            raise NoIdentity(msg)
         inner = _wrapped(obj)
         home = None
         if inner is not None:  # the wrapped function is the step's code, its wrappers too
-            home = self.callable(inner, label, main=main)
+            home = self.callable(inner, label, main=main, depth=depth + 1)
             self.wrappers += 1
             label, main = f"wrapper {self.wrappers}", False
         if isinstance(obj, types.FunctionType):
@@ -358,8 +332,9 @@ class _Builder:
             own = self.callable(call, label, main=main)
             self.instance(obj, "self", call.__globals__)
         elif home is None:
-            raise NoIdentity(type(obj).__name__)
-        else:  # a decorator written in C adds no code of its own
+            msg = f"{type(obj).__name__} {short_repr(obj)} has no Python code to digest"
+            raise NoIdentity(msg)
+        else:  # a decorator written in C (such as lru_cache) adds no code of its own
             return home
         return own if home is None else home
 
@@ -455,6 +430,30 @@ class _Builder:
             self.visit(helper, f"fn {name}", main=False)
         elif isinstance(value, types.ModuleType):
             shape.left_out[name] = "module"
+
+
+class _Check(_Builder):
+    """Walks a step's callable as :class:`_Builder` does, only keeping its source files as they are now."""
+
+    def visit(self, func: types.FunctionType, label: str, *, main: bool) -> None:  # noqa: ARG002 - an override
+        _snapshot(func)
+
+    def reference(self, name: str, value: object, read: Callable[[], object], home: dict[str, Any]) -> None:  # noqa: ARG002
+        if not _is_code(value) and value_digest(value) is None:  # a partial's argument
+            msg = f"the partial's argument {short_repr(value)} cannot be fingerprinted"
+            raise NoIdentity(msg)
+
+    def instance(self, obj: object, name: str, home: dict[str, Any]) -> None:
+        pass
+
+
+def check_identity(obj: object) -> None:
+    """
+    Keep the source files of the Python functions *obj* runs as a step (its wrappers, the
+    function a partial or a method holds, a callable object's ``__call__``) as they are
+    now; NoIdentity if part of it has no code.
+    """
+    _Check(lambda _: None, None).callable(obj, "code", main=True)
 
 
 def _entry(mapping: dict[str, Any], key: str) -> Callable[[], object]:
