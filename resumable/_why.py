@@ -79,12 +79,6 @@ def _strings(value: object) -> dict[str, str]:
     return {str(k): v for k, v in value.items() if isinstance(v, str)} if isinstance(value, dict) else {}
 
 
-def code_diff(store: Store, was: object, code: object) -> list[Change]:
-    """What differs between the recorded codes *was* and *code* ([] if either is not recorded)."""
-    old, new = read_code(store, was), read_code(store, code)
-    return code_changes(old, new) if old is not None and new is not None else []
-
-
 @attrs.frozen
 class Decision:
     """
@@ -184,8 +178,11 @@ def _ran(store: Store, slot: str, run: int, at: str | None, event: dict[str, Any
 _KINDS = {"code": "code", "fn": "function", "step": "step", "table": "table", "const": "value"}
 
 
-def code_changes(old: dict[str, Any], new: dict[str, Any]) -> list[Change]:
-    """What differs between two code records, component by component."""
+def code_diff(store: Store, was: object, code: object) -> list[Change]:
+    """What differs between the recorded codes *was* and *code* ([] if either is not recorded)."""
+    old, new = read_code(store, was), read_code(store, code)
+    if old is None or new is None:
+        return []
     changes = []
     before, after = old["components"], new["components"]
     for label in sorted(before.keys() | after.keys()):
