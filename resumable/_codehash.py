@@ -13,7 +13,6 @@ from __future__ import annotations
 import ast
 import copy
 import linecache
-import textwrap
 import types
 from itertools import islice
 from typing import Any
@@ -128,11 +127,14 @@ def _own_lines_node(fn: types.FunctionType, lines: list[str]) -> ast.AST | None:
         if text and not text.startswith("#") and len(line) - len(line.lstrip()) <= indent and not continued:
             break
         end += 1
-    try:
-        tree = ast.parse(textwrap.dedent("".join(lines[start:end])))
+    source = "".join(lines[start:end])
+    try:  # indented, it is parsed as a block's body: as in its file, strings keep their indentation
+        body = ast.parse(f"if 1:\n{source}" if indent else source).body
     except (SyntaxError, ValueError):
         return None
-    node = tree.body[0] if len(tree.body) == 1 else None
+    if indent and isinstance(body[0], ast.If):
+        body = body[0].body
+    node = body[0] if len(body) == 1 else None
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == fn.__name__:
         return node
     return None

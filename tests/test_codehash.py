@@ -807,6 +807,26 @@ def test_every_function_of_the_package_reads_the_same_from_its_own_lines():
     assert checked > 300
 
 
+def test_a_comment_after_a_method_does_not_change_its_digest(tmp_path: Path):
+    """A method's multi-line string is read as its file holds it, whatever follows the method."""
+    method = 'class Holder:\n    def text(self):\n        return """one\n        two"""\n'
+    digests = []
+    for i, tail in enumerate(["", "# a comment at column 0\n", "\n\nX = 1\n"]):
+        path = tmp_path / f"holder_{i}.py"
+        path.write_text(method + tail)
+        spec = importlib.util.spec_from_file_location(f"holder_{i}", path)
+        assert spec is not None
+        assert spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        fn = module.Holder.text
+        own, whole = _both_ways(fn)
+        assert own is not None
+        assert _canon(whole) == _canon(own)
+        digests.append(function_digest(fn, _codehash._function_node(fn)))
+    assert 1 == len(set(digests))
+
+
 def test_a_value_changed_in_place_gets_a_new_digest_the_same_object_unchanged_the_same():
     """The digest of plain data a step reads is reused only when it packs to the very same bytes."""
     table = {"k": 1, "rows": [1, 2, 3]}
