@@ -210,6 +210,9 @@ def _changes(code: types.CodeType, names: set[str]) -> None:  # noqa: C901, PLR0
         elif not reached:
             stack = []  # an exception handler, or dead code: nothing known
         reached = op not in _NO_NEXT
+        if ins.opcode in _JUMPS and isinstance(ins.argval, int) and ins.argval > ins.offset:
+            after = list(stack) if op in _NO_STACK else _after(list(stack), ins, jump=True)
+            at_target.setdefault(ins.argval, after)
         changed: str | None = None
         if op in {"LOAD_GLOBAL", "LOAD_NAME"} or (
             op in {"LOAD_DEREF", "LOAD_CLASSDEREF"} and ins.argval in code.co_freevars
@@ -248,14 +251,9 @@ def _changes(code: types.CodeType, names: set[str]) -> None:  # noqa: C901, PLR0
             _pop(stack, arg + 2)
             stack.append(None)
         elif op not in _NO_STACK:
-            if ins.opcode in _JUMPS and isinstance(ins.argval, int) and ins.argval > ins.offset:
-                at_target.setdefault(ins.argval, _after(list(stack), ins, jump=True))
             stack = _after(stack, ins, jump=False)
-            continue
         if changed is not None:
             names.add(changed)
-        if ins.opcode in _JUMPS and isinstance(ins.argval, int) and ins.argval > ins.offset:
-            at_target.setdefault(ins.argval, list(stack))
 
 
 def _after(stack: list[_Label], ins: dis.Instruction, *, jump: bool) -> list[_Label]:
