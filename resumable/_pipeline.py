@@ -134,13 +134,11 @@ class Pipeline:
     @property
     def store(self) -> Store:
         """The store holding this pipeline's state (resolved on first use): its session's."""
-        if self._store is None:
-            with self._lock:
-                if self._store is None:
-                    sid = self._session_id
-                    root = self._root_store
-                    self._store = root if sid is None else _sessions.session_store(root, sid)
-        return self._store
+        with self._lock:
+            if self._store is None:
+                root, sid = self._root_store, self._session_id
+                self._store = root if sid is None else _sessions.session_store(root, sid)
+            return self._store
 
     @property
     def _root_store(self) -> Store:

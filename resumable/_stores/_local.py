@@ -248,8 +248,6 @@ class LocalStore(Store):
         """
         try:
             fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
-        except FileNotFoundError:
-            raise  # the common miss (an output not stored yet): as it is, at no cost
         except OSError as exc:
             if exc.errno == errno.ENXIO:  # a FIFO with no reader, opened to write
                 raise self.linked(path, "not a plain file") from None
@@ -421,10 +419,7 @@ class LocalStore(Store):
             fsync_dir(directory)
 
     def remove_temp_files(self, *, dry_run: bool = False) -> builtins.list[str]:
-        """
-        Delete the temporary files killed writers left behind (``.<name>.<pid>-...tmp``);
-        return their keys. Call it holding the lock. Each named session sweeps its own.
-        """
+        """Each named session sweeps its own temporary files (see :meth:`Store.remove_temp_files`)."""
         keys = sorted(k for k in self._files("", sessions=False) if is_temp(k))
         if not dry_run:
             for key in keys:
