@@ -29,7 +29,6 @@ from ._runner import Run, run_steps, run_without_state
 from ._session import Later, RunState
 from ._slots import (
     BATCHES,
-    LOCK,
     OUTPUT_SUFFIX,
     STEP_BATCHES,
     check_session_id,
@@ -39,7 +38,6 @@ from ._slots import (
 )
 from ._step import KeySpec, RetryOn, Step, StepSpec, step
 from ._stores import Store, open_store
-from ._stores._base import is_temp
 from .exceptions import (
     SessionBusyError,
     StateLockedError,
@@ -638,7 +636,7 @@ def snapshot(store: Store) -> dict[str, Any]:
     """Every file of the state as data, read without the lock: what a kill could have left (see read_head)."""
     files = read_head(store)
     for key in sorted(store.list()):
-        if key in files or key == LOCK or is_temp(key):
+        if key in files:
             continue
         try:
             files[key] = bytes(store.read(key))
