@@ -165,10 +165,6 @@ class Steps(MutableMapping[str, StepRecord]):
             raise KeyError(slot)
         return group[slot]
 
-    def get(self, slot: str, default: StepRecord | None = None) -> StepRecord | None:  # type: ignore[override]
-        group = self._group(slot)  # the hot path: no exception raised
-        return default if group is None else group.get(slot, default)
-
     def __setitem__(self, slot: str, record: StepRecord) -> None:
         self._group(slot)
         self._steps.setdefault(step_of(slot), {})[slot] = record
