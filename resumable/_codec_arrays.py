@@ -219,7 +219,7 @@ def decode_ndarray_ref(dec: Decoder, payload: bytes) -> Any:
     if len(indices) == 1:
         offset, _ = dec.buffers[indices[0]]
         flat = np.frombuffer(dec.data, dtype=dtype, count=count, offset=offset)
-        if dec.readonly:
+        if not flat.flags.writeable:  # a read-only buffer (bytes): the array must be writable
             flat = flat.copy()
     else:  # split over several bins (over 4 GiB): joining them needs one copy
         parts = [memoryview(dec.data)[o : o + n] for o, n in (dec.buffers[i] for i in indices)]

@@ -300,7 +300,6 @@ class Decoder:
         self.buffers = buffers
         self.allow_pickle = allow_pickle
         self.pickled = pickled  # the header says the value holds pickles
-        self.readonly = memoryview(data).readonly
 
     def unpack(self, body: bytes | memoryview) -> Any:
         return msgpack.unpackb(
