@@ -213,9 +213,10 @@ def checkpointed_map(  # noqa: PLR0913 - the documented options
 def _map(job: Job, where: Where | None, source: Source, every: int) -> list[Any]:
     runner = run_sequential if job.executor is None else run_executor
     for attempt in range(3):
-        ledger = _open(job, where, source, every, keep_open=True)  # one at a time per thread (async: many)
+        ledger = _ledger(job, where, source, every, keep_open=True)  # one at a time per thread (async: many)
         try:
-            with contextlib.closing(ledger):  # after assemble(), which may append to the log
+            with contextlib.closing(ledger):  # open() and assemble() may append to the log
+                ledger.open()
                 with Progress(job.progress, ledger) as bar:
                     runner(ledger, source, job, bar)
                 ledger.finish()
@@ -227,7 +228,8 @@ def _map(job: Job, where: Where | None, source: Source, every: int) -> list[Any]
 
 async def _map_async(job: Job, where: Where | None, source: Source, every: int) -> list[Any]:
     for attempt in range(3):
-        ledger = _open(job, where, source, every)
+        ledger = _ledger(job, where, source, every)
+        ledger.open()
         with Progress(job.progress, ledger) as bar:
             await run_async(ledger, source, job, bar)
         ledger.finish()
@@ -238,16 +240,10 @@ async def _map_async(job: Job, where: Where | None, source: Source, every: int) 
     raise AssertionError  # pragma: no cover - _again raises on the last attempt
 
 
-def _open(job: Job, where: Where | None, source: Source, every: int, *, keep_open: bool = False) -> Ledger:
-    ledger = ledger_for(
+def _ledger(job: Job, where: Where | None, source: Source, every: int, *, keep_open: bool = False) -> Ledger:
+    return ledger_for(
         where, kind="map", every=every, total=source.total, record_failures=job.record, keep_open=keep_open
     )
-    try:
-        ledger.open()  # which may append to the log (a damaged record voided, failed rows dropped)
-    except BaseException:
-        ledger.close()
-        raise
-    return ledger
 
 
 def _again(source: Source, ledger: Ledger, attempt: int) -> Source:
