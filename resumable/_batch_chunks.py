@@ -53,7 +53,7 @@ class Chunk(NamedTuple):
 class ChunkStore:
     """The committed chunks of the batch in *directory* (not thread-safe: its ledger serializes calls)."""
 
-    def __init__(self, run: RunState, directory: str, *, label: str, display: str) -> None:
+    def __init__(self, run: RunState, directory: str, *, label: str, display: str, keep_open: bool) -> None:
         self.run = run
         self.directory = directory
         self.label = label  # the slot (or name) written in each record's header
@@ -61,7 +61,7 @@ class ChunkStore:
         self.log_key = directory + LOG
         self._end = 0  # where the log's whole records end: the next record goes there
         self._torn = False  # an append failed: the log may end with part of a record
-        self.keep_open = False  # keep a local log open from its first append to close()
+        self.keep_open = keep_open  # keep a local log open from its first append to close()
         self._file: AppendFile | None = None
 
     def find(self) -> tuple[bool, list[Chunk]]:
@@ -89,7 +89,7 @@ class ChunkStore:
         records, damaged = resolve(found, self._read_log, self.run.secret)
         self._end = found.end
         if found.tail:
-            self._cut(found.end, durable=self.run.durable)
+            self._cut(found.end)
             log.info(
                 "batch %r: cut the last %d bytes of %s/%s, a record cut short by a crash; "
                 "its rows are done again",
@@ -121,7 +121,7 @@ class ChunkStore:
         """Append one record to the log; return where it starts."""
         store = self.run.store
         if self._torn:
-            self._cut(self._end, durable=durable)
+            self._cut(self._end)
             self._torn = False
         try:
             if isinstance(store, LocalStore) and self.keep_open:
@@ -137,11 +137,11 @@ class ChunkStore:
         self._end += len(data)
         return offset
 
-    def _cut(self, size: int, *, durable: bool) -> None:
+    def _cut(self, size: int) -> None:
         """Keep only the log's first *size* bytes."""
         self.close()  # the log is replaced
         store = self.run.store
-        store.write(self.log_key, [store.read(self.log_key, 0, size)], durable=durable)
+        store.write(self.log_key, [store.read(self.log_key, 0, size)], durable=self.run.durable)
 
     def _void(self, offsets: list[int]) -> None:
         """Append a void record: the records (or damaged bytes) at *offsets* no longer count."""

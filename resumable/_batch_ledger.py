@@ -80,16 +80,9 @@ class Ledger:
         self.failures = 0
         self.resumed = 0
         self.failure: dict[str, Any] | None = None  # the first row failure seen: a sample for reports
+        self.display = "batch"  # its name in messages
+        self.durable = False  # whether commits are fsynced (then worth committing from another thread)
         self._lock = threading.Lock()
-
-    @property
-    def display(self) -> str:
-        return "batch"
-
-    @property
-    def durable(self) -> bool:
-        """Whether commits are fsynced (then worth committing from another thread)."""
-        return False
 
     def open(self) -> None:
         """Find what earlier runs committed (nothing, in memory)."""
@@ -161,21 +154,16 @@ class StoredLedger(Ledger):
     def __init__(self, where: Where, *, keep_open: bool, **options: Any) -> None:
         super().__init__(**options)
         self.where = where
+        self.display = where.display
+        self.durable = where.run.durable
         self._stored: dict[str, Any] | None = None  # the batch record as stored
         self._lenient = False  # the owning step's arguments changed: drop what no longer matches
         self._carries_state = False  # a loop state was restored from the committed chunks
         self._reported = 0.0
         self._digester = Digester(where.display)
-        self._chunks = ChunkStore(where.run, where.directory, label=where.label, display=where.display)
-        self._chunks.keep_open = keep_open
-
-    @property
-    def display(self) -> str:
-        return self.where.display
-
-    @property
-    def durable(self) -> bool:
-        return self.where.run.durable
+        self._chunks = ChunkStore(
+            where.run, where.directory, label=where.label, display=where.display, keep_open=keep_open
+        )
 
     # opening -----------------------------------------------------------------------------
 
