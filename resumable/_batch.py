@@ -73,7 +73,7 @@ def checkpointed(
         UsageError: *every* is not a positive int, or *state* is not a dict.
         InputChangedError: the items differ from those of the run being resumed.
     """
-    _check_every(every)
+    _check_positive("every", every)
     if state is None:
         state = {}
     elif not isinstance(state, dict):
@@ -175,17 +175,15 @@ def checkpointed_map(  # noqa: PLR0913 - the documented options
         InputChangedError: *items* differ from those of the run being resumed.
         SerializationError: a result cannot be stored.
     """
-    _check_every(every)
+    _check_positive("every", every)
+    if concurrency is not None:
+        _check_positive("concurrency", concurrency)
     if on_error not in {"raise", "record"}:
         msg = f"on_error must be 'raise' or 'record', got {on_error!r}"
         raise UsageError(msg)
-    if concurrency is not None and (
-        isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1
-    ):
-        msg = f"concurrency must be an int >= 1 or None, got {concurrency!r}"
-        raise UsageError(msg)
     record = on_error == "record"
     source = Source(items)
+    where = _locate(name, "checkpointed_map", items)
     if _is_async(fn):
         if executor is not None:
             msg = (
@@ -194,8 +192,7 @@ def checkpointed_map(  # noqa: PLR0913 - the documented options
             )
             raise UsageError(msg)
         job = Job(fn, record=record, progress=progress, concurrency=concurrency or DEFAULT_CONCURRENCY)
-        return _map_async(job, _locate(name, "checkpointed_map", items), source, every)
-    where = _locate(name, "checkpointed_map", items)
+        return _map_async(job, where, source, every)
     window = 0  # pieces submitted to an executor at once
     with contextlib.ExitStack() as stack:
         if executor is not None:
@@ -316,9 +313,9 @@ def _check_name(name: object, *, in_step: bool) -> None:
         raise ResumableError(msg)
 
 
-def _check_every(every: object) -> None:
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        msg = f"every must be an int >= 1 (rows per chunk), got {every!r}"
+def _check_positive(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        msg = f"{name} must be an int >= 1, got {value!r}"
         raise UsageError(msg)
 
 
