@@ -54,13 +54,8 @@ class Scan:
 
     records: list[Record] = attrs.Factory(list)
     damaged: list[Damage] = attrs.Factory(list)
-    end: int = 0  # the end of the last record: bytes after it are a torn tail
-    size: int = 0  # the log's size
-
-    @property
-    def tail(self) -> int:
-        """Bytes after the last whole record (a record cut short, or damage with no record after it)."""
-        return self.size - self.end
+    end: int = 0  # the end of the last record
+    tail: int = 0  # the bytes after it: a record cut short, or damage with no record after it
 
 
 class _Reader:
@@ -121,7 +116,7 @@ def scan(read_range: ReadRange, batch: str) -> Scan:
             break  # nothing whole after it: a torn tail
         out.damaged.append(Damage(pos, after, found))
         pos = after
-    out.size = reader.size or 0  # a scan stops only after a short read
+    out.tail = (reader.size or 0) - out.end  # a scan stops only after a short read, which sets the size
     return out
 
 
