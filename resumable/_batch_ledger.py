@@ -170,6 +170,7 @@ class StoredLedger(Ledger):
     def open(self) -> None:
         """List the committed chunks, and drop them if they belong to something else."""
         where = self.where
+        self._check_open()
         has_record, chunks = self._chunks.find()
         record = self._read_record() if has_record else None
         stale = self._stale(record, has_record=has_record, chunks=chunks)
@@ -368,6 +369,7 @@ class StoredLedger(Ledger):
             first = next(r for r in results if type(r) is RowFailure)
             self.failure = {"row": first.index, "type": first.type, "message": first.message[:300]}
         with self._lock:
+            self._check_open()
             if self._stored is None:
                 self._save_record()  # before the first chunk: chunks never exist without it
             chunk = self._chunks.add(start, end, failures, digest, framed)
@@ -376,6 +378,17 @@ class StoredLedger(Ledger):
             self.done += size
             self.failures += failures
             self.report()
+
+    def _check_open(self) -> None:
+        """Raise if the batch's run has closed: it holds no lock any more, so nothing may be written."""
+        if self.where.run.closed:
+            msg = (
+                f"batch {self.display!r}: its run has already ended (the `with pipe:` block or "
+                "the script's run closed before the batch ran or finished), and a closed run "
+                "writes nothing. Await checkpointed_map() inside the block, or open the "
+                "pipeline again around it."
+            )
+            raise ResumableError(msg)
 
     def salvage(self, start: int, rows: list[Any], results: Any) -> None:
         """Commit the rows finished before an exception; a failure here is only logged."""
@@ -425,7 +438,7 @@ class StoredLedger(Ledger):
         """Record the batch's progress in the manifest (at most every :data:`REPORT_INTERVAL`)."""
         where = self.where
         now = time.monotonic()
-        if not force and now - self._reported < REPORT_INTERVAL:
+        if (not force and now - self._reported < REPORT_INTERVAL) or where.run.closed:
             return
         self._reported = now
         progress = {"done": self.done, "every": self.every, "total": self.total, "failures": self.failures}

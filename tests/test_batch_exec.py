@@ -17,6 +17,7 @@ from test_batch import change_chunk, chunks, flip_last_byte
 from resumable import (
     BatchRecord,
     Pipeline,
+    ResumableError,
     ResumableWarning,
     RowFailure,
     UsageError,
@@ -269,6 +270,35 @@ def test_async_cancellation_commits_finished_rows(pipe: Pipeline, state_dir: Pat
     committed = {r for start, end, _ in chunks(state_dir, "named/c") for r in range(start, end)}
     assert set(fn.calls) == committed
     assert len(committed) >= 40
+
+
+def test_async_map_awaited_after_its_run_closed_writes_nothing(pipe: Pipeline, state_dir: Path):
+    """A batch made in `with pipe:` and awaited after the block refuses: its run holds no lock."""
+    fn = AsyncRows()
+    with pipe:
+        pending = checkpointed_map(fn, range(10), every=3, name="late")
+    events = (state_dir / "events.jsonl").read_bytes()
+    with pytest.raises(ResumableError, match=r"batch 'late': its run has already ended .*inside the block"):
+        asyncio.run(pending)
+    assert [] == fn.calls
+    assert events == (state_dir / "events.jsonl").read_bytes()
+    assert not list(state_dir.glob(".resumable/batches/**/*.log"))
+
+
+def test_async_map_whose_run_closes_while_it_runs_stops_writing(pipe: Pipeline, state_dir: Path):
+    """A run closed while a batch task is in flight: its next commit refuses, nothing is written after."""
+    fn = AsyncRows(delay=0.002)
+
+    async def main() -> None:
+        with pipe:
+            task = asyncio.ensure_future(checkpointed_map(fn, range(1000), every=10, name="c", concurrency=5))
+            await fn.reached(20)
+        with pytest.raises(ResumableError, match="its run has already ended"):
+            await task
+
+    asyncio.run(main())
+    finished = (state_dir / "events.jsonl").read_text().splitlines()[-1]
+    assert '"run_finished"' in finished
 
 
 def test_async_record_and_callable_objects(pipe: Pipeline):
