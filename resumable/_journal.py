@@ -50,8 +50,6 @@ _MAX_INTERVAL = 10.0
 # Files changed up to this long before the manifest's last event are checked for outputs it
 # does not know (clocks of the file system and of the event stamps may differ a little).
 _RECONCILE_SLACK = 10.0
-
-
 _HEAD = 4096
 
 
@@ -90,10 +88,7 @@ _UNUSABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.EISDIR, err
 
 
 def state_error(exc: OSError, store: Store, key: str) -> OSError:
-    """
-    *exc*, met reading or writing *key*, as the error to raise: naming the file, and a
-    :class:`StateDirectoryError` where the directory cannot be used as it is.
-    """
+    """*exc*, met at *key*, naming the file: a :class:`StateDirectoryError` if the directory is unusable."""
     where = f"{store.location}/{key}"
     if isinstance(exc, StateDirectoryError):
         return exc
@@ -127,10 +122,7 @@ def parse_event(line: bytes | bytearray, secret: bytes | None) -> dict[str, Any]
 def parse_manifest(
     raw: bytes | bytearray, secret: bytes | None, where: str
 ) -> tuple[Manifest, dict[str, Any]] | str:
-    """
-    The manifest in *raw* with its keyed steps' summaries, or what is wrong with it; one of a
-    newer format raises :class:`StateFormatError`.
-    """
+    """The manifest in *raw* and its keyed steps' summaries, or what is wrong with it (newer: raises)."""
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError):
@@ -211,10 +203,8 @@ class Journal:
 
     def load(self) -> Manifest:
         """
-        Load the manifest and replay the log after it. The manifest is rebuilt from the log
-        and the step files if it is lost, damaged, or covers more of the log than there is;
-        outputs a killed run wrote but had not recorded yet are recovered (see
-        :meth:`_reconcile`).
+        Load the manifest and replay the log after it; rebuild it from the log and the step
+        files if it is lost, damaged or out of step with the log (see :meth:`_reconcile`).
         """
         with self.lock:
             self._pending = []  # events not written yet were of the state this load replaces

@@ -33,15 +33,14 @@ class Identity(NamedTuple):
     identity: str
     code: str
     components: dict[str, str]
-    all_sources: dict[str, str] | Callable[[], dict[str, str]]
+    all_sources: Callable[[], dict[str, str]]
     left_out: dict[str, str]
     reads: list[tuple[str, Callable[[], object]]]
 
     @property
     def sources(self) -> dict[str, str]:
         """Component -> normalized source, for `resumable why` (made when first asked for)."""
-        sources = self.all_sources
-        return sources() if callable(sources) else sources
+        return self.all_sources()
 
     def values(self) -> dict[str, object]:
         """The values this identity's ``const`` components stand for, as they are now."""
