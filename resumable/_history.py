@@ -112,19 +112,30 @@ def events(store: Store, secret: bytes | None) -> Iterator[dict[str, Any]]:
 
 def _events_from(store: Store, secret: bytes | None, start: int) -> Iterator[tuple[int, dict[str, Any]]]:
     """``(offset after it, event)`` for each valid event of the log from byte *start* on."""
-    try:
-        data = store.read(EVENTS, start)
-    except FileNotFoundError:
-        return
-    except OSError as exc:
-        raise state_error(exc, store, EVENTS) from exc
-    end = start
-    # only complete lines: a last line without its newline is being written, or was cut short
-    for line in data.split(b"\n")[:-1]:
-        end += len(line) + 1
-        event = parse_event(line, secret)
-        if not isinstance(event, str):
-            yield end, event
+    offset = end = start  # where the next piece is read; after the last complete line
+    rest = b""
+    # a megabyte at a time (a replay that stops early reads no more); at once where a read is a round trip
+    size = None if store.slow_appends else _LOG_PIECE
+    while True:
+        try:
+            piece = store.read(EVENTS, offset, None if size is None else offset + size)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise state_error(exc, store, EVENTS) from exc
+        offset += len(piece)
+        # only complete lines: a last line without its newline is being written, or was cut short
+        *lines, rest = (rest + piece).split(b"\n")
+        for line in lines:
+            end += len(line) + 1
+            event = parse_event(line, secret)
+            if not isinstance(event, str):
+                yield end, event
+        if size is None or len(piece) < size:
+            return
+
+
+_LOG_PIECE = 1 << 20
 
 
 # the state at one checkpoint and where the events after it start (docs/history.md)
@@ -141,6 +152,9 @@ def _write_base(
     meta = {"slot": HISTORY_BASE, "checkpoint": point.id}
     framed = frame(encode(record, allow_pickle=False, what="the history base"), meta, secret=secret)
     store.write(HISTORY_BASE, framed.chunks(), durable=True)
+
+
+_NOT_COPIED: list[str] = []  # the completed slots of a checkpoint not asked for (never read)
 
 
 def replay(  # noqa: C901 - one pass over the log answers every kind of history question
@@ -190,7 +204,9 @@ def replay(  # noqa: C901 - one pass over the log answers every kind of history 
             continue
         number = fold.manifest.checkpoints
         if not ids or number in ids:
-            checkpoint = Checkpoint(number, event.get("t"), event.get("slot"), event.get("label"), [])
+            checkpoint = Checkpoint(
+                number, event.get("t"), event.get("slot"), event.get("label"), _NOT_COPIED
+            )
             points.append(point(checkpoint, rolled_back_to, offset))
         rolled_back_to = None
         if last is not None and number >= last:

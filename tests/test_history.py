@@ -457,8 +457,10 @@ def test_the_reorder_a_rollback_logs_gives_the_list_rolled_back_to(before: list[
         assert [] == insert
 
 
-def test_replays_stop_after_the_last_checkpoint(state_dir: Path, monkeypatch: pytest.MonkeyPatch):
-    """Skips after the last checkpoint are not parsed, and the history is the same."""
+def test_replays_read_the_log_in_pieces_and_stop_after_the_last_checkpoint(
+    state_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Lines longer than a piece, pieces cut mid-line, and skips after the last checkpoint: the same history."""
     from resumable import _history
 
     pipe = _prompt_pipeline(state_dir)
@@ -467,6 +469,7 @@ def test_replays_stop_after_the_last_checkpoint(state_dir: Path, monkeypatch: py
     for _ in range(3):
         pipe.run(text="v2")  # skip runs: log lines after the last checkpoint
     expected = [(c.id, c.slot, c.completed_steps) for c in pipe.checkpoints()]
+    monkeypatch.setattr(_history, "_LOG_PIECE", 37)  # every line crosses pieces
     read: list[int] = []
     events_from = _history._events_from
 
@@ -478,7 +481,7 @@ def test_replays_stop_after_the_last_checkpoint(state_dir: Path, monkeypatch: py
     monkeypatch.setattr(_history, "_events_from", counted)
     assert expected == [(c.id, c.slot, c.completed_steps) for c in pipe.checkpoints()]
     log_size = (state_dir / "events.jsonl").stat().st_size
-    assert max(read) < log_size  # the skip runs at the end were not parsed
+    assert max(read) < log_size  # the skip runs at the end were not read
     assert "You are helpful. v1" == pipe.run(text="v1").outputs["prompt"]
     pipe.rollback(expected[-1][0])
     assert "You are helpful. v2" == pipe.run(text="v2").outputs["prompt"]
