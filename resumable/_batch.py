@@ -73,7 +73,7 @@ def checkpointed(
         UsageError: *every* is not a positive int, or *state* is not a dict.
         InputChangedError: the items differ from those of the run being resumed.
     """
-    _check_positive("every", every)
+    _check_positive("every", every, "rows per chunk")
     if state is None:
         state = {}
     elif not isinstance(state, dict):
@@ -175,22 +175,22 @@ def checkpointed_map(  # noqa: PLR0913 - the documented options
         InputChangedError: *items* differ from those of the run being resumed.
         SerializationError: a result cannot be stored.
     """
-    _check_positive("every", every)
+    _check_positive("every", every, "rows per chunk")
     if concurrency is not None:
-        _check_positive("concurrency", concurrency)
+        _check_positive("concurrency", concurrency, "or None")
     if on_error not in {"raise", "record"}:
         msg = f"on_error must be 'raise' or 'record', got {on_error!r}"
         raise UsageError(msg)
+    if executor is not None and _is_async(fn):
+        msg = (
+            "checkpointed_map(): an async fn runs on the event loop, so executor= cannot be "
+            "used with it; use concurrency= to run calls concurrently"
+        )
+        raise UsageError(msg)
     record = on_error == "record"
     source = Source(items)
-    where = _locate(name, "checkpointed_map", items)
+    where = _locate(name, "checkpointed_map", items)  # after every usage check: it may open a run
     if _is_async(fn):
-        if executor is not None:
-            msg = (
-                "checkpointed_map(): an async fn runs on the event loop, so executor= cannot be "
-                "used with it; use concurrency= to run calls concurrently"
-            )
-            raise UsageError(msg)
         job = Job(fn, record=record, progress=progress, concurrency=concurrency or DEFAULT_CONCURRENCY)
         return _map_async(job, where, source, every)
     window = 0  # pieces submitted to an executor at once
@@ -313,9 +313,9 @@ def _check_name(name: object, *, in_step: bool) -> None:
         raise ResumableError(msg)
 
 
-def _check_positive(name: str, value: object) -> None:
+def _check_positive(name: str, value: object, hint: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        msg = f"{name} must be an int >= 1, got {value!r}"
+        msg = f"{name} must be an int >= 1 ({hint}), got {value!r}"
         raise UsageError(msg)
 
 

@@ -333,14 +333,19 @@ def test_async_failures_in_several_pieces_raise_one_and_log_none(
     assert [] == [r.getMessage() for r in caplog.records if r.name == "asyncio"]
 
 
-def test_async_fn_with_executor_is_refused():
-    """An async fn runs on the event loop: executor= is refused."""
+def test_async_fn_with_executor_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """An async fn runs on the event loop: executor= is refused, before any state is opened."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("RESUMABLE_STATE_DIR", raising=False)
 
     async def fn(x: int) -> int:
         return x
 
-    with ThreadPoolExecutor(1) as pool, pytest.raises(UsageError, match="executor="):
-        checkpointed_map(fn, [1], name="x", executor=pool)
+    with ThreadPoolExecutor(1) as pool:
+        for name in ("x", None):
+            with pytest.raises(UsageError, match="executor="):
+                checkpointed_map(fn, [1], name=name, executor=pool)
+    assert [] == list(tmp_path.iterdir())
 
 
 def test_async_step_batch_is_removed_at_completion(pipe: Pipeline, state_dir: Path):
