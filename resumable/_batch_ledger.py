@@ -6,6 +6,7 @@ Which rows of a batch are committed, and committing more: the batch's record and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -169,24 +170,24 @@ class StoredLedger(Ledger):
 
     def open(self) -> None:
         """List the committed chunks, and drop them if they belong to something else."""
-        where = self.where
-        self._check_open()
-        has_record, chunks = self._chunks.find()
-        record = self._read_record() if has_record else None
-        stale = self._stale(record, has_record=has_record, chunks=chunks)
-        if stale is not None:
-            log.info("batch %r: starting over (%s)", where.display, stale)
-            self._chunks.drop_all(chunks)
-            if has_record:
-                where.run.store.delete(where.directory + RECORD, durable=False)
-            chunks, record = [], None
-        self._stored = record
-        self.chunks = self._without_overlaps(sorted(chunks))
-        self.done = self.resumed = sum(c.end - c.start for c in self.chunks)
-        self.failures = sum(c.failures for c in self.chunks)
-        if self.done:
-            self._log_resume()
-            self.report(force=True)
+        with self._writing():
+            where = self.where
+            has_record, chunks = self._chunks.find()
+            record = self._read_record() if has_record else None
+            stale = self._stale(record, has_record=has_record, chunks=chunks)
+            if stale is not None:
+                log.info("batch %r: starting over (%s)", where.display, stale)
+                self._chunks.drop_all(chunks)
+                if has_record:
+                    where.run.store.delete(where.directory + RECORD, durable=False)
+                chunks, record = [], None
+            self._stored = record
+            self.chunks = self._without_overlaps(sorted(chunks))
+            self.done = self.resumed = sum(c.end - c.start for c in self.chunks)
+            self.failures = sum(c.failures for c in self.chunks)
+            if self.done:
+                self._log_resume()
+                self.report(force=True)
 
     def _read_record(self) -> dict[str, Any] | None:
         where = self.where
@@ -368,8 +369,7 @@ class StoredLedger(Ledger):
         if failures and self.failure is None:
             first = next(r for r in results if type(r) is RowFailure)
             self.failure = {"row": first.index, "type": first.type, "message": first.message[:300]}
-        with self._lock:
-            self._check_open()
+        with self._lock, self._writing():
             if self._stored is None:
                 self._save_record()  # before the first chunk: chunks never exist without it
             chunk = self._chunks.add(start, end, failures, digest, framed)
@@ -379,20 +379,13 @@ class StoredLedger(Ledger):
             self.failures += failures
             self.report()
 
-    def _check_open(self) -> None:
-        """Raise if the batch's run has closed: it holds no lock any more, so nothing may be written."""
-        if self.where.run.closed:
-            msg = (
-                f"batch {self.display!r}: its run has already ended (the `with pipe:` block or "
-                "the script's run closed before the batch ran or finished), and a closed run "
-                "writes nothing. Await checkpointed_map() inside the block, or open the "
-                "pipeline again around it."
-            )
-            raise ResumableError(msg)
+    def _writing(self) -> contextlib.AbstractContextManager[None]:
+        """Hold the run open while writing; ResumableError once it has begun to close."""
+        return self.where.run.writing(f"batch {self.display!r}")
 
     def salvage(self, start: int, rows: list[Any], results: Any) -> None:
         """Commit the rows finished before an exception; a failure here is only logged."""
-        if self.where.run.closed:  # a generator closed late (at interpreter exit) writes nothing
+        if self.where.run.closing:  # a generator closed late (at interpreter exit) writes nothing
             if rows:
                 log.warning(
                     "batch %r: the run was already closed; %d finished rows are not committed",
@@ -404,10 +397,10 @@ class StoredLedger(Ledger):
     def finish(self) -> None:
         """The input is exhausted and every piece committed: update the record and the manifest."""
         wanted = self._record()
-        with self._lock:
+        with self._lock, self._writing():
             if self._stored is not None and self._stored != wanted and self.done:
                 self._save_record()
-        self.report(force=True)
+            self.report(force=True)
         if self.failures:
             log.info(
                 "batch %r: %s of %s rows failed (RowFailure values in the result)",
@@ -438,14 +431,15 @@ class StoredLedger(Ledger):
         """Record the batch's progress in the manifest (at most every :data:`REPORT_INTERVAL`)."""
         where = self.where
         now = time.monotonic()
-        if (not force and now - self._reported < REPORT_INTERVAL) or where.run.closed:
+        if (not force and now - self._reported < REPORT_INTERVAL) or where.run.closing:
             return
         self._reported = now
         progress = {"done": self.done, "every": self.every, "total": self.total, "failures": self.failures}
         extra: dict[str, Any] = {"resumed": self.resumed}  # and a sample failure: for `resumable report`
         if self.failure is not None:
             extra["failure"] = self.failure
-        where.run.journal.record("batch", batch=where.label, progress=progress, **extra)
+        with self._writing():
+            where.run.journal.record("batch", batch=where.label, progress=progress, **extra)
 
     def close(self) -> None:
         self._chunks.close()
@@ -456,7 +450,7 @@ class StoredLedger(Ledger):
                 f"batch {self.display!r}: {_rows(chunks)} committed row(s) are done again because "
                 "its items changed, but the loop state restored already counts them."
             )
-        with self._lock:
+        with self._lock, self._writing():
             self._chunks.drop(chunks)
             dropped = set(chunks)
             self.chunks = [c for c in self.chunks if c not in dropped]

@@ -39,7 +39,7 @@ from ._slots import STEP_BATCHES, batch_dir, slot_file
 from ._stores import Stamp, Store, key_stamp
 from ._units import human_size
 from ._warn import warn
-from .exceptions import SerializationError, StepChangedError, StepInterruptedError
+from .exceptions import ResumableError, SerializationError, StepChangedError, StepInterruptedError
 
 log = logging.getLogger("resumable")
 
@@ -182,6 +182,9 @@ class RunState:
         self._code_recorded: set[str] = set()  # code digests whose record is in the store (_why)
         # slot -> (stamp, verified file) of files skipped again in this run
         self._verified: dict[str, tuple[Stamp, Verified]] = {}
+        self._writers = 0  # batch commits under way (see writing)
+        self._closing = False
+        self._quiet = threading.Condition()
 
     def open(self, *, maintenance: bool = False, prepare: Callable[[], None] | None = None) -> None:
         """
@@ -246,6 +249,9 @@ class RunState:
         """
         try:
             self.loops.close()  # loops of named batches left by an exception: commit their rows
+            with self._quiet:  # batch commits still under way on other threads end first
+                self._closing = True
+                self._quiet.wait_for(lambda: not self._writers)
             if self.maintenance:  # a maintenance lock (CLI, reset ...) keeps all history
                 if self.journal.unsaved:  # a look at the state writes nothing
                     self.journal.flush(durable=self.durable)
@@ -473,6 +479,33 @@ class RunState:
             "but it has a single slot: each call replaces the stored output, so a rerun "
             f"recomputes all but the last. Give it one slot per call with {advice}."
         )
+
+    @contextlib.contextmanager
+    def writing(self, what: str) -> Iterator[None]:
+        """
+        Keep the run from closing while *what* (a batch) writes; raise :class:`ResumableError`
+        once the run has begun to close, as it then no longer holds the lock.
+        """
+        with self._quiet:
+            if self.closing:
+                msg = (
+                    f"{what}: its run has already ended (the `with pipe:` block or the script's "
+                    "run closed before it ran or finished), and a closed run writes nothing. "
+                    "Await it inside the block, or open the pipeline again around it."
+                )
+                raise ResumableError(msg)
+            self._writers += 1
+        try:
+            yield
+        finally:
+            with self._quiet:
+                self._writers -= 1
+                self._quiet.notify_all()
+
+    @property
+    def closing(self) -> bool:
+        """True once the run has begun to close: a batch may write nothing more (see writing)."""
+        return self._closing or self._lock is None
 
     @property
     def closed(self) -> bool:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import gc
+import json
 import sys
 import threading
 import time
@@ -24,6 +26,7 @@ from resumable import (
     checkpointed,
     checkpointed_map,
 )
+from resumable._batch_chunks import ChunkStore
 from resumable._batch_exec import wanted, workers_of
 
 
@@ -299,6 +302,49 @@ def test_async_map_whose_run_closes_while_it_runs_stops_writing(pipe: Pipeline, 
     asyncio.run(main())
     finished = (state_dir / "events.jsonl").read_text().splitlines()[-1]
     assert '"run_finished"' in finished
+
+
+def test_close_waits_for_a_batch_commit_under_way(
+    pipe: Pipeline, state_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """A run closing while another thread commits a chunk waits for it; the next commit raises."""
+    entered, release = threading.Event(), threading.Event()
+    add = ChunkStore.add
+
+    def held_add(self: ChunkStore, *args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        release.wait(10)
+        return add(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChunkStore, "add", held_add)
+    errors: list[BaseException] = []
+
+    def batch() -> None:
+        try:
+            checkpointed_map(square, range(12, 100), every=10, name="t", on_error="record")
+        except ResumableError as exc:
+            errors.append(exc)
+
+    released: list[float] = []
+
+    def let_go() -> None:
+        released.append(time.monotonic())
+        monkeypatch.setattr(ChunkStore, "add", add)
+        release.set()
+
+    with pipe:
+        worker = threading.Thread(target=contextvars.copy_context().run, args=(batch,))
+        worker.start()
+        assert entered.wait(10)
+        threading.Timer(0.3, let_go).start()
+    closed = time.monotonic()
+    worker.join(10)
+    assert len(released) == 1
+    assert released[0] <= closed  # the close waited for the commit under way
+    assert ["its run has already ended"] == [str(e).partition(": ")[2][:25] for e in errors]
+    events = [json.loads(line)["event"] for line in (state_dir / "events.jsonl").read_text().splitlines()]
+    assert "run_finished" == events[-1]
+    assert 1 == len(chunks(state_dir, "named/t"))  # the commit under way, and none after the close
 
 
 def test_async_record_and_callable_objects(pipe: Pipeline):
