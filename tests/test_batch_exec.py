@@ -28,6 +28,7 @@ from resumable import (
 )
 from resumable._batch_chunks import ChunkStore
 from resumable._batch_exec import wanted, workers_of
+from resumable._session import RunState
 
 
 def square(x: int) -> int:
@@ -325,9 +326,21 @@ def test_close_waits_for_a_batch_commit_under_way(
         except ResumableError as exc:
             errors.append(exc)
 
+    closing: list[RunState] = []
+    close = RunState.close
+
+    def noted_close(self: RunState, *args: Any, **kwargs: Any) -> None:
+        closing.append(self)
+        close(self, *args, **kwargs)
+
+    monkeypatch.setattr(RunState, "close", noted_close)
     released: list[float] = []
 
-    def let_go() -> None:
+    def let_go() -> None:  # once the close has begun, and had time to end if it did not wait
+        deadline = time.monotonic() + 10
+        while not (closing and closing[0].closing) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
         released.append(time.monotonic())
         monkeypatch.setattr(ChunkStore, "add", add)
         release.set()
@@ -336,7 +349,7 @@ def test_close_waits_for_a_batch_commit_under_way(
         worker = threading.Thread(target=contextvars.copy_context().run, args=(batch,))
         worker.start()
         assert entered.wait(10)
-        threading.Timer(0.3, let_go).start()
+        threading.Thread(target=let_go).start()
     closed = time.monotonic()
     worker.join(10)
     assert len(released) == 1
