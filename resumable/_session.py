@@ -138,6 +138,21 @@ class Found(NamedTuple):
     params: list[str] | None = None  # and the parameters whose values differ from its
 
 
+class _Writing:
+    """A batch's writes in a run, which the run's close waits for (see :meth:`RunState.writing`)."""
+
+    __slots__ = ("run", "what")
+
+    def __init__(self, run: RunState, what: str) -> None:
+        self.run, self.what = run, what
+
+    def __enter__(self) -> None:
+        self.run._enter_writing(self.what)  # noqa: SLF001 - the run's own protocol
+
+    def __exit__(self, *exc: object) -> None:
+        self.run._exit_writing()  # noqa: SLF001 - the run's own protocol
+
+
 class RunState:
     """
     One open run of a pipeline: it holds the store's lock until it closes, keeps the
@@ -182,9 +197,9 @@ class RunState:
         self._code_recorded: set[str] = set()  # code digests whose record is in the store (_why)
         # slot -> (stamp, verified file) of files skipped again in this run
         self._verified: dict[str, tuple[Stamp, Verified]] = {}
-        self._writers = 0  # batch commits under way (see writing)
+        self._writers: dict[int, int] = {}  # thread -> depth of the batch writes it is in (see writing)
         self._closing = False
-        self._quiet = threading.Condition()
+        self._quiet = threading.Condition(threading.Lock())
 
     def open(self, *, maintenance: bool = False, prepare: Callable[[], None] | None = None) -> None:
         """
@@ -249,9 +264,10 @@ class RunState:
         """
         try:
             self.loops.close()  # loops of named batches left by an exception: commit their rows
-            with self._quiet:  # batch commits still under way on other threads end first
+            me = threading.get_ident()
+            with self._quiet:  # batch commits under way on other threads end first
                 self._closing = True
-                self._quiet.wait_for(lambda: not self._writers)
+                self._quiet.wait_for(lambda: self._writers.keys() <= {me})
             if self.maintenance:  # a maintenance lock (CLI, reset ...) keeps all history
                 if self.journal.unsaved:  # a look at the state writes nothing
                     self.journal.flush(durable=self.durable)
@@ -480,26 +496,34 @@ class RunState:
             f"recomputes all but the last. Give it one slot per call with {advice}."
         )
 
-    @contextlib.contextmanager
-    def writing(self, what: str) -> Iterator[None]:
+    def writing(self, what: str) -> _Writing:
         """
         Keep the run from closing while *what* (a batch) writes; raise :class:`ResumableError`
-        once the run has begun to close, as it then no longer holds the lock.
+        once the run has begun to close, as it then no longer holds the lock. A thread
+        already writing may go on (nested calls).
         """
+        return _Writing(self, what)
+
+    def _enter_writing(self, what: str) -> None:
+        me = threading.get_ident()
         with self._quiet:
-            if self.closing:
+            depth = self._writers.get(me, 0)
+            if not depth and self.closing:
                 msg = (
                     f"{what}: its run has already ended (the `with pipe:` block or the script's "
                     "run closed before it ran or finished), and a closed run writes nothing. "
                     "Await it inside the block, or open the pipeline again around it."
                 )
                 raise ResumableError(msg)
-            self._writers += 1
-        try:
-            yield
-        finally:
-            with self._quiet:
-                self._writers -= 1
+            self._writers[me] = depth + 1
+
+    def _exit_writing(self) -> None:
+        me = threading.get_ident()
+        with self._quiet:
+            depth = self._writers.pop(me) - 1
+            if depth:
+                self._writers[me] = depth
+            if self._closing:
                 self._quiet.notify_all()
 
     @property

@@ -360,6 +360,41 @@ def test_close_waits_for_a_batch_commit_under_way(
     assert 1 == len(chunks(state_dir, "named/t"))  # the commit under way, and none after the close
 
 
+def test_a_batch_write_goes_on_within_itself_while_its_run_closes(pipe: Pipeline):
+    """A thread already writing for a batch may nest more writes while the close waits for it."""
+    inside, closing_began, nested = threading.Event(), threading.Event(), []
+    with pipe:
+        run = pipe._session_for(None)  # the run a batch writes through
+
+        def batch() -> None:
+            with run.writing("batch 'b'"):
+                inside.set()
+                closing_began.wait(10)
+                with run.writing("batch 'b'"):  # as a commit reporting its progress does
+                    nested.append(run.closing)
+
+        worker = threading.Thread(target=batch)
+        worker.start()
+        assert inside.wait(10)
+        threading.Timer(0.1, closing_began.set).start()
+    worker.join(10)
+    assert [True] == nested
+
+
+def test_a_write_left_counted_on_the_closing_thread_does_not_hang_the_close(pipe: Pipeline, state_dir: Path):
+    """A batch write never counted off on this thread (Ctrl-C at the wrong instant) is not waited for."""
+
+    def leave_one() -> None:
+        with pipe:
+            pipe._session_for(None).writing("batch 'b'").__enter__()  # and no __exit__
+
+    closer = threading.Thread(target=contextvars.copy_context().run, args=(leave_one,), daemon=True)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert '"run_finished"' in (state_dir / "events.jsonl").read_text().splitlines()[-1]
+
+
 def test_async_record_and_callable_objects(pipe: Pipeline):
     """on_error="record" in async mode; an object with an async __call__ counts as async."""
     fn = AsyncRows(fail_at=3)
