@@ -47,7 +47,7 @@ class Identity(NamedTuple):
         return {label: read() for label, read in self.reads if label in self.components}
 
 
-@attrs.define(eq=False, weakref_slot=False)
+@attrs.define(eq=False)
 class Plan:
     """
     One call of a step, resolved: its slot, fingerprint, a short digest per parameter (to
@@ -63,6 +63,6 @@ class Plan:
     params: dict[str, str]
     identity: Identity
     bound: dict[str, Any] | None = None
-    output_digest: str | None = None
-    output_plain_digest: str | None = None
-    replaces: str | None = None
+    output_digest: str | None = attrs.field(default=None, init=False)
+    output_plain_digest: str | None = attrs.field(default=None, init=False)
+    replaces: str | None = attrs.field(default=None, init=False)
