@@ -10,8 +10,6 @@ import inspect
 from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
-import attrs
-
 
 class StepView(Protocol):
     """What running and looking up a step needs of it (a ``StepSpec`` is one)."""
@@ -47,7 +45,6 @@ class Identity(NamedTuple):
         return {label: read() for label, read in self.reads if label in self.components}
 
 
-@attrs.define(eq=False)
 class Plan:
     """
     One call of a step, resolved: its slot, fingerprint, a short digest per parameter (to
@@ -56,13 +53,36 @@ class Plan:
     a plain value) and the version of the output a rerun replaced.
     """
 
-    slot: str
-    key: str | None
-    fingerprint: str
-    args: str
-    params: dict[str, str]
-    identity: Identity
-    bound: dict[str, Any] | None = None
-    output_digest: str | None = attrs.field(default=None, init=False)
-    output_plain_digest: str | None = attrs.field(default=None, init=False)
-    replaces: str | None = attrs.field(default=None, init=False)
+    __slots__ = (
+        "args",
+        "bound",
+        "fingerprint",
+        "identity",
+        "key",
+        "output_digest",
+        "output_plain_digest",
+        "params",
+        "replaces",
+        "slot",
+    )
+
+    def __init__(  # noqa: PLR0913, PLR0917 - made by StepSpec from a resolved call
+        self,
+        slot: str,
+        key: str | None,
+        fingerprint: str,
+        args: str,
+        params: dict[str, str],
+        identity: Identity,
+        bound: dict[str, Any] | None = None,
+    ) -> None:
+        self.slot = slot
+        self.key = key
+        self.fingerprint = fingerprint
+        self.args = args
+        self.params = params
+        self.identity = identity
+        self.bound = bound
+        self.output_digest: str | None = None
+        self.output_plain_digest: str | None = None
+        self.replaces: str | None = None
