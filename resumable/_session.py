@@ -199,7 +199,8 @@ class RunState:
         self._verified: dict[str, tuple[Stamp, Verified]] = {}
         self._writers: dict[int, int] = {}  # thread -> depth of the batch writes it is in (see writing)
         self._closing = False
-        self._quiet = threading.Condition(threading.Lock())
+        # re-entrant: a Ctrl-C that left it held does not lock its own thread's close out
+        self._quiet = threading.Condition()
 
     def open(self, *, maintenance: bool = False, prepare: Callable[[], None] | None = None) -> None:
         """
@@ -508,7 +509,8 @@ class RunState:
         me = threading.get_ident()
         with self._quiet:
             depth = self._writers.get(me, 0)
-            if not depth and self.closing:
+            # a thread already writing ends what it began, until the lock is given up
+            if self._lock is None or (not depth and self._closing):
                 msg = (
                     f"{what}: its run has already ended (the `with pipe:` block or the script's "
                     "run closed before it ran or finished), and a closed run writes nothing. "

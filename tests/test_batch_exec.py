@@ -373,10 +373,16 @@ def test_a_batch_write_goes_on_within_itself_while_its_run_closes(pipe: Pipeline
                 with run.writing("batch 'b'"):  # as a commit reporting its progress does
                     nested.append(run.closing)
 
+        def once_closing() -> None:
+            deadline = time.monotonic() + 10
+            while not run.closing and time.monotonic() < deadline:
+                time.sleep(0.01)
+            closing_began.set()
+
         worker = threading.Thread(target=batch)
         worker.start()
         assert inside.wait(10)
-        threading.Timer(0.1, closing_began.set).start()
+        threading.Thread(target=once_closing).start()
     worker.join(10)
     assert [True] == nested
 
@@ -384,14 +390,23 @@ def test_a_batch_write_goes_on_within_itself_while_its_run_closes(pipe: Pipeline
 def test_a_write_left_counted_on_the_closing_thread_does_not_hang_the_close(pipe: Pipeline, state_dir: Path):
     """A batch write never counted off on this thread (Ctrl-C at the wrong instant) is not waited for."""
 
+    after: list[BaseException] = []
+
     def leave_one() -> None:
         with pipe:
-            pipe._session_for(None).writing("batch 'b'").__enter__()  # and no __exit__
+            run = pipe._session_for(None)
+            run.writing("batch 'b'").__enter__()  # and no __exit__
+        try:
+            with run.writing("batch 'b'"):  # the run has given its lock up: no write gets through
+                pass
+        except ResumableError as exc:
+            after.append(exc)
 
     closer = threading.Thread(target=contextvars.copy_context().run, args=(leave_one,), daemon=True)
     closer.start()
     closer.join(10)
     assert not closer.is_alive()
+    assert 1 == len(after)
     assert '"run_finished"' in (state_dir / "events.jsonl").read_text().splitlines()[-1]
 
 
