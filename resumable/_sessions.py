@@ -33,7 +33,7 @@ from ._slots import (
     step_of,
 )
 from ._stores import Store, check_key
-from ._stores._local import _NO_LINK, LocalStore
+from ._stores._local import NO_LINK, LocalStore
 from ._stores._prefix import sub_store
 from .exceptions import ResumableError, SessionBusyError, StateLockedError, UsageError
 
@@ -265,7 +265,7 @@ def _local_linker(src: Store, dst: Store) -> Callable[[str], bool] | None:
         try:
             os.link(f"{src_root}/{key}", f"{dst_root}/{key}", follow_symlinks=False)
         except OSError as exc:
-            if exc.errno in _NO_LINK:
+            if exc.errno in NO_LINK:
                 return False
             raise
         return True

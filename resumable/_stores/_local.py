@@ -26,7 +26,7 @@ from ._base import Buffer, Stamp, Store, check_key, is_temp, with_path
 _counter = itertools.count()
 # link() failing with these means "no hard links here" (another file system, one that has
 # none, or too many links): copy the bytes instead.
-_NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
+NO_LINK = frozenset({errno.EXDEV, errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS})
 # errors that mean the state directory itself is unusable here, not that one write failed
 _UNUSABLE = {
     errno.EROFS: "the file system is read-only",
@@ -352,7 +352,7 @@ class LocalStore(Store):
                 self._makedirs(directory, durable=durable)
                 os.link(self.path(src), tmp, follow_symlinks=False)
         except OSError as exc:
-            if exc.errno not in _NO_LINK:
+            if exc.errno not in NO_LINK:
                 raise self.error(exc, target) from None
             fd = self._open(self.path(src), os.O_RDONLY)
             try:  # in pieces: an output of many GB is never held in memory whole
